@@ -1,0 +1,120 @@
+"""The library entry point: `LLM(model, speculative_config).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters import build_drafter
+from specdec.engine import Engine, Generation, RequestStats, StreamChunk
+from specdec.errors import ConfigError, PromptError
+from specdec.models.loader import LoadedModel, load_model
+
+Message = dict[str, str]
+Prompt = str | list[Message]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One finished request: text, token ids, why it finished, and its statistics."""
+
+    prompt: Prompt
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: RequestStats
+
+
+def _as_config(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, dict):
+        return SpeculativeConfig.from_dict(value)
+    if isinstance(value, str):
+        return SpeculativeConfig.from_json(value)
+    raise ConfigError(f"speculative_config must be a SpeculativeConfig, dict or JSON string, not {type(value).__name__}")
+
+
+class LLM:
+    """A target model, optionally with a drafter.
+
+    model: None for the embedded default (SmolLM2-135M-Instruct), a .gguf path, or a Hugging
+        Face model directory.
+    speculative_config: None for plain decoding, or a SpeculativeConfig, a dict with its keys,
+        or the same as a JSON string.
+
+    A string prompt is raw text to continue; a list of {"role", "content"} messages is a chat,
+    rendered with the model's chat template.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.speculative_config = _as_config(speculative_config)
+        self.target = loaded if loaded is not None else load_model(model, device=device, dtype=dtype)
+        self.plain_engine = Engine(self.target)
+        if self.speculative_config is None:
+            self.engine = self.plain_engine
+        else:
+            drafter = build_drafter(self.speculative_config, self.target)
+            self.engine = Engine(self.target, drafter, self.speculative_config.num_speculative_tokens)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids for a prompt: raw text as is, a chat through the chat template."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptError("prompt is empty")
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not prompt or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in prompt):
+            raise PromptError("a chat must be a non-empty list of {'role': ..., 'content': ...} messages")
+        if not any(str(m["content"]).strip() for m in prompt):
+            raise PromptError("chat messages are all empty")
+        if self.tokenizer.chat_template is None:
+            raise PromptError(f"{self.target.name} has no chat template; pass raw text instead")
+        ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _engine(self, speculate: bool) -> Engine:
+        return self.engine if speculate else self.plain_engine
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | None = None,
+        *,
+        speculate: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt in turn. speculate=False decodes plainly with the same engine."""
+        params = sampling_params or SamplingParams()
+        batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else list(prompts)
+        engine = self._engine(speculate)
+        outputs = []
+        for prompt in batch:
+            result: Generation = engine.generate(self.encode(prompt), params)
+            outputs.append(
+                RequestOutput(prompt, result.text, result.token_ids, result.finish_reason, result.stats)
+            )
+        return outputs
+
+    def chat(self, messages: list[Message], sampling_params: SamplingParams | None = None, **kwargs: Any) -> RequestOutput:
+        return self.generate([messages], sampling_params, **kwargs)[0]
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, speculate: bool = True
+    ) -> Iterator[StreamChunk]:
+        """Yield text and token ids as each target step commits them."""
+        return self._engine(speculate).stream(self.encode(prompt), sampling_params or SamplingParams())

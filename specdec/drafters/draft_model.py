@@ -1,0 +1,85 @@
+"""A separate, smaller draft model with its own KV cache.
+
+The draft runs k single-token steps per round. Its cache is kept in step with the target by
+keeping the longest prefix of what it has cached that is still in the committed context, and
+rolling back the rest (a length move, no copy).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters.base import Proposal, register
+from specdec.models.cache import PreallocatedCache
+from specdec.models.loader import LoadedModel, default_model_path, load_model
+from specdec.models.runner import ModelRunner
+from specdec.models.vocab import check_vocabulary_compatible
+from specdec.sampling.probs import logits_to_probs, sample
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    if len(a) <= len(b) and a == b[: len(a)]:
+        return len(a)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class DraftModelDrafter:
+    def __init__(self, draft: LoadedModel) -> None:
+        self.runner = ModelRunner(draft)
+        self.cache: PreallocatedCache | None = None
+        self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        self.cache = self.runner.new_cache(max_len)
+        self.cached = []
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        assert self.cache is not None, "begin() must be called first"
+        # 1. Keep what the cache holds of the context; at least one token must be fed.
+        keep = min(common_prefix_length(self.cached, context), len(context) - 1)
+        self.cache.rollback(keep)
+        del self.cached[keep:]
+        feed = context[keep:]
+        # 2. Draft k tokens one at a time.
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self.runner.forward(self.cache, feed, last_only=True).logits  # [1, vocab]
+            self.cached.extend(feed)
+            if params.greedy:
+                token = int(logits[0].argmax())
+            else:
+                draft_probs = logits_to_probs(logits, params)  # [1, vocab]
+                token = int(sample(draft_probs, generator)[0])
+                probs.append(draft_probs[0])
+            tokens.append(token)
+            feed = [token]
+        return Proposal(tokens=tokens, probs=torch.stack(probs) if probs else None)
+
+    def commit(self, context: list[int], num_accepted: int) -> None:
+        # The next propose() rolls the cache back to what the context kept.
+        pass
+
+
+def _same_model(name: str, target: LoadedModel) -> bool:
+    path = default_model_path() if name == "default" else Path(name).expanduser()
+    return path.resolve() == Path(target.source).resolve()
+
+
+@register("draft_model")
+def _build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
+    assert config.model is not None  # the config checks this
+    # A target drafting for itself shares its weights instead of loading them again.
+    draft = target if _same_model(config.model, target) else load_model(config.model, device=target.device)
+    check_vocabulary_compatible(target, draft)
+    return DraftModelDrafter(draft)

@@ -1,0 +1,58 @@
+"""Prompt lookup: propose what followed the last n tokens the previous time they occurred.
+
+No model. The last n tokens of the context (n from prompt_lookup_max down to
+prompt_lookup_min) are searched for earlier in the context; the tokens that followed the most
+recent earlier occurrence are the proposal. Most recent, because in generated text the latest
+repetition is the best guess of what repeats next; in a prompt being quoted any occurrence
+will do. The proposal is deterministic, so verification uses the one-hot draft rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters.base import Proposal, register
+from specdec.models.loader import LoadedModel
+
+
+def find_continuation(context: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
+    """The up-to-k tokens that followed the latest earlier match of the longest matching suffix.
+
+    context: [length] token ids. Tries n = n_max .. n_min; returns [] when nothing matches.
+    """
+    length = len(context)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        suffix = context[length - n :]
+        # Windows starting at 0 .. length - n - 1: every occurrence that ends before the suffix.
+        windows = sliding_window_view(context[: length - 1], n)  # [length - n, n]
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return context[start : start + k].tolist()
+    return []
+
+
+class NgramDrafter:
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.n_min = prompt_lookup_min
+        self.n_max = prompt_lookup_max
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        pass
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        tokens = find_continuation(np.asarray(context, dtype=np.int64), self.n_min, self.n_max, k)
+        return Proposal(tokens=tokens, probs=None)
+
+    def commit(self, context: list[int], num_accepted: int) -> None:
+        pass
+
+
+@register("ngram")
+def _build(config: SpeculativeConfig, target: LoadedModel) -> NgramDrafter:
+    return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -1,0 +1,85 @@
+"""Per-request statistics, with the definitions every specdec surface reports under.
+
+- drafted_tokens: tokens proposed by the drafter and verified by the target.
+- accepted_tokens: drafted tokens that passed verification.
+- acceptance_rate = accepted_tokens / drafted_tokens (0 when nothing was drafted).
+- target_steps: target forward passes after prefill; each commits one or more tokens.
+- mean_accepted_length = committed tokens / target_steps: tokens per target step, counting
+  the token the target itself adds each step (recovered or bonus). Plain decoding scores 1.0;
+  k drafted tokens all accepted every step scores k + 1.
+- per_position_acceptance[i]: of the steps that drafted a token at position i (0-based), the
+  fraction in which it was accepted.
+- target_forward_passes = target_steps + 1 (the prefill).
+- wall_time_s: from the request's start to its last token; tokens_per_s = generated_tokens /
+  wall_time_s, prefill included.
+
+Counts are taken before truncation at a stop condition, so committed tokens may exceed
+generated_tokens by the tokens dropped after EOS, a stop string or max_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    committed_tokens: int = 0
+    target_steps: int = 0
+    prefill_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.target_steps += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.committed_tokens += accepted + 1
+        if drafted > len(self.drafted_at):
+            grow = drafted - len(self.drafted_at)
+            self.drafted_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def target_forward_passes(self) -> int:
+        return self.target_steps + 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.committed_tokens / self.target_steps if self.target_steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
+            "target_forward_passes": self.target_forward_passes,
+            "wall_time_s": round(self.wall_time_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }

@@ -1,0 +1,7 @@
+"""Models and caches: loading, the preallocated KV cache, and one forward interface."""
+
+from specdec.models.cache import PreallocatedCache
+from specdec.models.loader import LoadedModel, load_model
+from specdec.models.runner import ForwardOutput, ModelRunner
+
+__all__ = ["ForwardOutput", "LoadedModel", "ModelRunner", "PreallocatedCache", "load_model"]

@@ -1,0 +1,95 @@
+"""A preallocated KV cache whose rollback moves a length and copies nothing.
+
+The transformers model calls :meth:`PreallocatedLayer.update` once per layer per forward pass;
+we write the new keys and values into a buffer sized for the whole context and hand back a view
+of the filled prefix. Rejecting speculated tokens is :meth:`PreallocatedCache.rollback`: it sets
+the length, and the stale entries past it are overwritten by the next forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One layer's keys and values, `[batch, kv_heads, max_len, head_dim]`, filled up to `length`."""
+
+    is_croppable = True
+
+    def __init__(self, max_len: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.length = 0
+        self._key_buf: torch.Tensor | None = None
+        self._value_buf: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # The first update tells us batch, heads, head_dim, dtype and device.
+        batch, heads, _, head_dim = key_states.shape
+        shape = (batch, heads, self.max_len, head_dim)
+        self._key_buf = torch.empty(shape, dtype=key_states.dtype, device=key_states.device)
+        self._value_buf = torch.empty(
+            (batch, heads, self.max_len, value_states.shape[-1]),
+            dtype=value_states.dtype,
+            device=value_states.device,
+        )
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [batch, kv_heads, new, head_dim]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, new = self.length, key_states.shape[-2]
+        end = start + new
+        if end > self.max_len:
+            raise ContextOverflowError(f"context of {end} tokens exceeds the cache's {self.max_len}")
+        self._key_buf[:, :, start:end] = key_states
+        self._value_buf[:, :, start:end] = value_states
+        self.length = end
+        self.keys = self._key_buf[:, :, :end]
+        self.values = self._value_buf[:, :, :end]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        # Called before update: the mask spans what is cached plus the new queries.
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_len
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # transformers' convention: a negative count removes that many tokens from the end.
+        self.length = self.length + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class ContextOverflowError(ValueError):
+    """A forward pass would write past the end of the preallocated cache."""
+
+
+class PreallocatedCache(Cache):
+    """KV cache for every layer of one model, preallocated to `max_len` positions."""
+
+    def __init__(self, num_layers: int, max_len: int) -> None:
+        super().__init__(layers=[PreallocatedLayer(max_len) for _ in range(num_layers)])
+        self.max_len = max_len
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def rollback(self, length: int) -> None:
+        """Forget every position at or past `length`. Moves a length on each layer; copies nothing."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
+        for layer in self.layers:
+            layer.length = length

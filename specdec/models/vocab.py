@@ -1,0 +1,37 @@
+"""Whether two models can be paired as draft and target: the same token ids for the same tokens."""
+
+from __future__ import annotations
+
+from specdec.errors import VocabularyMismatchError
+from specdec.models.loader import LoadedModel
+
+
+def vocabulary_differences(target: LoadedModel, draft: LoadedModel, limit: int = 3) -> list[str]:
+    """What differs between the two vocabularies, most telling first; empty when compatible."""
+    problems: list[str] = []
+    if target.vocab_size != draft.vocab_size:
+        problems.append(f"logit sizes differ: target {target.vocab_size}, draft {draft.vocab_size}")
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft.tokenizer.get_vocab()
+    if len(target_vocab) != len(draft_vocab):
+        problems.append(f"tokenizer sizes differ: target {len(target_vocab)}, draft {len(draft_vocab)}")
+    target_by_id = {i: t for t, i in target_vocab.items()}
+    draft_by_id = {i: t for t, i in draft_vocab.items()}
+    mismatched = [i for i in sorted(set(target_by_id) | set(draft_by_id)) if target_by_id.get(i) != draft_by_id.get(i)]
+    if mismatched:
+        examples = ", ".join(
+            f"id {i}: target {target_by_id.get(i)!r} vs draft {draft_by_id.get(i)!r}" for i in mismatched[:limit]
+        )
+        problems.append(f"{len(mismatched)} token ids map to different tokens ({examples})")
+    if target.eos_token_ids != draft.eos_token_ids:
+        problems.append(f"end-of-sequence ids differ: target {sorted(target.eos_token_ids)}, draft {sorted(draft.eos_token_ids)}")
+    return problems
+
+
+def check_vocabulary_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise VocabularyMismatchError naming what differs, unless draft and target match token for token."""
+    problems = vocabulary_differences(target, draft)
+    if problems:
+        raise VocabularyMismatchError(
+            f"draft model {draft.name} cannot draft for {target.name}: " + "; ".join(problems)
+        )

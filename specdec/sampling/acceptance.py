@@ -1,0 +1,122 @@
+"""Verification: which drafted tokens to keep, and the token the target adds.
+
+Vocabulary, used everywhere in specdec:
+
+- **accepted** tokens: the leading drafted tokens that pass verification;
+- **recovered** token: at the first rejected position, a token drawn from the residual
+  distribution (greedy: the target's own argmax); everything drafted after it is dropped;
+- **bonus** token: when all drafted tokens are accepted, one more token drawn from the target's
+  distribution after the last of them.
+
+Each step therefore commits `num_accepted + 1` tokens.
+
+The speculative sampling rule (Leviathan et al. 2023; Chen et al. 2023), with `target_probs`
+the target's distribution and `draft_probs` the distribution the draft token was sampled from:
+accept draft token x with probability min(1, target_probs[x] / draft_probs[x]); at the first
+rejection draw from max(0, target_probs - draft_probs), renormalised. The committed tokens are
+then distributed exactly as if drawn from the target alone, whatever the draft.
+
+A deterministic drafter (n-gram lookup) proposes each token with probability one, so its
+draft distribution is the one-hot of the token: x is accepted with probability
+target_probs[x], and the residual is target_probs with x removed. That is the same rule with
+one-hot `draft_probs`; pass `draft_probs=None` for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_TOKEN = -1
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    """tokens: [batch, k + 1], the accepted drafted tokens then the recovered or bonus token,
+    padded with PAD_TOKEN. num_accepted: [batch], accepted drafted tokens per row (0..k)."""
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+
+    def row(self, index: int = 0) -> list[int]:
+        """The `num_accepted + 1` committed tokens of one row."""
+        return self.tokens[index, : int(self.num_accepted[index]) + 1].tolist()
+
+
+def _check_shapes(target: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [batch, k], got shape {tuple(draft_tokens.shape)}")
+    batch, k = draft_tokens.shape
+    if target.dim() != 3 or target.shape[0] != batch or target.shape[1] != k + 1:
+        raise ValueError(f"target must be [batch={batch}, k + 1={k + 1}, vocab], got shape {tuple(target.shape)}")
+    return batch, k
+
+
+def _commit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> AcceptResult:
+    # draft_tokens: [batch, k]; num_accepted, final_token: [batch]
+    batch, k = draft_tokens.shape
+    positions = torch.arange(k + 1, device=draft_tokens.device).expand(batch, k + 1)  # [batch, k + 1]
+    padded = torch.cat([draft_tokens, draft_tokens.new_full((batch, 1), PAD_TOKEN)], dim=1)
+    tokens = torch.where(positions < num_accepted[:, None], padded, PAD_TOKEN)
+    tokens = tokens.scatter(1, num_accepted[:, None], final_token[:, None])
+    return AcceptResult(tokens=tokens, num_accepted=num_accepted)
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """[batch, k] bool -> [batch]: how many leading entries are True."""
+    return mask.long().cumprod(dim=1).sum(dim=1)
+
+
+def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> AcceptResult:
+    """Keep drafted tokens while each is the target's argmax; then add the target's argmax.
+
+    target_logits: [batch, k + 1, vocab]; draft_tokens: [batch, k].
+    """
+    _, k = _check_shapes(target_logits, draft_tokens)
+    target_tokens = target_logits.argmax(dim=-1)  # [batch, k + 1]
+    num_accepted = _leading_true(draft_tokens == target_tokens[:, :k])  # [batch]
+    final_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # recovered or bonus
+    return _commit(draft_tokens, num_accepted, final_token)
+
+
+def speculative_accept(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> AcceptResult:
+    """The exact speculative sampling rule.
+
+    target_probs: [batch, k + 1, vocab], the target's distributions at the k drafted positions
+        and the one after them.
+    draft_tokens: [batch, k].
+    draft_probs: [batch, k, vocab], the distributions the draft tokens were sampled from, or
+        None for a deterministic draft (one-hot at each draft token).
+    """
+    batch, k = _check_shapes(target_probs, draft_tokens)
+    vocab = target_probs.shape[-1]
+    if draft_probs is None:
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, vocab).to(target_probs.dtype)
+    elif draft_probs.shape != (batch, k, vocab):
+        raise ValueError(f"draft_probs must be [{batch}, {k}, {vocab}], got shape {tuple(draft_probs.shape)}")
+
+    # 1. Accept position i with probability min(1, target/draft) at the drafted token.
+    index = draft_tokens[..., None]  # [batch, k, 1]
+    target_at_draft = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [batch, k]
+    draft_at_draft = draft_probs.gather(-1, index).squeeze(-1)  # [batch, k]
+    uniform = torch.rand((batch, k), generator=generator, device=target_probs.device)
+    accepted = uniform * draft_at_draft < target_at_draft  # u < target/draft without dividing by 0
+    num_accepted = _leading_true(accepted)  # [batch]
+
+    # 2. The final token: from the residual at the first rejection, from the target after a full accept.
+    rows = torch.arange(batch, device=target_probs.device)
+    final_target = target_probs[rows, num_accepted]  # [batch, vocab]
+    padded_draft = torch.cat([draft_probs, draft_probs.new_zeros((batch, 1, vocab))], dim=1)  # [batch, k + 1, vocab]
+    residual = (final_target - padded_draft[rows, num_accepted]).clamp_min(0)  # bonus rows: draft row is 0
+    mass = residual.sum(dim=-1, keepdim=True)
+    # A zero residual means target == draft there, so rejection had probability 0; only float
+    # round-off reaches it. Falling back to the target keeps the draw well defined.
+    final_dist = torch.where(mass > 0, residual / mass.clamp_min(1e-30), final_target)
+    final_token = torch.multinomial(final_dist, 1, generator=generator).squeeze(1)  # [batch]
+    return _commit(draft_tokens, num_accepted, final_token)

@@ -1,0 +1,48 @@
+"""Logits to the probabilities we sample from: temperature, then top-k, top-p and min-p."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.config import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits into the distribution that sampling draws from.
+
+    logits: [..., vocab] -> probs: [..., vocab], float32, rows sum to 1.
+    Filters, in order: temperature scaling; top-k keeps the k most likely tokens; top-p keeps
+    the smallest set of most likely tokens whose mass reaches top_p; min-p drops tokens below
+    min_p times the most likely token's probability. The most likely token always survives.
+    Greedy (temperature 0) is a one-hot at the argmax.
+    """
+    if logits.dim() < 1:
+        raise ValueError(f"logits must have a vocab dimension, got shape {tuple(logits.shape)}")
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Mass strictly before each token: a token is kept while that mass is below top_p,
+        # so the set is the smallest prefix reaching top_p, and the top token is always kept.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0:
+        threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row. probs: [batch, vocab] -> tokens: [batch]."""
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be [batch, vocab], got shape {tuple(probs.shape)}")
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
