@@ -69,8 +69,8 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int | None = None
     model: str | None = None
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 6
 
     def __post_init__(self) -> None:
         # Imported here: the registry imports drafters, which import this module.

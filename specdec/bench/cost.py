@@ -1,0 +1,36 @@
+"""Measured cost of one target pass by the number of tokens it verifies.
+
+Speculation pays when the tokens a step commits outweigh what the longer pass costs, so the
+ratio cost(n tokens) / cost(1 token) on this machine is what k must be chosen against.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from specdec.models.loader import LoadedModel
+from specdec.models.runner import ModelRunner
+
+
+def step_costs(loaded: LoadedModel, sizes: list[int], context: int = 256, repeats: int = 15) -> dict[int, float]:
+    """Median seconds of a target pass over n new tokens after `context` cached ones, per n.
+
+    Sizes are measured round-robin so that machine noise falls on all of them alike.
+    """
+    runner = ModelRunner(loaded)
+    cache = runner.new_cache(context + max(sizes) + 1)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, loaded.vocab_size, (context,), generator=generator).tolist()
+    runner.forward(cache, prompt, last_only=True)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            block = prompt[:n]
+            start = time.perf_counter()
+            runner.forward(cache, block)
+            times[n].append(time.perf_counter() - start)
+            cache.rollback(context)
+    return {n: statistics.median(ts) for n, ts in times.items()}

@@ -1,0 +1,198 @@
+"""Side-by-side benchmark: every prompt once without speculation and once with it, interleaved
+in one process, with optional peers (transformers' own generate) on the same prompts.
+
+speedup = speculative tokens/s / plain tokens/s, which is plain time / speculative time when
+the outputs are identical (greedy). Tokens/s counts generated tokens over wall time, prefill
+included.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdec.api import LLM, Message
+from specdec.bench.data import Record
+from specdec.config import SamplingParams
+from specdec.engine.stats import RequestStats
+from specdec.models.loader import LoadedModel
+
+
+@dataclass
+class RunResult:
+    token_ids: list[int]
+    text: str
+    seconds: float
+    stats: RequestStats | None = None
+
+
+Runner = Callable[[list[Message]], RunResult]
+
+
+@dataclass(frozen=True)
+class System:
+    """Something that generates: `baseline` names the system its speedup and identity are
+    measured against (its own plain decoding); None for a baseline."""
+
+    name: str
+    run: Runner
+    baseline: str | None = None
+
+
+@dataclass
+class Tally:
+    prompts: int = 0
+    identical: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+    steps: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def add(self, results: list[RunResult], identical: bool | None) -> None:
+        self.prompts += 1
+        self.identical += bool(identical)
+        for r in results:
+            self.tokens += len(r.token_ids)
+            self.seconds += r.seconds
+            if r.stats is not None:
+                s = r.stats
+                self.drafted += s.drafted_tokens
+                self.accepted += s.accepted_tokens
+                self.committed += s.committed_tokens
+                self.steps += s.target_steps
+                for i, (d, a) in enumerate(zip(s.drafted_at, s.accepted_at)):
+                    if i >= len(self.drafted_at):
+                        self.drafted_at.append(0)
+                        self.accepted_at.append(0)
+                    self.drafted_at[i] += d
+                    self.accepted_at[i] += a
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self, baseline: Tally | None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompts": self.prompts,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }
+        if baseline is not None:
+            out["identical"] = self.identical
+            out["speedup"] = round(self.tokens_per_s / baseline.tokens_per_s, 3) if baseline.tokens_per_s else 0.0
+            out["tokens_per_s_baseline"] = round(baseline.tokens_per_s, 2)
+        if self.steps:
+            out["acceptance_rate"] = round(self.accepted / self.drafted, 4) if self.drafted else 0.0
+            out["mean_accepted_length"] = round(self.committed / self.steps, 4)
+            out["per_position_acceptance"] = [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+        return out
+
+
+def specdec_runner(llm: LLM, params: SamplingParams, speculate: bool) -> Runner:
+    def run(messages: list[Message]) -> RunResult:
+        out = llm.generate([messages], params, speculate=speculate)[0]
+        return RunResult(out.token_ids, out.text, out.stats.wall_time_s, out.stats)
+
+    return run
+
+
+def transformers_runner(loaded: LoadedModel, encode: Callable[[list[Message]], list[int]], params: SamplingParams, **generate_kwargs: Any) -> Runner:
+    """transformers' `generate` on a stock model (no specdec kernels), greedy, same stop rule:
+    EOS ends the output and is not counted."""
+    model, tokenizer = loaded.model, loaded.tokenizer
+    eos = sorted(loaded.eos_token_ids)
+
+    @torch.inference_mode()
+    def run(messages: list[Message]) -> RunResult:
+        ids = torch.tensor([encode(messages)], device=loaded.device)
+        start = time.perf_counter()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=params.max_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            **generate_kwargs,
+        )
+        seconds = time.perf_counter() - start
+        new = out[0, ids.shape[1] :].tolist()
+        for i, token in enumerate(new):
+            if token in loaded.eos_token_ids:
+                new = new[:i]
+                break
+        return RunResult(new, tokenizer.decode(new, skip_special_tokens=True), seconds)
+
+    return run
+
+
+def run_conversation(system: System, record: Record) -> list[RunResult]:
+    """Each user turn in order; the system's own answer to turn n is in the context of turn n + 1."""
+    messages: list[Message] = []
+    results = []
+    for turn in record.turns:
+        messages.append({"role": "user", "content": turn})
+        result = system.run(list(messages))
+        results.append(result)
+        messages.append({"role": "assistant", "content": result.text})
+    return results
+
+
+def run_bench(
+    systems: list[System],
+    records: list[Record],
+    on_prompt: Callable[[Record], None] | None = None,
+    warmup: list[Message] | None = None,
+) -> dict[str, Any]:
+    """Run every record through every system, rotating which goes first, and tally the results."""
+    names = [s.name for s in systems]
+    if warmup is not None:
+        for system in systems:  # the first generation of a process pays one-off allocation costs
+            system.run(warmup)
+    overall = {name: Tally() for name in names}
+    by_category: dict[str, dict[str, Tally]] = defaultdict(lambda: {name: Tally() for name in names})
+    prompts = []
+    for index, record in enumerate(records):
+        order = systems[index % len(systems) :] + systems[: index % len(systems)]
+        results = {system.name: run_conversation(system, record) for system in order}
+        entry: dict[str, Any] = {"id": record.id, "category": record.category, "turns": len(record.turns), "systems": {}}
+        for system in systems:
+            own = results[system.name]
+            identical = None
+            if system.baseline is not None:
+                base = results[system.baseline]
+                identical = all(a.token_ids == b.token_ids for a, b in zip(own, base))
+            for tally in (overall[system.name], by_category[record.category][system.name]):
+                tally.add(own, identical)
+            single = Tally()
+            single.add(own, identical)
+            entry["systems"][system.name] = single.summary(_single(results[system.baseline]) if system.baseline else None)
+        prompts.append(entry)
+        if on_prompt is not None:
+            on_prompt(record)
+
+    def summarise(tallies: dict[str, Tally]) -> dict[str, Any]:
+        return {s.name: tallies[s.name].summary(tallies[s.baseline] if s.baseline else None) for s in systems}
+
+    return {
+        "systems": {s.name: {"baseline": s.baseline} for s in systems},
+        "overall_by_system": summarise(overall),
+        "categories_by_system": {cat: summarise(t) for cat, t in by_category.items()},
+        "prompts": prompts,
+    }
+
+
+def _single(results: list[RunResult]) -> Tally:
+    tally = Tally()
+    tally.add(results, None)
+    return tally

