@@ -37,11 +37,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")

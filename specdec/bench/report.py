@@ -30,7 +30,7 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 def print_report(report: dict[str, Any], console: Console) -> None:
     prompt_table = Table(title="Per prompt (specdec vs its plain decoding)", show_lines=False)
     for col in ("id", "category", "tokens", "plain tok/s", "spec tok/s", "speedup", "identical", "accept", "mean len"):
-        prompt_table.add_column(col, justify="right" if col not in ("id", "category") else "left")
+        prompt_table.add_column(col, justify="right" if col not in ("id", "category") else "left", no_wrap=True)
     for p in report["prompts"]:
         s = p["systems"][SPEC]
         prompt_table.add_row(
@@ -42,7 +42,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
 
     table = Table(title=f"specdec bench: {report['model']}, {report['method_label']}, {report['max_tokens']} tokens max")
     for col in ("category", "prompts", "identical", "tokens", "plain tok/s", "spec tok/s", "speedup", "accept", "mean len"):
-        table.add_column(col, justify="left" if col == "category" else "right")
+        table.add_column(col, justify="left" if col == "category" else "right", no_wrap=True)
     rows = sorted(report["categories"].items()) + [("overall", report["overall"])]
     for name, s in rows:
         table.add_row(
@@ -55,7 +55,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     if len(report["systems"]) > 2:
         peers = Table(title="All systems, same prompts, same process (speedup and identity against each one's own plain decoding)")
         for col in ("system", "tokens", "tok/s", "speedup", "identical"):
-            peers.add_column(col, justify="left" if col == "system" else "right")
+            peers.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
         for name, s in report["systems"].items():
             peers.add_row(
                 name, str(s["tokens"]), _fmt(s["tokens_per_s"], ".1f"),

@@ -22,7 +22,8 @@ app = typer.Typer(
     help="Lossless speculative decoding: generate text faster without changing what the model says.",
 )
 err = Console(stderr=True)
-out = Console()
+# Reports piped to a file keep their full width instead of rich's default of 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 160)
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file, a Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct).")]
 SpecOpt = Annotated[Optional[str], typer.Option("--speculative-config", help="JSON, as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, ...}.")]
@@ -180,6 +181,80 @@ def bench(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
         err.print(f"report written to {json_path}")
+
+
+@app.command()
+def verify(
+    model: ModelOpt = None,
+    spec_json: SpecOpt = None,
+    method: MethodOpt = None,
+    k: KOpt = None,
+    draft_model: DraftOpt = None,
+    data: Annotated[Optional[Path], typer.Option("--data", help="JSONL prompts for the greedy check (default: a built-in sample of real prompts).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per prompt in the greedy check.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 runs the greedy check only; > 0 runs both checks, sampling at this temperature.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 is off.")] = 0,
+    draws: Annotated[int, typer.Option(help="Sampled continuations per prompt and arm.")] = 200,
+    length: Annotated[int, typer.Option(help="Tokens per sampled continuation.")] = 6,
+    alpha: Annotated[float, typer.Option(help="Significance level of the sampling test.")] = 0.01,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Check that speculation leaves the output unchanged: greedy identity, and (temperature > 0)
+    a two-sample test of the sampled distribution with a self-check against a wrong rule."""
+    from specdec.bench import verify as v
+    from specdec.bench.data import load_records
+
+    spec = speculative_config(spec_json, method or ("ngram" if spec_json is None else None), k, draft_model)
+    if spec is None:
+        raise ConfigError("verify checks a speculative configuration: give a method other than 'none'")
+    if draws < 10 or length < 2:
+        raise ConfigError("--draws must be >= 10 and --length >= 2")
+    if not 0 < alpha < 1:
+        raise ConfigError("--alpha must be in (0, 1)")
+    records = load_records(data) if data is not None else v.builtin_prompts()
+    sampling_params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else None
+    llm = _load(model, spec, device)
+    label = f"{spec.method} k={spec.num_speculative_tokens}"
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err) as progress:
+        task = progress.add_task(f"greedy ({label})", total=len(records))
+        greedy = v.verify_greedy(llm, records, max_tokens, on_prompt=lambda: progress.advance(task))
+        sampling = None
+        if sampling_params is not None:
+            total = 2 * 2 * draws * len(v.SAMPLING_PROMPTS)
+            task = progress.add_task(f"sampling T={temperature} top_p={top_p} top_k={top_k}", total=total)
+            sampling = v.verify_sampling(llm, sampling_params, draws, length, alpha, on_draws=lambda n: progress.advance(task, n))
+    failed = False
+    identical = sum(c.identical for c in greedy)
+    out.print(f"greedy: {identical}/{len(greedy)} prompts token-identical to plain decoding ({label})")
+    for check in greedy:
+        if check.divergence is not None:
+            failed = True
+            d = check.divergence
+            out.print(
+                f"  DIVERGED {check.prompt_id} at token {d.position}: plain {d.plain_token} {d.plain_piece!r} "
+                f"(logit {d.plain_logit:.4f}) vs speculative {d.spec_token} {d.spec_piece!r} (logit {d.spec_logit:.4f})",
+                markup=False,
+            )
+    if sampling is not None:
+        result, self_check = sampling
+        verdict = "PASS" if result.passed else "FAIL"
+        out.print(
+            f"sampling: {verdict}  p = {result.p_value:.4g} (Bonferroni over {result.tests} tests, alpha {alpha}); "
+            f"{result.accepted}/{result.drafted} drafted tokens accepted"
+        )
+        rejected = not self_check.passed
+        out.print(
+            f"self-check: the wrong rule (accept every draft) {'is rejected' if rejected else 'was NOT rejected'}, "
+            f"p = {self_check.p_value:.4g}"
+        )
+        failed |= not result.passed or not rejected
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(v.dumps(v.report(greedy, sampling) | {"config": spec.to_dict(), "model": llm.target.name}))
+    if failed:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -38,8 +38,11 @@ class DraftModelDrafter:
         self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
 
     def begin(self, prompt_ids: list[int], max_len: int) -> None:
-        self.cache = self.runner.new_cache(max_len)
-        self.cached = []
+        # A cache from the previous request is kept when big enough: propose() reuses whatever
+        # prefix of it the new context shares (the same prompt sampled again, a longer chat).
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = self.runner.new_cache(max_len)
+            self.cached = []
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None

@@ -8,7 +8,7 @@ line of code but the proposal, which is what makes their outputs comparable.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -18,11 +18,24 @@ from specdec.drafters.base import Drafter, Proposal
 from specdec.engine.stats import RequestStats
 from specdec.engine.text import TextAssembler
 from specdec.errors import PromptError
+from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
-from specdec.sampling import greedy_accept, logits_to_probs, speculative_accept
+from specdec.sampling import AcceptResult, greedy_accept, logits_to_probs, speculative_accept
 
 NO_PROPOSAL = Proposal(tokens=[])
+
+# (target_probs [batch, n + 1, vocab], draft_tokens [batch, n], draft_probs [batch, n, vocab] | None,
+#  generator) -> AcceptResult. The engine uses speculative_accept; `specdec verify` swaps in a
+# deliberately wrong rule to show that its test can tell.
+SamplingRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Generator | None], AcceptResult]
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    prompt_ids: list[int]
+    cache: PreallocatedCache
+    logits: torch.Tensor  # [1, vocab]
 
 
 @dataclass(frozen=True)
@@ -43,32 +56,47 @@ class Generation:
 
 
 class Engine:
-    """Generates for one request at a time with an optional drafter proposing up to k tokens."""
+    """Generates for one request at a time with an optional drafter proposing up to k tokens.
 
-    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, num_speculative_tokens: int = 0) -> None:
+    When a request has the same prompt as the one before it (many samples of one prompt), the
+    prompt's KV cache and first-token logits are reused instead of computed again.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 0,
+        sampling_rule: SamplingRule = speculative_accept,
+    ) -> None:
         if drafter is not None and num_speculative_tokens < 1:
             raise ValueError("a drafter needs num_speculative_tokens >= 1")
         self.target = target
         self.runner = ModelRunner(target)
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
+        self.sampling_rule = sampling_rule
+        self._last_prefill: _Prefill | None = None
+        self._busy = False
 
     def _new_generator(self, params: SamplingParams) -> torch.Generator:
         generator = torch.Generator(device=self.runner.device)
-        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        if params.seed is None:
+            generator.seed()  # fresh entropy, leaving torch's global generator alone
+        else:
+            generator.manual_seed(params.seed)
         return generator
 
     def _steps(self, prompt_ids: list[int], params: SamplingParams, budget: int, stats: RequestStats) -> Iterator[list[int]]:
         """Yield the tokens each target pass commits; the caller stops iterating when done."""
         generator = None if params.greedy else self._new_generator(params)
-        max_len = len(prompt_ids) + budget + 1
-        cache = self.runner.new_cache(max_len)
+        max_len = len(prompt_ids) + budget  # the cache never holds the last committed token
         if self.drafter is not None:
             self.drafter.begin(prompt_ids, max_len)
 
         # 0. Prefill: one pass over the prompt gives the first token.
         start = time.perf_counter()
-        logits = self.runner.forward(cache, prompt_ids, last_only=True).logits  # [1, vocab]
+        cache, logits = self._prefill(prompt_ids, max_len)  # logits: [1, vocab]
         empty = torch.empty((1, 0), dtype=torch.long)
         first = self._accept(logits, empty, None, params, generator).row(0)
         stats.prefill_time_s = time.perf_counter() - start
@@ -102,8 +130,18 @@ class Engine:
             stats.record_step(len(draft), num_accepted)
             yield committed
 
-    @staticmethod
+    def _prefill(self, prompt_ids: list[int], max_len: int) -> tuple[PreallocatedCache, torch.Tensor]:
+        last = self._last_prefill
+        if last is not None and last.prompt_ids == prompt_ids and last.cache.max_len >= max_len:
+            last.cache.rollback(len(prompt_ids))
+            return last.cache, last.logits
+        cache = self.runner.new_cache(max_len)
+        logits = self.runner.forward(cache, prompt_ids, last_only=True).logits
+        self._last_prefill = _Prefill(list(prompt_ids), cache, logits)
+        return cache, logits
+
     def _accept(
+        self,
         logits: torch.Tensor,
         draft: torch.Tensor,
         draft_probs: torch.Tensor | None,
@@ -114,7 +152,7 @@ class Engine:
         if params.greedy:
             return greedy_accept(logits[None], draft)
         target_probs = logits_to_probs(logits, params)[None]  # [1, n + 1, vocab]
-        return speculative_accept(target_probs, draft, None if draft_probs is None else draft_probs[None], generator)
+        return self.sampling_rule(target_probs, draft, None if draft_probs is None else draft_probs[None], generator)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, result: Generation | None = None) -> Iterator[StreamChunk]:
         """Generate, yielding text and tokens as they are committed. When `result` is given it
@@ -124,6 +162,8 @@ class Engine:
         limit = self.target.max_positions
         if len(prompt_ids) >= limit:
             raise PromptError(f"prompt has {len(prompt_ids)} tokens; {self.target.name} takes at most {limit - 1}")
+        if self._busy:
+            raise RuntimeError("this engine is already generating: finish or close the previous stream first")
         result = result if result is not None else Generation(prompt_ids=list(prompt_ids))
         stats = result.stats
         stats.prompt_tokens = len(prompt_ids)
@@ -132,6 +172,7 @@ class Engine:
         text = TextAssembler(self.target.tokenizer, params.stop)
         start = time.perf_counter()
         steps = self._steps(list(prompt_ids), params, budget, stats)
+        self._busy = True
         try:
             for committed in steps:
                 # Stop conditions, in token order: EOS, then the token budget, then stop strings.
@@ -158,6 +199,7 @@ class Engine:
                     return
         finally:
             steps.close()
+            self._busy = False
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         result = Generation(prompt_ids=list(prompt_ids))

@@ -14,8 +14,8 @@ from specdec.models.loader import LoadedModel
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    """logits: [new, vocab] (or [1, vocab] with last_only); hidden: [new, hidden_size] from the
-    last layer before the final norm, when asked for."""
+    """logits: [new, vocab] (or [1, vocab] with last_only); hidden: [new, hidden_size], the last
+    layer's output after the final norm (the LM head's input), when asked for."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None

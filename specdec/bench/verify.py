@@ -1,0 +1,209 @@
+"""`specdec verify`: check that a speculative configuration leaves the output unchanged.
+
+Greedy: token-identical output to plain decoding on a prompt set, with the first divergence
+reported in detail where there is one.
+
+Sampling: a two-sample test. For each prompt, many seeded continuations are sampled with
+speculation and as many without; at every position after the first (the first token comes
+from the prefill, before any draft), the token counts of the two samples are compared with a
+chi-square test of homogeneity, rare tokens pooled. The smallest p-value, Bonferroni-corrected
+for the number of tests, is the verdict: it passes when above the significance level. A
+self-check runs the same test on a deliberately wrong rule (accept every draft token) with the
+n-gram drafter, which disagrees with the target often, and must fail, or the test proved
+nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+from scipy.stats import chi2_contingency
+
+from specdec.api import LLM, Message
+from specdec.bench.data import Record, load_records
+from specdec.config import SamplingParams
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine import Engine
+from specdec.sampling import AcceptResult
+
+# Prompts whose answers repeat themselves, so that drafters propose often at every position.
+SAMPLING_PROMPTS: tuple[str, ...] = (
+    "Count from 1 to 30, separated by commas.",
+    "Write the word 'tick' ten times, then the word 'tock' ten times.",
+    "List the days of the week, then list them again in reverse order.",
+)
+
+
+def builtin_prompts() -> list[Record]:
+    """One real prompt per Spec-Bench category, shipped with specdec (Apache-2.0, hemingkx/Spec-Bench)."""
+    path = resources.files("specdec.data").joinpath("verify_prompts.jsonl")
+    with resources.as_file(path) as file:
+        return load_records(file)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    position: int  # index into the generated tokens
+    plain_token: int
+    spec_token: int
+    plain_piece: str
+    spec_piece: str
+    plain_logit: float  # the target's logit for each token at that position, given the plain prefix
+    spec_logit: float
+
+
+@dataclass(frozen=True)
+class GreedyCheck:
+    prompt_id: str
+    tokens: int
+    identical: bool
+    divergence: Divergence | None
+
+
+def first_divergence(llm: LLM, prompt_ids: list[int], plain: list[int], spec: list[int]) -> Divergence | None:
+    position = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
+    if position is None:
+        if len(plain) == len(spec):
+            return None
+        position = min(len(plain), len(spec))  # one stopped early: compare what came next
+    eos = min(llm.target.eos_token_ids, default=-1)
+    plain_token = plain[position] if position < len(plain) else eos
+    spec_token = spec[position] if position < len(spec) else eos
+    runner = llm.engine.runner
+    context = prompt_ids + plain[:position]
+    cache = runner.new_cache(len(context) + 1)
+    logits = runner.forward(cache, context, last_only=True).logits[0]  # [vocab]
+    decode = llm.tokenizer.decode
+    return Divergence(
+        position, plain_token, spec_token, decode([plain_token]), decode([spec_token]),
+        float(logits[plain_token]), float(logits[spec_token]),
+    )
+
+
+def verify_greedy(llm: LLM, records: list[Record], max_tokens: int, on_prompt: Callable[[], None] | None = None) -> list[GreedyCheck]:
+    params = SamplingParams(max_tokens=max_tokens)
+    checks = []
+    for record in records:
+        messages: list[Message] = [{"role": "user", "content": record.turns[0]}]
+        prompt_ids = llm.encode(messages)
+        plain = llm.plain_engine.generate(prompt_ids, params).token_ids
+        spec = llm.engine.generate(prompt_ids, params).token_ids
+        divergence = first_divergence(llm, prompt_ids, plain, spec)
+        checks.append(GreedyCheck(record.id, len(plain), divergence is None, divergence))
+        if on_prompt is not None:
+            on_prompt()
+    return checks
+
+
+def accept_every_draft(
+    target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, generator: torch.Generator | None
+) -> AcceptResult:
+    """A deliberately WRONG rule for the self-check: keeps every drafted token, then samples a
+    bonus token. Its output follows the drafter, not the target."""
+    batch, k = draft_tokens.shape
+    bonus = torch.multinomial(target_probs[:, k], 1, generator=generator)  # [batch, 1]
+    return AcceptResult(tokens=torch.cat([draft_tokens, bonus], dim=1), num_accepted=torch.full((batch,), k))
+
+
+def sample_continuations(engine: Engine, prompt_ids: list[int], params: SamplingParams, draws: int, seed0: int) -> list[list[int]]:
+    return [engine.generate(prompt_ids, dataclasses.replace(params, seed=seed0 + i)).token_ids for i in range(draws)]
+
+
+def homogeneity_pvalue(a: list[int], b: list[int], min_count: int = 5) -> float:
+    """Chi-square test that two samples of tokens come from one distribution; tokens seen fewer
+    than `min_count` times in both samples together are pooled into one cell."""
+    ca, cb = Counter(a), Counter(b)
+    common = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= min_count]
+    rare_a = len(a) - sum(ca[t] for t in common)
+    rare_b = len(b) - sum(cb[t] for t in common)
+    table = [[ca[t] for t in common], [cb[t] for t in common]]
+    if rare_a + rare_b > 0:
+        table[0].append(rare_a)
+        table[1].append(rare_b)
+    if len(table[0]) < 2:
+        return 1.0  # one cell: both samples are the same token every time
+    return float(chi2_contingency(table).pvalue)
+
+
+@dataclass(frozen=True)
+class SamplingCheck:
+    p_value: float  # Bonferroni-corrected smallest p-value
+    tests: int
+    passed: bool
+    drafted: int
+    accepted: int
+
+
+def compare_samples(
+    llm: LLM,
+    spec_engine: Engine,
+    params: SamplingParams,
+    prompts: tuple[str, ...],
+    draws: int,
+    length: int,
+    alpha: float,
+    on_draws: Callable[[int], None] | None = None,
+) -> SamplingCheck:
+    """Sample `draws` continuations of `length` tokens per prompt with and without speculation."""
+    params = dataclasses.replace(params, max_tokens=length, ignore_eos=True, stop=())
+    pvalues = []
+    drafted = accepted = 0
+    for index, prompt in enumerate(prompts):
+        prompt_ids = llm.encode([{"role": "user", "content": prompt}])
+        # Different seeds for the two samples: the test compares distributions, not draws.
+        plain = sample_continuations(llm.plain_engine, prompt_ids, params, draws, seed0=1_000_000 * index)
+        spec = []
+        for i in range(draws):
+            out = spec_engine.generate(prompt_ids, dataclasses.replace(params, seed=1_000_000 * index + 500_000 + i))
+            spec.append(out.token_ids)
+            drafted += out.stats.drafted_tokens
+            accepted += out.stats.accepted_tokens
+        if on_draws is not None:
+            on_draws(2 * draws)
+        for position in range(1, length):
+            pvalues.append(homogeneity_pvalue([s[position] for s in plain], [s[position] for s in spec]))
+    corrected = min(1.0, min(pvalues) * len(pvalues))
+    return SamplingCheck(corrected, len(pvalues), corrected > alpha, drafted, accepted)
+
+
+def verify_sampling(
+    llm: LLM,
+    params: SamplingParams,
+    draws: int = 200,
+    length: int = 6,
+    alpha: float = 0.01,
+    prompts: tuple[str, ...] = SAMPLING_PROMPTS,
+    on_draws: Callable[[int], None] | None = None,
+) -> tuple[SamplingCheck, SamplingCheck]:
+    """The test on the configured speculation, then the self-check on the wrong rule."""
+    result = compare_samples(llm, llm.engine, params, prompts, draws, length, alpha, on_draws)
+    wrong = Engine(llm.target, NgramDrafter(1, 6), num_speculative_tokens=4, sampling_rule=accept_every_draft)
+    self_check = compare_samples(llm, wrong, params, prompts, draws, length, alpha, on_draws)
+    return result, self_check
+
+
+def report(greedy: list[GreedyCheck] | None, sampling: tuple[SamplingCheck, SamplingCheck] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if greedy is not None:
+        out["greedy"] = {
+            "prompts": len(greedy),
+            "identical": sum(c.identical for c in greedy),
+            "passed": all(c.identical for c in greedy),
+            "checks": [dataclasses.asdict(c) for c in greedy],
+        }
+    if sampling is not None:
+        result, self_check = sampling
+        out["sampling"] = dataclasses.asdict(result)
+        out["self_check"] = dataclasses.asdict(self_check) | {"wrong_rule_rejected": not self_check.passed}
+    return out
+
+
+def dumps(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2)

@@ -1,0 +1,111 @@
+"""Shared fixtures: the real default model (loaded once), a tiny random model with the same
+vocabulary saved as a Hugging Face directory, and tiny small-vocabulary models for
+distribution tests, where the exact target distribution can be enumerated."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specdec.models import LoadedModel, load_model
+
+TINY_MAX_POSITIONS = 512
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One intra-op thread. The test machines have two cores, often shared with another job;
+    # oversubscribed OpenMP threads spin and make small forward passes up to 100x slower
+    # (measured: 5 ms vs 520 ms per tiny-model generation). Results do not depend on it.
+    torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    """SmolLM2-135M-Instruct, the embedded default (converted once under ~/.cache/specdec)."""
+    return load_model()
+
+
+def _tiny_llama(vocab_size: int, seed: int, *, hidden: int = 64, layers: int = 2, eos: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=TINY_MAX_POSITIONS,
+        bos_token_id=1,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = eos
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model: LoadedModel) -> Path:
+    """A random 2-layer Llama with SmolLM2's tokenizer, saved as a Hugging Face model directory."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = default_model.tokenizer
+    model = _tiny_llama(len(tokenizer), seed=1234, eos=tokenizer.eos_token_id)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path) -> LoadedModel:
+    """The tiny random model, loaded through specdec's loader (thin kernels on)."""
+    return load_model(str(tiny_model_dir))
+
+
+def small_vocab_tokenizer(vocab_size: int, prefix: str = "t") -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over `vocab_size` words t0 .. t{n-1}; the last one is EOS."""
+    vocab = {f"{prefix}{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(WordLevel(vocab, unk_token=f"{prefix}0"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=f"{prefix}{vocab_size - 1}")
+
+
+SmallModelFactory = Callable[..., LoadedModel]
+
+
+@pytest.fixture(scope="session")
+def small_model_factory() -> SmallModelFactory:
+    """Builds tiny random Llamas over a small vocabulary whose next-token distributions are
+    far from uniform and depend on the context (random weights at a large scale).
+
+    The returned models are in eval mode, without specdec's thin kernels: a plain
+    transformers model, so they double as the reference implementation.
+    """
+    built: dict[tuple, LoadedModel] = {}
+
+    def make(seed: int, vocab_size: int = 8, logit_scale: float = 2.0, prefix: str = "t") -> LoadedModel:
+        key = (seed, vocab_size, logit_scale, prefix)
+        if key not in built:
+            tokenizer = small_vocab_tokenizer(vocab_size, prefix)
+            model = _tiny_llama(vocab_size, seed, hidden=32, layers=1, eos=vocab_size - 1)
+            with torch.no_grad():
+                # Large embeddings and attention weights make the output depend on the whole
+                # context; a large head makes the distributions peaked and far apart per seed.
+                for name, param in model.named_parameters():
+                    if "norm" not in name:
+                        param.normal_(0.0, 0.5)
+                head = model.get_output_embeddings().weight
+                head.mul_(logit_scale / (head.std() * head.shape[1] ** 0.5))
+            model.eval().requires_grad_(False)
+            built[key] = LoadedModel(model=model, tokenizer=tokenizer, name=f"small-{seed}", source=f"small-{seed}")
+        return built[key]
+
+    return make

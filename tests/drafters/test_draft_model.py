@@ -1,0 +1,100 @@
+"""DraftModelDrafter: its proposals are the draft model's own greedy or sampled continuation
+of the committed context, whatever was accepted or rejected before (its cache follows the
+context), checked against the draft model run from scratch without a cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec import SpeculativeConfig
+from specdec.config import SamplingParams
+from specdec.drafters import build_drafter
+from specdec.drafters.draft_model import DraftModelDrafter, common_prefix_length
+from specdec.models import LoadedModel
+from specdec.sampling import logits_to_probs
+
+
+def reference_greedy(loaded: LoadedModel, context: list[int], k: int) -> list[int]:
+    """k greedy tokens after `context`, each from a full forward pass without a cache."""
+    tokens = list(context)
+    with torch.inference_mode():
+        for _ in range(k):
+            logits = loaded.model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(context) :]
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [([], [], 0), ([1, 2], [1, 2, 3], 2), ([1, 2, 3], [1, 2], 2), ([1, 5, 3], [1, 2, 3], 1), ([4], [5], 0)],
+)
+def test_common_prefix_length(a: list[int], b: list[int], expected: int) -> None:
+    assert common_prefix_length(a, b) == expected
+
+
+def test_greedy_proposals_follow_the_committed_context(tiny_model: LoadedModel) -> None:
+    """Rounds of propose / commit with random acceptance: every proposal must be the draft
+    model's greedy continuation of the context as committed, rejected drafts forgotten."""
+    rng = random.Random(0)
+    drafter = DraftModelDrafter(tiny_model)
+    context = [100, 2000, 30000, 17]
+    drafter.begin(context, 128)
+    params = SamplingParams()
+    for round_ in range(8):
+        k = rng.randint(1, 5)
+        proposal = drafter.propose(context, k, params, None)
+        assert proposal.probs is None
+        assert proposal.tokens == reference_greedy(tiny_model, context, k), f"round {round_}"
+        accepted = rng.randint(0, k)
+        # The target keeps a prefix of the draft and adds a token of its own (not the draft's).
+        context = context + proposal.tokens[:accepted] + [rng.randrange(1000, 40000)]
+        drafter.commit(context, accepted)
+
+
+@pytest.mark.parametrize("second_max_len", [64, 256])
+def test_a_new_request_gets_proposals_for_its_own_context(tiny_model: LoadedModel, second_max_len: int) -> None:
+    # Whatever the previous request left in the drafter (a cache of the same size or a smaller
+    # one), the next request's proposals follow its own context.
+    drafter = DraftModelDrafter(tiny_model)
+    drafter.begin([1, 2, 3], 64)
+    drafter.propose([1, 2, 3], 4, SamplingParams(), None)
+    drafter.commit([1, 2, 3, 99], 0)
+    for other in ([1, 2, 50, 60], [1, 2, 3], [7, 8]):  # shares a prefix, is a prefix, shares nothing
+        drafter.begin(other, second_max_len)
+        assert drafter.propose(other, 3, SamplingParams(), None).tokens == reference_greedy(tiny_model, other, 3)
+
+
+def test_sampled_proposals_carry_their_distributions(tiny_model: LoadedModel) -> None:
+    drafter = DraftModelDrafter(tiny_model)
+    context = [5, 6, 7, 8]
+    params = SamplingParams(temperature=0.8, top_k=50)
+    drafter.begin(context, 64)
+    proposal = drafter.propose(context, 3, params, torch.Generator().manual_seed(0))
+    assert len(proposal.tokens) == 3
+    assert proposal.probs is not None and proposal.probs.shape == (3, tiny_model.vocab_size)
+    # Each row is the filtered distribution after the context and the tokens drafted before it.
+    with torch.inference_mode():
+        logits = tiny_model.model(input_ids=torch.tensor([context + proposal.tokens[:-1]])).logits[0, -3:]
+    torch.testing.assert_close(proposal.probs, logits_to_probs(logits, params), atol=1e-5, rtol=1e-4)
+    for row, token in zip(proposal.probs, proposal.tokens):
+        assert row[token] > 0
+        assert int((row > 0).sum()) <= 50
+    # Seeded: the same generator seed gives the same proposal.
+    drafter.begin(context, 64)
+    again = drafter.propose(context, 3, params, torch.Generator().manual_seed(0))
+    assert again.tokens == proposal.tokens
+
+
+def test_target_drafting_for_itself_shares_weights(default_model: LoadedModel) -> None:
+    drafter = build_drafter(SpeculativeConfig(method="draft_model", model="default"), default_model)
+    assert isinstance(drafter, DraftModelDrafter)
+    assert drafter.runner.model is default_model.model
+
+
+def test_draft_model_from_a_directory_is_loaded(default_model: LoadedModel, tiny_model_dir) -> None:
+    drafter = build_drafter(SpeculativeConfig(method="draft_model", model=str(tiny_model_dir)), default_model)
+    assert drafter.runner.model is not default_model.model
+    assert drafter.runner.model.config.num_hidden_layers == 2

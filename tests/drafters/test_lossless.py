@@ -1,0 +1,227 @@
+"""The lossless suite (STYLE habit 8): with greedy decoding, every drafter gives exactly the
+tokens of plain decoding, whether it always agrees with the target, never agrees, or agrees
+partly. Runs on the real default model."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.api import RequestOutput
+from specdec.drafters import Proposal
+from specdec.engine import Engine, Generation
+from specdec.models import LoadedModel
+
+MAX_TOKENS = 32
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS)
+PROMPTS = [
+    [{"role": "user", "content": "List the days of the week, one per line, with a short note on each."}],
+    [{"role": "user", "content": "Explain in detail how a bicycle works."}],
+]
+
+
+@pytest.fixture(scope="module")
+def plain_llm(default_model: LoadedModel) -> LLM:
+    return LLM(loaded=default_model)
+
+
+@pytest.fixture(scope="module")
+def plain(plain_llm: LLM) -> list[RequestOutput]:
+    """Plain greedy decoding of every prompt: the reference every drafter must reproduce."""
+    outputs = plain_llm.generate(PROMPTS, PARAMS, speculate=False)
+    # The exact step counts below assume the budget, not EOS, ends each output.
+    assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def references(plain_llm: LLM, plain: list[RequestOutput]) -> dict[tuple[int, ...], list[int]]:
+    """prompt ids -> prompt ids followed by the plain output: what an oracle drafter knows."""
+    table = {}
+    for prompt, output in zip(PROMPTS, plain):
+        ids = plain_llm.encode(prompt)
+        table[tuple(ids)] = ids + output.token_ids
+    return table
+
+
+# --- test-only drafters -----------------------------------------------------------------------
+
+
+class OracleDrafter:
+    """Always agrees: proposes the plain output's next tokens."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]]) -> None:
+        self.references = references
+        self.reference: list[int] = []
+        self.commits: list[int] = []
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        self.reference = self.references[tuple(prompt_ids)]
+        self.commits = []
+
+    def right(self, context: list[int], k: int) -> list[int]:
+        assert context == self.reference[: len(context)], "the committed context left the plain output"
+        return self.reference[len(context) : len(context) + k]
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        return Proposal(self.right(context, k))
+
+    def commit(self, context: list[int], num_accepted: int) -> None:
+        self.commits.append(num_accepted)
+
+
+class AdversaryDrafter(OracleDrafter):
+    """Never agrees: every proposed token differs from the plain output's."""
+
+    def propose(self, context, k, params, generator) -> Proposal:
+        return Proposal([(t + 1) % 49152 for t in self.right(context, k)])
+
+
+class PartialDrafter(OracleDrafter):
+    """Agrees on the first `agree` positions of every proposal, then disagrees."""
+
+    def __init__(self, references, agree: int) -> None:
+        super().__init__(references)
+        self.agree = agree
+
+    def propose(self, context, k, params, generator) -> Proposal:
+        right = self.right(context, k)
+        return Proposal(right[: self.agree] + [(t + 7) % 49152 for t in right[self.agree :]])
+
+
+class RandomMixDrafter(OracleDrafter):
+    """Agrees or disagrees at random at each position (seeded)."""
+
+    def __init__(self, references, seed: int) -> None:
+        super().__init__(references)
+        self.rng = random.Random(seed)
+
+    def propose(self, context, k, params, generator) -> Proposal:
+        return Proposal([t if self.rng.random() < 0.6 else (t + 3) % 49152 for t in self.right(context, k)])
+
+
+def run_drafter(default_model: LoadedModel, plain_llm: LLM, drafter, k: int) -> list[Generation]:
+    engine = Engine(default_model, drafter, k)
+    return [engine.generate(plain_llm.encode(prompt), PARAMS) for prompt in PROMPTS]
+
+
+def assert_same_as_plain(outputs, plain: list[RequestOutput]) -> None:
+    for got, want in zip(outputs, plain, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.text == want.text
+        assert got.finish_reason == want.finish_reason
+
+
+def adversary_drafted(k: int) -> int:
+    """Tokens drafted when every step commits one token: room is min(k, budget - generated - 1)."""
+    return sum(min(k, MAX_TOKENS - generated - 1) for generated in range(1, MAX_TOKENS))
+
+
+# --- the suite --------------------------------------------------------------------------------
+
+
+def test_plain_stats(plain: list[RequestOutput]) -> None:
+    for output in plain:
+        stats = output.stats
+        assert len(output.token_ids) == stats.generated_tokens == MAX_TOKENS
+        assert stats.target_forward_passes == MAX_TOKENS  # prefill + one pass per further token
+        assert stats.target_steps == MAX_TOKENS - 1
+        assert stats.drafted_tokens == stats.accepted_tokens == 0
+        assert stats.acceptance_rate == 0.0
+        assert stats.mean_accepted_length == 1.0
+        assert stats.per_position_acceptance == []
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_oracle(default_model, plain_llm, references, plain, k: int) -> None:
+    drafter = OracleDrafter(references)
+    outputs = run_drafter(default_model, plain_llm, drafter, k)
+    assert_same_as_plain(outputs, plain)
+    steps = math.ceil((MAX_TOKENS - 1) / (k + 1))
+    for output in outputs:
+        stats = output.stats
+        assert stats.acceptance_rate == 1.0
+        assert stats.accepted_tokens == stats.drafted_tokens == MAX_TOKENS - 1 - steps
+        assert stats.target_steps == steps
+        assert stats.mean_accepted_length == pytest.approx((MAX_TOKENS - 1) / steps)
+        assert k < stats.mean_accepted_length <= k + 1
+        assert stats.per_position_acceptance == [1.0] * k
+    # The drafter is told what was accepted: k each step, and at the last step what was left.
+    last = (MAX_TOKENS - 1) - (steps - 1) * (k + 1) - 1
+    assert drafter.commits == [k] * (steps - 1) + [last]  # of the last request
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_adversary(default_model, plain_llm, references, plain, k: int) -> None:
+    outputs = run_drafter(default_model, plain_llm, AdversaryDrafter(references), k)
+    assert_same_as_plain(outputs, plain)
+    for output in outputs:
+        stats = output.stats
+        assert stats.accepted_tokens == 0
+        assert stats.acceptance_rate == 0.0
+        assert stats.mean_accepted_length == 1.0
+        assert stats.target_steps == MAX_TOKENS - 1
+        assert stats.drafted_tokens == adversary_drafted(k)
+        assert stats.per_position_acceptance == [0.0] * k
+
+
+def test_partial(default_model, plain_llm, references, plain) -> None:
+    k, agree = 4, 2
+    outputs = run_drafter(default_model, plain_llm, PartialDrafter(references, agree), k)
+    assert_same_as_plain(outputs, plain)
+    for output in outputs:
+        stats = output.stats
+        assert 0.0 < stats.acceptance_rate < 1.0
+        assert stats.per_position_acceptance == [1.0, 1.0, 0.0, 0.0]
+        assert stats.mean_accepted_length == pytest.approx(agree + 1, abs=0.35)
+
+
+def test_random_mix(default_model, plain_llm, references, plain) -> None:
+    outputs = run_drafter(default_model, plain_llm, RandomMixDrafter(references, seed=5), 5)
+    assert_same_as_plain(outputs, plain)
+    for output in outputs:
+        assert 0.0 < output.stats.acceptance_rate < 1.0
+        assert output.stats.committed_tokens == output.stats.accepted_tokens + output.stats.target_steps
+
+
+REAL_DRAFTERS = [
+    pytest.param({"method": "ngram", "num_speculative_tokens": 1}, id="ngram-k1"),
+    pytest.param({"method": "ngram", "num_speculative_tokens": 3}, id="ngram-k3"),
+    pytest.param({"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1}, id="ngram-k8-n1"),
+    pytest.param({"method": "draft_model", "model": "default", "num_speculative_tokens": 2}, id="self-k2"),
+    pytest.param({"method": "draft_model", "model": "default", "num_speculative_tokens": 5}, id="self-k5"),
+    pytest.param({"method": "draft_model", "model": "TINY", "num_speculative_tokens": 2}, id="tiny-k2"),
+    pytest.param({"method": "draft_model", "model": "TINY", "num_speculative_tokens": 5}, id="tiny-k5"),
+]
+
+
+@pytest.mark.parametrize("config", REAL_DRAFTERS)
+def test_registered_drafter(default_model, tiny_model_dir, plain, config: dict) -> None:
+    if config.get("model") == "TINY":
+        config = config | {"model": str(tiny_model_dir)}
+    llm = LLM(loaded=default_model, speculative_config=SpeculativeConfig.from_dict(config))
+    outputs = llm.generate(PROMPTS, PARAMS)
+    assert_same_as_plain(outputs, plain)
+    k = config["num_speculative_tokens"]
+    for output in outputs:
+        stats = output.stats
+        assert stats.committed_tokens == stats.accepted_tokens + stats.target_steps
+        assert stats.target_forward_passes == stats.target_steps + 1
+        assert len(stats.per_position_acceptance) <= k
+        if config.get("model") == "default":
+            # The target drafting for itself always agrees.
+            assert stats.acceptance_rate == 1.0
+            assert stats.target_steps == math.ceil((MAX_TOKENS - 1) / (k + 1))
+        elif config["method"] == "draft_model":
+            # A random model hardly ever agrees; at most rarely by chance.
+            assert stats.acceptance_rate < 0.2
+            assert stats.drafted_tokens > 0
+    if config["method"] == "ngram":
+        # The prompts repeat themselves enough for lookup to find something.
+        assert sum(o.stats.drafted_tokens for o in outputs) > 0

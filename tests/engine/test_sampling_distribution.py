@@ -1,0 +1,177 @@
+"""End to end through the Engine, temperature > 0: speculative sampling draws the first
+tokens of a generation from exactly the target's distribution, whatever the drafter.
+
+Tiny random models over 8 tokens make the target's distribution over whole 3-token
+continuations enumerable (512 sequences, one batched forward pass without any cache) and a
+generation cheap enough to sample thousands of times. With max_tokens=4 and k=2 the first
+verification step drafts two tokens, so the 2nd and 3rd tokens go through the acceptance rule
+at both draft positions, as accepted, recovered or bonus tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import specdec.engine.engine as engine_module
+from specdec.config import SamplingParams
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine import Engine
+from specdec.models import LoadedModel
+from specdec.sampling import AcceptResult, logits_to_probs
+
+VOCAB = 8
+LENGTH = 3  # tokens of each continuation compared
+PROMPT = [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 4]  # repeats itself, so prompt lookup finds drafts
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(small_model_factory) -> LoadedModel:
+    return small_model_factory(seed=1, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def draft(small_model_factory) -> LoadedModel:
+    return small_model_factory(seed=2, vocab_size=VOCAB)
+
+
+def exact_sequence_probs(loaded: LoadedModel, params: SamplingParams) -> torch.Tensor:
+    """[VOCAB ** 3]: probability of each continuation (t1, t2, t3), index t1 * 64 + t2 * 8 + t3,
+    from the plain transformers forward over every 2-token prefix at once, no cache."""
+    prefixes = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # [64, 2]
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], dim=1)  # [64, P + 2]
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=ids, use_cache=False).logits[:, len(PROMPT) - 1 :]  # [64, 3, vocab]
+    probs = logits_to_probs(logits.double(), params).double()  # [64, 3, vocab]
+    first = probs[:, 0].gather(1, prefixes[:, :1]).squeeze(1)  # p(t1)
+    second = probs[:, 1].gather(1, prefixes[:, 1:]).squeeze(1)  # p(t2 | t1)
+    joint = (first * second)[:, None] * probs[:, 2]  # [64, vocab]: p(t1) p(t2 | t1) p(t3 | t1, t2)
+    return joint.reshape(-1)
+
+
+def sample_sequences(engine: Engine, params: SamplingParams, n: int, first_seed: int = 0) -> torch.Tensor:
+    """[n] indices of the first 3 generated tokens, one seeded generation each."""
+    indices = []
+    for seed in range(first_seed, first_seed + n):
+        tokens = engine.generate(PROMPT, dataclasses.replace(params, seed=seed)).token_ids
+        assert len(tokens) == params.max_tokens
+        indices.append(tokens[0] * VOCAB**2 + tokens[1] * VOCAB + tokens[2])
+    return torch.tensor(indices)
+
+
+def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit; cells expecting fewer than 5 samples are pooled into one."""
+    counts = torch.bincount(samples, minlength=len(probs)).double()
+    expected = probs / probs.sum() * len(samples)
+    assert counts[expected == 0].sum() == 0, "sampled a sequence the target gives probability 0"
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    return float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
+
+
+def marginal_tv(samples: torch.Tensor, probs: torch.Tensor, position: int) -> float:
+    """Total variation between sampled and exact marginals of token `position` (0, 1 or 2)."""
+    tokens = samples // VOCAB ** (LENGTH - 1 - position) % VOCAB
+    freq = torch.bincount(tokens, minlength=VOCAB).double() / len(samples)
+    exact = probs.reshape(VOCAB, VOCAB, VOCAB).sum(dim=tuple(d for d in range(LENGTH) if d != position))
+    return 0.5 * float((freq - exact).abs().sum())
+
+
+def accept_all(target_probs, draft_tokens, draft_probs, generator=None) -> AcceptResult:
+    """A WRONG rule: keep every drafted token, then draw the bonus token from the target."""
+    batch, k = draft_tokens.shape
+    bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(1)
+    tokens = torch.cat([draft_tokens, bonus[:, None]], dim=1)
+    return AcceptResult(tokens=tokens, num_accepted=torch.full((batch,), k, dtype=torch.long))
+
+
+def recover_from_target(target_probs, draft_tokens, draft_probs, generator=None) -> AcceptResult:
+    """A subtly WRONG rule: the right acceptance test, but at a rejection the recovered token is
+    drawn from the target instead of the residual max(0, target - draft)."""
+    batch, k = draft_tokens.shape
+    assert batch == 1
+    if draft_probs is None:
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).to(target_probs.dtype)
+    accepted = []
+    for i, token in enumerate(draft_tokens[0].tolist()):
+        ratio = target_probs[0, i, token] / draft_probs[0, i, token]
+        if torch.rand((), generator=generator) >= ratio:
+            break
+        accepted.append(token)
+    final = int(torch.multinomial(target_probs[0, len(accepted)], 1, generator=generator))
+    tokens = accepted + [final] + [-1] * (k - len(accepted))
+    return AcceptResult(tokens=torch.tensor([tokens]), num_accepted=torch.tensor([len(accepted)]))
+
+
+def engine_with_rule(target: LoadedModel, drafter, rule, monkeypatch: pytest.MonkeyPatch) -> Engine:
+    """An engine whose sampled verification uses `rule` instead of speculative_accept."""
+    if "sampling_rule" in inspect.signature(Engine).parameters:
+        return Engine(target, drafter, 2, sampling_rule=rule)
+    monkeypatch.setattr(engine_module, "speculative_accept", rule)
+    return Engine(target, drafter, 2)
+
+
+def test_setup_target_and_draft_disagree(target: LoadedModel, draft: LoadedModel) -> None:
+    exact_target = exact_sequence_probs(target, SAMPLED)
+    exact_draft = exact_sequence_probs(draft, SAMPLED)
+    assert exact_target.sum().item() == pytest.approx(1.0)
+    assert 0.5 * (exact_target - exact_draft).abs().sum().item() > 0.5
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
+def test_speculative_sampling_follows_target(target: LoadedModel, draft: LoadedModel, drafter: str) -> None:
+    instance = DraftModelDrafter(draft) if drafter == "draft_model" else NgramDrafter(1, 3)
+    engine = Engine(target, instance, 2)
+    samples = sample_sequences(engine, SAMPLED, 2500)
+    exact = exact_sequence_probs(target, SAMPLED)
+    assert chi2_pvalue(samples, exact) > 1e-3
+    for position in range(LENGTH):
+        assert marginal_tv(samples, exact, position) < 0.05
+
+
+@pytest.mark.parametrize("rule", [accept_all, recover_from_target])
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
+def test_wrong_rules_fail_the_same_test(
+    target: LoadedModel, draft: LoadedModel, drafter: str, rule, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    instance = DraftModelDrafter(draft) if drafter == "draft_model" else NgramDrafter(1, 3)
+    samples = sample_sequences(engine_with_rule(target, instance, rule, monkeypatch), SAMPLED, 800)
+    exact = exact_sequence_probs(target, SAMPLED)
+    assert chi2_pvalue(samples, exact) < 1e-6
+
+
+def test_filtered_sampling_follows_filtered_target_in_both_modes(target: LoadedModel, draft: LoadedModel) -> None:
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.02, max_tokens=4, ignore_eos=True)
+    exact = exact_sequence_probs(target, params)
+    unfiltered = exact_sequence_probs(target, SAMPLED)
+    assert (exact == 0).sum() > (unfiltered == 0).sum()  # the filters do remove tokens here
+    for engine, n in ((Engine(target, DraftModelDrafter(draft), 2), 1500), (Engine(target), 800)):
+        samples = sample_sequences(engine, params, n, first_seed=10_000)
+        assert chi2_pvalue(samples, exact) > 1e-3  # also checks no filtered-out sequence appears
+
+
+def test_self_drafting_accepts_everything(target: LoadedModel) -> None:
+    # A draft distribution equal to the target's is accepted with probability one.
+    engine = Engine(target, DraftModelDrafter(target), 3)
+    for seed in range(20):
+        stats = engine.generate(PROMPT, dataclasses.replace(SAMPLED, max_tokens=12, seed=seed)).stats
+        assert stats.drafted_tokens > 0
+        assert stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_same_seed_same_output(target: LoadedModel, draft: LoadedModel, speculate: bool) -> None:
+    engine = Engine(target, DraftModelDrafter(draft), 3) if speculate else Engine(target)
+    params = dataclasses.replace(SAMPLED, max_tokens=16)
+    runs = [engine.generate(PROMPT, dataclasses.replace(params, seed=seed)).token_ids for seed in (1, 2, 1, 2)]
+    assert runs[0] == runs[2] and runs[1] == runs[3]
+    outputs = {tuple(engine.generate(PROMPT, dataclasses.replace(params, seed=s)).token_ids) for s in range(10)}
+    assert len(outputs) > 5

