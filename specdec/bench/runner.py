@@ -50,12 +50,7 @@ class Tally:
     identical: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    drafted: int = 0
-    accepted: int = 0
-    committed: int = 0
-    steps: int = 0
-    drafted_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
+    speculation: RequestStats = field(default_factory=RequestStats)  # summed over specdec runs
 
     def add(self, results: list[RunResult], identical: bool | None) -> None:
         self.prompts += 1
@@ -64,17 +59,7 @@ class Tally:
             self.tokens += len(r.token_ids)
             self.seconds += r.seconds
             if r.stats is not None:
-                s = r.stats
-                self.drafted += s.drafted_tokens
-                self.accepted += s.accepted_tokens
-                self.committed += s.committed_tokens
-                self.steps += s.target_steps
-                for i, (d, a) in enumerate(zip(s.drafted_at, s.accepted_at)):
-                    if i >= len(self.drafted_at):
-                        self.drafted_at.append(0)
-                        self.accepted_at.append(0)
-                    self.drafted_at[i] += d
-                    self.accepted_at[i] += a
+                self.speculation.merge(r.stats)
 
     @property
     def tokens_per_s(self) -> float:
@@ -91,10 +76,11 @@ class Tally:
             out["identical"] = self.identical
             out["speedup"] = round(self.tokens_per_s / baseline.tokens_per_s, 3) if baseline.tokens_per_s else 0.0
             out["tokens_per_s_baseline"] = round(baseline.tokens_per_s, 2)
-        if self.steps:
-            out["acceptance_rate"] = round(self.accepted / self.drafted, 4) if self.drafted else 0.0
-            out["mean_accepted_length"] = round(self.committed / self.steps, 4)
-            out["per_position_acceptance"] = [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+        stats = self.speculation
+        if stats.target_steps:
+            out["acceptance_rate"] = round(stats.acceptance_rate, 4)
+            out["mean_accepted_length"] = round(stats.mean_accepted_length, 4)
+            out["per_position_acceptance"] = [round(x, 4) for x in stats.per_position_acceptance]
         return out
 
 

@@ -257,6 +257,37 @@ def verify(
         raise typer.Exit(1)
 
 
+@app.command()
+def costs(
+    model: ModelOpt = None,
+    max_verified: Annotated[int, typer.Option("--max-verified", help="Measure passes over 1 .. N tokens.")] = 10,
+    context: Annotated[int, typer.Option(help="Tokens already in the cache.")] = 256,
+    repeats: Annotated[int, typer.Option(help="Measurements per size (the median is reported).")] = 15,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Measure what a target pass costs by the number of tokens it verifies, on this machine.
+
+    k drafted tokens cost one pass over k + 1 tokens: speculation pays while the tokens a step
+    commits outweigh that pass's cost relative to a plain step (1 token)."""
+    from rich.table import Table
+
+    from specdec.bench.cost import step_costs
+    from specdec.models.loader import load_model
+
+    if max_verified < 1 or context < 1 or repeats < 1:
+        raise ConfigError("--max-verified, --context and --repeats must be >= 1")
+    with err.status("loading the model..."):
+        loaded = load_model(model, device=device)
+    with err.status(f"measuring passes over 1..{max_verified} tokens..."):
+        measured = step_costs(loaded, list(range(1, max_verified + 1)), context=context, repeats=repeats)
+    table = Table(title=f"{loaded.name}: target pass cost after {context} cached tokens ({device})")
+    for col in ("tokens verified", "drafted (k)", "ms", "cost / plain step"):
+        table.add_column(col, justify="right")
+    for n, seconds in measured.items():
+        table.add_row(str(n), str(n - 1), f"{seconds * 1e3:.1f}", f"{seconds / measured[1]:.2f}")
+    out.print(table)
+
+
 def main() -> None:
     """Entry point: user errors print one line and exit 2, with no traceback."""
     _quiet_libraries()

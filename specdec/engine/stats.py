@@ -41,14 +41,27 @@ class RequestStats:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.committed_tokens += accepted + 1
-        if drafted > len(self.drafted_at):
-            grow = drafted - len(self.drafted_at)
+        grow = drafted - len(self.drafted_at)
+        if grow > 0:
             self.drafted_at.extend([0] * grow)
             self.accepted_at.extend([0] * grow)
         for i in range(drafted):
             self.drafted_at[i] += 1
         for i in range(accepted):
             self.accepted_at[i] += 1
+
+    def merge(self, other: RequestStats) -> None:
+        """Add another request's counts and times to these (for totals over many requests)."""
+        for name in ("prompt_tokens", "generated_tokens", "drafted_tokens", "accepted_tokens", "committed_tokens",
+                     "target_steps", "prefill_time_s", "wall_time_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        grow = len(other.drafted_at) - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for i, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
+            self.drafted_at[i] += d
+            self.accepted_at[i] += a
 
     @property
     def target_forward_passes(self) -> int:

@@ -74,3 +74,11 @@ def test_generate_plain_and_speculative_print_the_same_text() -> None:
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     assert plain.stdout == spec.stdout
     assert plain.stdout.strip()
+
+
+def test_costs_prints_a_ratio_per_size() -> None:
+    result = run("costs", "--max-verified", "3", "--repeats", "2", "--context", "16")
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.strip().startswith("│")]
+    assert len(rows) == 3
+    assert rows[0].split("│")[4].strip() == "1.00"  # a plain step costs itself
