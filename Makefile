@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-PROMPT ?= Summarise in two sentences why speculative decoding is lossless.
+PROMPT ?= Write a Python function that checks whether a string is a palindrome, then show three example calls.
 
 .PHONY: setup demo test bench clean
 

@@ -49,7 +49,7 @@ def speculative_config(spec_json: str | None, method: str | None, k: int | None,
         data["num_speculative_tokens"] = k
     if draft_model is not None:
         data["model"] = draft_model
-    if data.get("method") in ("none", None) and not data:
+    if not data:
         return None
     if data.get("method") == "none":
         if len(data) > 1:

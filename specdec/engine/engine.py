@@ -147,7 +147,7 @@ class Engine:
         draft_probs: torch.Tensor | None,
         params: SamplingParams,
         generator: torch.Generator | None,
-    ):
+    ) -> AcceptResult:
         # logits: [n + 1, vocab]; draft: [1, n]; draft_probs: [n, vocab] or None
         if params.greedy:
             return greedy_accept(logits[None], draft)

@@ -1,0 +1,66 @@
+"""specdec verify: the two-sample test, the wrong rule it must catch, and divergence reports."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from specdec.api import LLM
+from specdec.bench.verify import accept_every_draft, builtin_prompts, first_divergence, homogeneity_pvalue
+from specdec.config import SamplingParams
+from specdec.models import LoadedModel
+
+
+def test_homogeneity_accepts_one_distribution_and_rejects_two() -> None:
+    rng = random.Random(0)
+    weights = [0.5, 0.3, 0.15, 0.05]
+    a = rng.choices(range(4), weights, k=2000)
+    b = rng.choices(range(4), weights, k=2000)
+    shifted = rng.choices(range(4), [0.3, 0.5, 0.15, 0.05], k=2000)
+    assert homogeneity_pvalue(a, b) > 0.01
+    assert homogeneity_pvalue(a, shifted) < 1e-6
+    assert homogeneity_pvalue([7] * 50, [7] * 50) == 1.0
+
+
+def test_wrong_rule_keeps_every_draft() -> None:
+    target = torch.full((2, 3, 5), 0.2)  # [batch, k + 1, vocab]
+    draft = torch.tensor([[4, 4], [1, 0]])
+    result = accept_every_draft(target, draft, None, torch.Generator().manual_seed(0))
+    assert result.num_accepted.tolist() == [2, 2]
+    assert result.tokens[:, :2].tolist() == draft.tolist()
+
+
+def test_builtin_prompts_cover_every_category() -> None:
+    records = builtin_prompts()
+    assert len(records) == 13 and len({r.category for r in records}) == 13
+
+
+def test_first_divergence_reports_position_tokens_and_logits(default_model: LoadedModel) -> None:
+    llm = LLM(loaded=default_model)
+    prompt_ids = llm.encode([{"role": "user", "content": "Name the planets of the solar system."}])
+    plain = llm.generate([[{"role": "user", "content": "Name the planets of the solar system."}]], SamplingParams(max_tokens=6))[0].token_ids
+    wrong = plain[:3] + [(plain[3] + 1) % default_model.vocab_size] + plain[4:]
+    d = first_divergence(llm, prompt_ids, plain, wrong)
+    assert d is not None and d.position == 3
+    assert (d.plain_token, d.spec_token) == (plain[3], wrong[3])
+    assert d.plain_logit > d.spec_logit  # the plain token is the target's argmax there
+    assert first_divergence(llm, prompt_ids, plain, list(plain)) is None
+
+
+def test_verify_cli_greedy_passes_and_writes_json(tmp_path: Path) -> None:
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"id": "a", "category": "x", "turns": ["Repeat: one two three, one two three."]}) + "\n")
+    out = tmp_path / "v.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec.cli.main", "verify", "--data", str(data), "--max-tokens", "12", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "1/1 prompts token-identical" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["greedy"]["passed"] is True and report["greedy"]["identical"] == 1
