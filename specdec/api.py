@@ -102,9 +102,10 @@ class LLM:
         params = sampling_params or SamplingParams()
         batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else list(prompts)
         engine = self._engine(speculate)
+        encoded = [self.encode(prompt) for prompt in batch]  # every prompt checked before any runs
         outputs = []
-        for prompt in batch:
-            result: Generation = engine.generate(self.encode(prompt), params)
+        for prompt, prompt_ids in zip(batch, encoded):
+            result: Generation = engine.generate(prompt_ids, params)
             outputs.append(
                 RequestOutput(prompt, result.text, result.token_ids, result.finish_reason, result.stats)
             )

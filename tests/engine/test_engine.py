@@ -349,3 +349,12 @@ def test_unseeded_request_leaves_the_callers_random_stream_alone(tiny_model: Loa
         return torch.rand(4)
 
     assert torch.equal(caller(), caller())
+
+
+def test_a_bad_prompt_late_in_a_batch_fails_before_any_generation(default_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(loaded=default_model)
+    calls = []
+    monkeypatch.setattr(llm.plain_engine, "generate", lambda *a, **k: calls.append(a))
+    with pytest.raises(PromptError, match="prompt is empty"):
+        llm.generate(["Hello there", "   "], speculate=False)
+    assert calls == []
