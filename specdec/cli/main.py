@@ -131,6 +131,7 @@ def bench(
     category: Annotated[Optional[list[str]], typer.Option("--category", help="Only these categories (repeatable).")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per turn.")] = 128,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
+    report_dir: Annotated[Optional[Path], typer.Option("--report-dir", help="Write report.md and PNG plots into this folder.")] = None,
     peers: Annotated[bool, typer.Option("--peers", help="Also run transformers' generate (plain and prompt lookup) on the same prompts.")] = False,
     device: DeviceOpt = "cpu",
 ) -> None:
@@ -181,6 +182,11 @@ def bench(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
         err.print(f"report written to {json_path}")
+    if report_dir is not None:
+        from specdec.bench.plots import write_report_files
+
+        for path in write_report_files(report, report_dir):
+            err.print(f"wrote {path}")
 
 
 @app.command()

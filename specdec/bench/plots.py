@@ -1,0 +1,86 @@
+"""Report files for a benchmark: Markdown tables and PNG plots (matplotlib, no display)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+
+def plot_speedup_by_category(report: dict[str, Any], path: Path) -> None:
+    """Bars: speedup over its own plain decoding, per category, for every non-baseline system."""
+    systems = [name for name, base in report["baselines"].items() if base is not None]
+    categories = sorted(report["systems_by_category"])
+    width = 0.8 / max(1, len(systems))
+    fig, ax = plt.subplots(figsize=(max(6, len(categories) * 0.7), 4))
+    for i, name in enumerate(systems):
+        values = [report["systems_by_category"][c][name]["speedup"] for c in categories]
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(categories))], categories, rotation=45, ha="right")
+    ax.set_ylabel("speedup over own plain decoding")
+    ax.set_title(f"{report['model']}: {report['method_label']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_acceptance_by_position(report: dict[str, Any], path: Path) -> None:
+    """Line: fraction of drafted tokens accepted at each draft position, overall and per category."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    positions = max((len(s.get("per_position_acceptance") or []) for s in report["categories"].values()), default=0)
+    ax.set_xticks(range(1, positions + 1))
+    for name, stats in [("overall", report["overall"])] + sorted(report["categories"].items()):
+        per_position = stats.get("per_position_acceptance") or []
+        if per_position:
+            style = {"linewidth": 3, "color": "black"} if name == "overall" else {"linewidth": 1, "alpha": 0.6}
+            ax.plot(range(1, len(per_position) + 1), per_position, marker="o", label=name, **style)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"acceptance by draft position ({report['method_label']})")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(report: dict[str, Any], plots: list[str]) -> str:
+    lines = [
+        f"# specdec bench: {report['model']}, {report['method_label']}",
+        "",
+        f"Data: `{report['data']}`, {report['max_tokens']} tokens max per turn, greedy. "
+        "Speedup = tokens/s over the system's own plain decoding, measured interleaved in one process.",
+        "",
+        "| category | prompts | identical | plain tok/s | spec tok/s | speedup | acceptance | mean accepted length |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in sorted(report["categories"].items()) + [("**overall**", report["overall"])]:
+        lines.append(
+            f"| {name} | {s['prompts']} | {s['identical']}/{s['prompts']} | {s['tokens_per_s_baseline']:.1f} | "
+            f"{s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s.get('acceptance_rate', 0):.2f} | {s.get('mean_accepted_length', 0):.2f} |"
+        )
+    if len(report["systems"]) > 2:
+        lines += ["", "| system | tokens/s | speedup over own plain | identical |", "|---|---|---|---|"]
+        for name, s in report["systems"].items():
+            speedup = f"{s['speedup']:.2f}x" if "speedup" in s else "(baseline)"
+            identical = f"{s['identical']}/{s['prompts']}" if "identical" in s else "-"
+            lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {speedup} | {identical} |")
+    lines.append("")
+    lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_report_files(report: dict[str, Any], directory: Path) -> list[Path]:
+    """Write report.md, speedup_by_category.png and acceptance_by_position.png into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    plot_speedup_by_category(report, directory / "speedup_by_category.png")
+    plot_acceptance_by_position(report, directory / "acceptance_by_position.png")
+    names = ["speedup_by_category.png", "acceptance_by_position.png"]
+    (directory / "report.md").write_text(markdown(report, names))
+    return [directory / "report.md", *(directory / n for n in names)]
