@@ -30,7 +30,7 @@ from specdec.api import LLM, Message
 from specdec.bench.data import Record, load_records
 from specdec.config import SamplingParams
 from specdec.drafters.ngram import NgramDrafter
-from specdec.engine import Engine
+from specdec.engine import Engine, Generation
 from specdec.sampling import AcceptResult
 
 # Prompts whose answers repeat themselves, so that drafters propose often at every position.
@@ -112,8 +112,8 @@ def accept_every_draft(
     return AcceptResult(tokens=torch.cat([draft_tokens, bonus], dim=1), num_accepted=torch.full((batch,), k))
 
 
-def sample_continuations(engine: Engine, prompt_ids: list[int], params: SamplingParams, draws: int, seed0: int) -> list[list[int]]:
-    return [engine.generate(prompt_ids, dataclasses.replace(params, seed=seed0 + i)).token_ids for i in range(draws)]
+def sample_continuations(engine: Engine, prompt_ids: list[int], params: SamplingParams, draws: int, seed0: int) -> list[Generation]:
+    return [engine.generate(prompt_ids, dataclasses.replace(params, seed=seed0 + i)) for i in range(draws)]
 
 
 def homogeneity_pvalue(a: list[int], b: list[int], min_count: int = 5) -> float:
@@ -158,13 +158,11 @@ def compare_samples(
     for index, prompt in enumerate(prompts):
         prompt_ids = llm.encode([{"role": "user", "content": prompt}])
         # Different seeds for the two samples: the test compares distributions, not draws.
-        plain = sample_continuations(llm.plain_engine, prompt_ids, params, draws, seed0=1_000_000 * index)
-        spec = []
-        for i in range(draws):
-            out = spec_engine.generate(prompt_ids, dataclasses.replace(params, seed=1_000_000 * index + 500_000 + i))
-            spec.append(out.token_ids)
-            drafted += out.stats.drafted_tokens
-            accepted += out.stats.accepted_tokens
+        plain = [g.token_ids for g in sample_continuations(llm.plain_engine, prompt_ids, params, draws, 1_000_000 * index)]
+        spec_runs = sample_continuations(spec_engine, prompt_ids, params, draws, 1_000_000 * index + 500_000)
+        spec = [g.token_ids for g in spec_runs]
+        drafted += sum(g.stats.drafted_tokens for g in spec_runs)
+        accepted += sum(g.stats.accepted_tokens for g in spec_runs)
         if on_draws is not None:
             on_draws(2 * draws)
         for position in range(1, length):

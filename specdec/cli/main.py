@@ -34,7 +34,10 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda where a G
 
 
 def speculative_config(spec_json: str | None, method: str | None, k: int | None, draft_model: str | None) -> SpeculativeConfig | None:
-    """Combine --speculative-config with the shorthands, which override its keys."""
+    """Combine --speculative-config with the shorthands, which override its keys. With neither
+    a JSON config nor --method, the method is ngram."""
+    if spec_json is None and method is None:
+        method = "ngram"
     data: dict[str, Any] = {}
     if spec_json is not None:
         try:
@@ -98,7 +101,7 @@ def generate(
     """Generate from a prompt with speculative decoding (ngram by default) and print the text."""
     if not prompt.strip():
         raise ConfigError("prompt is empty")
-    spec = speculative_config(spec_json, method or ("ngram" if spec_json is None else None), k, draft_model)
+    spec = speculative_config(spec_json, method, k, draft_model)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop or ()))
     llm = _load(model, spec, device)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -141,7 +144,7 @@ def bench(
     from specdec.bench.runner import System, run_bench, specdec_runner, transformers_runner
 
     records = select(load_records(data), per_category, category)
-    spec = speculative_config(spec_json, method or ("ngram" if spec_json is None else None), k, draft_model)
+    spec = speculative_config(spec_json, method, k, draft_model)
     if spec is None:
         raise ConfigError("bench compares speculation with plain decoding: give a method other than 'none'")
     params = SamplingParams(max_tokens=max_tokens)
@@ -212,7 +215,7 @@ def verify(
     from specdec.bench import verify as v
     from specdec.bench.data import load_records
 
-    spec = speculative_config(spec_json, method or ("ngram" if spec_json is None else None), k, draft_model)
+    spec = speculative_config(spec_json, method, k, draft_model)
     if spec is None:
         raise ConfigError("verify checks a speculative configuration: give a method other than 'none'")
     if draws < 10 or length < 2:
