@@ -67,7 +67,8 @@ class LLM:
             self.engine = self.plain_engine
         else:
             drafter = build_drafter(self.speculative_config, self.target)
-            self.engine = Engine(self.target, drafter, self.speculative_config.num_speculative_tokens)
+            config = self.speculative_config
+            self.engine = Engine(self.target, drafter, config.num_speculative_tokens, adaptive=config.adaptive)
 
     @property
     def tokenizer(self):

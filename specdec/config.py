@@ -1,19 +1,22 @@
 """Frozen, validated configuration: how to sample, and how to speculate.
 
 The speculative config uses the vocabulary of serving stacks (vLLM's `speculative_config`):
-`method`, `num_speculative_tokens`, `model`, `prompt_lookup_min`, `prompt_lookup_max`.
+`method`, `num_speculative_tokens`, `model`, `prompt_lookup_min`, `prompt_lookup_max`, plus
+specdec's own keys for self-speculation (`quantization`, `layers`, `profile`) and `adaptive`.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from specdec.errors import ConfigError
 
 # Defaults per method, chosen by measurement (see README, "Choosing k").
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 3}
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -59,18 +62,30 @@ class SamplingParams:
 class SpeculativeConfig:
     """What drafts the guesses and how many.
 
-    method: a registered drafter name (`ngram`, `draft_model`).
+    method: a registered drafter name (`ngram`, `draft_model`, `layer_skip`).
     num_speculative_tokens: k, the most tokens drafted per target step (>= 1).
-    model: the draft model for `draft_model` (same forms as the target: a GGUF path, a
-        Hugging Face model directory, or `default`).
+    model: the draft model for `draft_model`: the same forms as the target (a GGUF path, a
+        Hugging Face model directory, `default`), or `target` for the target's own weights.
+    quantization: `int8` quantizes the draft model's linear layers (weight-only int8 with
+        dynamic activation scaling) in a copy that shares the target's embeddings; with
+        `model: target` this is the quantized self-draft.
     prompt_lookup_min / prompt_lookup_max: n-gram sizes `ngram` tries, longest first.
+    layers: for `layer_skip`, the target's layers (0-based indices) the draft runs.
+    profile: for `layer_skip`, a calibration profile file (`specdec calibrate`) naming them.
+        Without either, the profile shipped for the model, else a default set.
+    adaptive: let the number of drafted tokens follow acceptance (at most
+        num_speculative_tokens), and switch speculation off for a while when it does not pay.
     """
 
     method: str
     num_speculative_tokens: int | None = None
     model: str | None = None
+    quantization: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 6
+    layers: tuple[int, ...] | None = None
+    profile: str | None = None
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         # Imported here: the registry imports drafters, which import this module.
@@ -96,6 +111,29 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model" and not self.model:
             raise ConfigError("method 'draft_model' needs a draft model: set 'model' in the speculative config")
+        if self.quantization is not None:
+            if self.method != "draft_model":
+                raise ConfigError("'quantization' applies to method 'draft_model' only")
+            if self.quantization not in QUANTIZATIONS:
+                raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of: {', '.join(QUANTIZATIONS)}")
+        if self.layers is not None:
+            layers = self.layers
+            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+                raise ConfigError(f"layers must be a list of layer indices, got {layers!r}")
+            layers = tuple(layers)
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+                raise ConfigError(f"layers must be a non-empty list of integers >= 0, got {list(layers)!r}")
+            if len(set(layers)) != len(layers):
+                raise ConfigError(f"layers must not repeat a layer, got {list(layers)!r}")
+            object.__setattr__(self, "layers", tuple(sorted(layers)))
+        if (self.layers is not None or self.profile is not None) and self.method != "layer_skip":
+            raise ConfigError("'layers' and 'profile' apply to method 'layer_skip' only")
+        if self.layers is not None and self.profile is not None:
+            raise ConfigError("give 'layers' or 'profile' for layer_skip, not both")
+        if self.profile is not None and not Path(self.profile).expanduser().is_file():
+            raise ConfigError(f"layer_skip profile not found: {self.profile}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
@@ -117,5 +155,33 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative config is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
         return cls.from_dict(data)
 
+    @classmethod
+    def from_file(cls, path: str | Path, category: str | None = None) -> SpeculativeConfig | None:
+        """Load a config from a JSON file: either the config object itself, or a
+        recommendation written by `specdec tune` (`{"speculative_config": {...},
+        "per_category": {category: {...}}}`), from which `category` picks an entry.
+        A recommendation of `null` (plain decoding pays best) loads as None."""
+        path = Path(path).expanduser()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read speculative config {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        if isinstance(data, dict) and "speculative_config" in data:
+            per_category = data.get("per_category") or {}
+            if category is not None and category not in per_category:
+                known = ", ".join(sorted(per_category)) or "none"
+                raise ConfigError(f"{path} has no recommendation for category {category!r}; it has: {known}")
+            data = per_category[category] if category is not None else data["speculative_config"]
+            if data is None:
+                return None
+        elif category is not None:
+            raise ConfigError(f"{path} is a single config, not a recommendation per category")
+        return cls.from_dict(data)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.layers is not None:
+            data["layers"] = list(self.layers)
+        return data

@@ -14,7 +14,7 @@ from specdec.errors import ConfigError, SpecDecError
 
 
 def test_registered_methods() -> None:
-    assert registered_methods() == ["draft_model", "ngram"]
+    assert registered_methods() == ["draft_model", "layer_skip", "ngram"]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -46,7 +46,7 @@ def test_config_is_frozen_and_round_trips() -> None:
         ),
         ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer >= 1, got '4'"),
         ({"method": "ngram", "num_speculative_tokens": 65}, "num_speculative_tokens must be <= 64, got 65"),
-        ({"method": "eagle"}, "unknown speculative method 'eagle'; choose one of: draft_model, ngram"),
+        ({"method": "eagle"}, "unknown speculative method 'eagle'; choose one of: draft_model, layer_skip, ngram"),
         ({"method": "draft_model"}, "method 'draft_model' needs a draft model"),
         ({"method": "draft_model", "model": ""}, "method 'draft_model' needs a draft model"),
         (
@@ -83,7 +83,7 @@ def test_invalid_json_config(text: str, message: str) -> None:
 
 
 def test_unknown_keys_are_all_named() -> None:
-    with pytest.raises(ConfigError, match=r"unknown speculative config key\(s\): draft, k; known: method, model, "):
+    with pytest.raises(ConfigError, match=r"unknown speculative config key\(s\): draft, k; known: adaptive, layers, method, model, "):
         SpeculativeConfig.from_dict({"method": "ngram", "k": 3, "draft": "x"})
 
 

@@ -1,4 +1,5 @@
-"""A separate, smaller draft model with its own KV cache.
+"""A draft model with its own KV cache: a separate smaller model, an int8 copy of the target
+(`model: target, quantization: int8`), or the target's own layers (`layer_skip`).
 
 The draft runs k single-token steps per round. Its cache is kept in step with the target by
 keeping the longest prefix of what it has cached that is still in the committed context, and
@@ -7,6 +8,7 @@ rolling back the rest (a length move, no copy).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Proposal, register
 from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import LoadedModel, default_model_path, load_model
+from specdec.models.quantize import quantize_int8
 from specdec.models.runner import ModelRunner
 from specdec.models.vocab import check_vocabulary_compatible
 from specdec.sampling.probs import logits_to_probs, sample
@@ -32,8 +35,10 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class DraftModelDrafter:
-    def __init__(self, draft: LoadedModel) -> None:
-        self.runner = ModelRunner(draft)
+    """Drafts with `draft`, or with only the given decoder layers of it (self-speculation)."""
+
+    def __init__(self, draft: LoadedModel, layers: Sequence[int] | None = None) -> None:
+        self.runner = ModelRunner(draft, layers)
         self.cache: PreallocatedCache | None = None
         self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
 
@@ -75,6 +80,8 @@ class DraftModelDrafter:
 
 
 def _same_model(name: str, target: LoadedModel) -> bool:
+    if name == "target":
+        return True
     path = default_model_path() if name == "default" else Path(name).expanduser()
     return path.resolve() == Path(target.source).resolve()
 
@@ -85,4 +92,6 @@ def _build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
     # A target drafting for itself shares its weights instead of loading them again.
     draft = target if _same_model(config.model, target) else load_model(config.model, device=target.device)
     check_vocabulary_compatible(target, draft)
+    if config.quantization == "int8":
+        draft = quantize_int8(draft)
     return DraftModelDrafter(draft)

@@ -15,6 +15,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter, Proposal
+from specdec.engine.adaptive import AdaptiveK, FixedK, SpeculationPolicy
 from specdec.engine.stats import RequestStats
 from specdec.engine.text import TextAssembler
 from specdec.errors import PromptError
@@ -68,6 +69,7 @@ class Engine:
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 0,
         sampling_rule: SamplingRule = speculative_accept,
+        adaptive: bool = False,
     ) -> None:
         if drafter is not None and num_speculative_tokens < 1:
             raise ValueError("a drafter needs num_speculative_tokens >= 1")
@@ -75,6 +77,7 @@ class Engine:
         self.runner = ModelRunner(target)
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
+        self.adaptive = adaptive and drafter is not None
         self.sampling_rule = sampling_rule
         self._last_prefill: _Prefill | None = None
         self._busy = False
@@ -87,9 +90,14 @@ class Engine:
             generator.manual_seed(params.seed)
         return generator
 
+    def new_policy(self) -> SpeculationPolicy:
+        """How many tokens each step of a new request drafts."""
+        return AdaptiveK(self.k) if self.adaptive else FixedK(self.k)
+
     def _steps(self, prompt_ids: list[int], params: SamplingParams, budget: int, stats: RequestStats) -> Iterator[list[int]]:
         """Yield the tokens each target pass commits; the caller stops iterating when done."""
         generator = None if params.greedy else self._new_generator(params)
+        policy = self.new_policy()
         max_len = len(prompt_ids) + budget  # the cache never holds the last committed token
         if self.drafter is not None:
             self.drafter.begin(prompt_ids, max_len)
@@ -105,11 +113,13 @@ class Engine:
         yield first
 
         while True:
-            # 1. Draft up to k tokens; never more than the request can still use.
-            room = min(self.k, budget - generated - 1)
+            # 1. Draft up to k tokens (the policy's k); never more than the request can still use.
+            start = time.perf_counter()
+            room = min(policy.next_k(), budget - generated - 1)
             proposal = self.drafter.propose(context, room, params, generator) if room > 0 else NO_PROPOSAL
             draft = proposal.tokens[:room]
             draft_probs = proposal.probs[: len(draft)] if proposal.probs is not None else None
+            drafted = time.perf_counter()
 
             # 2. Verify: one target pass over the last committed token and the draft.
             verified_from = cache.length  # == len(context) - 1: the last token is not cached yet
@@ -127,7 +137,9 @@ class Engine:
             generated += len(committed)
             if self.drafter is not None:
                 self.drafter.commit(context, num_accepted)
-            stats.record_step(len(draft), num_accepted)
+            draft_time, verify_time = drafted - start, time.perf_counter() - drafted
+            policy.observe(len(draft), num_accepted, draft_time, verify_time)
+            stats.record_step(len(draft), num_accepted, draft_time, verify_time)
             yield committed
 
     def _prefill(self, prompt_ids: list[int], max_len: int) -> tuple[PreallocatedCache, torch.Tensor]:

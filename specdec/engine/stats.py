@@ -12,6 +12,11 @@
 - target_forward_passes = target_steps + 1 (the prefill).
 - wall_time_s: from the request's start to its last token; tokens_per_s = generated_tokens /
   wall_time_s, prefill included.
+- draft_time_s: time spent in the drafter proposing; verify_time_s: time spent in target
+  passes after prefill and in acceptance. Their ratio per token is the draft/target cost
+  ratio that `specdec tune` and `specdec estimate` use.
+- undrafted_steps: target steps that verified an empty draft (nothing proposed, or
+  speculation switched off by adaptive k); they cost what a plain step costs.
 
 Counts are taken before truncation at a stop condition, so committed tokens may exceed
 generated_tokens by the tokens dropped after EOS, a stop string or max_tokens.
@@ -33,11 +38,17 @@ class RequestStats:
     target_steps: int = 0
     prefill_time_s: float = 0.0
     wall_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    undrafted_steps: int = 0
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, draft_time_s: float = 0.0, verify_time_s: float = 0.0) -> None:
         self.target_steps += 1
+        self.draft_time_s += draft_time_s
+        self.verify_time_s += verify_time_s
+        self.undrafted_steps += drafted == 0
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.committed_tokens += accepted + 1
@@ -53,7 +64,8 @@ class RequestStats:
     def merge(self, other: RequestStats) -> None:
         """Add another request's counts and times to these (for totals over many requests)."""
         for name in ("prompt_tokens", "generated_tokens", "drafted_tokens", "accepted_tokens", "committed_tokens",
-                     "target_steps", "prefill_time_s", "wall_time_s"):
+                     "target_steps", "prefill_time_s", "wall_time_s", "draft_time_s", "verify_time_s",
+                     "undrafted_steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         grow = len(other.drafted_at) - len(self.drafted_at)
         if grow > 0:
@@ -93,6 +105,9 @@ class RequestStats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "target_forward_passes": self.target_forward_passes,
+            "undrafted_steps": self.undrafted_steps,
+            "draft_time_s": round(self.draft_time_s, 4),
+            "verify_time_s": round(self.verify_time_s, 4),
             "wall_time_s": round(self.wall_time_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
         }

@@ -8,6 +8,8 @@ the length, and the stale entries past it are overwritten by the next forward pa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -77,15 +79,20 @@ class ContextOverflowError(ValueError):
 
 
 class PreallocatedCache(Cache):
-    """KV cache for every layer of one model, preallocated to `max_len` positions."""
+    """KV cache for the layers of one model, preallocated to `max_len` positions.
 
-    def __init__(self, num_layers: int, max_len: int) -> None:
+    held: the layers that are run (a draft running a subset of the target's layers); the
+    others keep no keys or values. None: every layer.
+    """
+
+    def __init__(self, num_layers: int, max_len: int, held: Sequence[int] | None = None) -> None:
         super().__init__(layers=[PreallocatedLayer(max_len) for _ in range(num_layers)])
         self.max_len = max_len
+        self._first = 0 if held is None else min(held)  # a layer whose length is the cache's
 
     @property
     def length(self) -> int:
-        return self.layers[0].length
+        return self.layers[self._first].length
 
     def rollback(self, length: int) -> None:
         """Forget every position at or past `length`. Moves a length on each layer; copies nothing."""

@@ -309,9 +309,14 @@ def test_speculative_stats_follow_their_definitions(default_model: LoadedModel) 
         "mean_accepted_length",
         "per_position_acceptance",
         "target_forward_passes",
+        "undrafted_steps",
+        "draft_time_s",
+        "verify_time_s",
         "wall_time_s",
         "tokens_per_s",
     }
+    assert stats.undrafted_steps == stats.target_steps - stats.drafted_at[0]  # steps that drafted nothing
+    assert 0 < stats.draft_time_s < stats.verify_time_s < stats.wall_time_s
 
 
 def test_record_step() -> None:
