@@ -155,6 +155,23 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative config is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
         return cls.from_dict(data)
 
+    @property
+    def label(self) -> str:
+        """A short name for tables: method, what drafts, k, adaptive."""
+        parts = [self.method]
+        if self.method == "draft_model" and self.model:
+            parts.append("self" if self.model == "target" else Path(self.model).name)
+        if self.quantization:
+            parts.append(self.quantization)
+        if self.profile:
+            parts.append(Path(self.profile).stem)
+        elif self.layers is not None:
+            parts.append(f"{len(self.layers)} layers")
+        parts.append(f"k={self.num_speculative_tokens}")
+        if self.adaptive:
+            parts.append("adaptive")
+        return " ".join(parts)
+
     @classmethod
     def from_file(cls, path: str | Path, category: str | None = None) -> SpeculativeConfig | None:
         """Load a config from a JSON file: either the config object itself, or a

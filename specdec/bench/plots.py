@@ -31,14 +31,20 @@ def plot_speedup_by_category(report: dict[str, Any], path: Path) -> None:
 
 
 def plot_acceptance_by_position(report: dict[str, Any], path: Path) -> None:
-    """Line: fraction of drafted tokens accepted at each draft position, overall and per category."""
+    """Line: fraction of drafted tokens accepted at each draft position, overall and per
+    category; with several speculative systems, overall per system."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    positions = max((len(s.get("per_position_acceptance") or []) for s in report["categories"].values()), default=0)
+    speculative = [n for n, s in report["systems"].items() if s.get("per_position_acceptance")]
+    if len(speculative) > 1:
+        lines = [(name, report["systems"][name]) for name in speculative]
+    else:
+        lines = [("overall", report["overall"])] + sorted(report["categories"].items())
+    positions = max((len(s.get("per_position_acceptance") or []) for _, s in lines), default=0)
     ax.set_xticks(range(1, positions + 1))
-    for name, stats in [("overall", report["overall"])] + sorted(report["categories"].items()):
+    for name, stats in lines:
         per_position = stats.get("per_position_acceptance") or []
         if per_position:
-            style = {"linewidth": 3, "color": "black"} if name == "overall" else {"linewidth": 1, "alpha": 0.6}
+            style = {"linewidth": 3, "color": "black"} if name == "overall" else {"linewidth": 1.5, "alpha": 0.8}
             ax.plot(range(1, len(per_position) + 1), per_position, marker="o", label=name, **style)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance")
@@ -66,11 +72,18 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
             f"{s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s.get('acceptance_rate', 0):.2f} | {s.get('mean_accepted_length', 0):.2f} |"
         )
     if len(report["systems"]) > 2:
-        lines += ["", "| system | tokens/s | speedup over own plain | identical |", "|---|---|---|---|"]
+        lines += ["", "| system | tokens/s | speedup over own plain | identical | acceptance | mean accepted length |",
+                  "|---|---|---|---|---|---|"]
         for name, s in report["systems"].items():
             speedup = f"{s['speedup']:.2f}x" if "speedup" in s else "(baseline)"
             identical = f"{s['identical']}/{s['prompts']}" if "identical" in s else "-"
-            lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {speedup} | {identical} |")
+            accept = f"{s['acceptance_rate']:.2f} | {s['mean_accepted_length']:.2f}" if "acceptance_rate" in s else "- | -"
+            lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {speedup} | {identical} | {accept} |")
+        compared = [n for n, base in report["baselines"].items() if base is not None]
+        lines += ["", "Speedup over own plain decoding, per category:", "",
+                  "| category | " + " | ".join(compared) + " |", "|---|" + "---|" * len(compared)]
+        for category, systems in sorted(report["systems_by_category"].items()):
+            lines.append(f"| {category} | " + " | ".join(f"{systems[n]['speedup']:.2f}x" for n in compared) + " |")
     lines.append("")
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"

@@ -63,3 +63,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                 f"{s['identical']}/{s['prompts']}" if "identical" in s else "-",
             )
         console.print(peers)
+        compared = [n for n, base in report["baselines"].items() if base is not None]
+        by_category = Table(title="Speedup over own plain decoding, per category")
+        by_category.add_column("category", no_wrap=True)
+        for name in compared:
+            by_category.add_column(name, justify="right")
+        for category, systems in sorted(report["systems_by_category"].items()):
+            by_category.add_row(category, *(_fmt(systems[n]["speedup"]) + "x" for n in compared))
+        console.print(by_category)

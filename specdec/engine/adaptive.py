@@ -8,7 +8,9 @@ when it does not pay, by measuring, per request, what a committed token costs:
 - Every `window` speculative steps, the time per committed token while speculating (draft
   plus verification) is compared with the time of a plain step (a target pass over one
   token, measured on the request's own undrafted steps; one is taken on purpose when none
-  has happened yet). When speculating is slower, speculation is off for `backoff` steps, after
+  has happened yet). When speculating is slower, or no drafted token at all was accepted in
+  the window (then it cannot be faster, whatever the timer says), speculation is off for
+  `backoff` steps, after
   which it probes again; each failed probe doubles the backoff (up to `max_backoff`), and a
   probe that pays resets it.
 
@@ -88,7 +90,7 @@ class AdaptiveK:
 
     def _judge_window(self) -> None:
         time_per_token = self._window_time_s / self._window_tokens
-        if time_per_token > self.plain_step_s:
+        if time_per_token > self.plain_step_s or self._window_tokens == self._window_steps:
             self.off_steps_left = self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)
             self.switched_off += 1

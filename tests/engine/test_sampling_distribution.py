@@ -22,6 +22,7 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.models import LoadedModel
+from specdec.models.quantize import quantize_int8
 from specdec.sampling import AcceptResult, logits_to_probs
 
 VOCAB = 8
@@ -126,10 +127,37 @@ def test_setup_target_and_draft_disagree(target: LoadedModel, draft: LoadedModel
     assert 0.5 * (exact_target - exact_draft).abs().sum().item() > 0.5
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
+def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
+    """Every drafter family on the tiny models: a separate draft, prompt lookup, the target's
+    first layer only (self-speculation), the target in int8, and a draft with adaptive k."""
+    if name == "draft_model":
+        return Engine(target, DraftModelDrafter(draft), 2)
+    if name == "ngram":
+        return Engine(target, NgramDrafter(1, 3), 2)
+    if name == "layer_skip":
+        return Engine(target, DraftModelDrafter(target, layers=[0]), 2)
+    if name == "int8":
+        return Engine(target, DraftModelDrafter(quantize_int8(target)), 2)
+    if name == "adaptive":
+        return Engine(target, DraftModelDrafter(draft), 2, adaptive=True)
+    raise ValueError(name)
+
+
+def test_setup_self_drafts_differ_from_target(target: LoadedModel) -> None:
+    # The self-drafts must not be the target's own distribution, or the test below is vacuous.
+    exact_target = exact_sequence_probs(target, SAMPLED)
+    for name in ("layer_skip", "int8"):
+        drafter = make_engine(name, target, target).drafter
+        params = dataclasses.replace(SAMPLED, max_tokens=12)
+        engine = Engine(target, drafter, 3)
+        rates = [engine.generate(PROMPT, dataclasses.replace(params, seed=s)).stats.acceptance_rate for s in range(20)]
+        assert sum(rates) / len(rates) < 1.0, name
+    assert exact_target.sum().item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive"])
 def test_speculative_sampling_follows_target(target: LoadedModel, draft: LoadedModel, drafter: str) -> None:
-    instance = DraftModelDrafter(draft) if drafter == "draft_model" else NgramDrafter(1, 3)
-    engine = Engine(target, instance, 2)
+    engine = make_engine(drafter, target, draft)
     samples = sample_sequences(engine, SAMPLED, 2500)
     exact = exact_sequence_probs(target, SAMPLED)
     assert chi2_pvalue(samples, exact) > 1e-3

@@ -1,0 +1,137 @@
+"""Self-speculation: running a subset of the target's layers, profiles, and the int8 self-draft."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import SpeculativeConfig
+from specdec.drafters import build_drafter
+from specdec.drafters.layer_skip import LayerSkipProfile, default_layers, resolve_layers, shipped_profile
+from specdec.errors import ConfigError
+from specdec.models import LoadedModel
+from specdec.models.quantize import quantize_int8, quantized_bytes
+from specdec.models.runner import ModelRunner
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to hide."
+
+
+def ids(model: LoadedModel) -> list[int]:
+    return model.tokenizer(TEXT, add_special_tokens=True)["input_ids"]
+
+
+def test_all_layers_reproduce_the_full_model(tiny_model: LoadedModel) -> None:
+    tokens = ids(tiny_model)
+    full, subset = ModelRunner(tiny_model), ModelRunner(tiny_model, layers=[1, 0])
+    assert subset.layers == (0, 1)
+    full_cache, subset_cache = full.new_cache(64), subset.new_cache(64)
+    # A prompt, then a 3-token block after a rollback: the cached path and the mask both count.
+    for block in (tokens, [5, 6, 7]):
+        expected = full.forward(full_cache, block).logits
+        got = subset.forward(subset_cache, block).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        full_cache.rollback(full_cache.length - 1)
+        subset_cache.rollback(subset_cache.length - 1)
+    assert subset_cache.length == full_cache.length
+
+
+def test_a_subset_runs_only_its_layers(tiny_model: LoadedModel) -> None:
+    tokens = ids(tiny_model)
+    runner = ModelRunner(tiny_model, layers=[1])
+    cache = runner.new_cache(64)
+    logits = runner.forward(cache, tokens).logits
+    assert cache.length == len(tokens)
+    assert cache.layers[0].length == 0 and cache.layers[1].length == len(tokens)
+    full = ModelRunner(tiny_model).forward(ModelRunner(tiny_model).new_cache(64), tokens).logits
+    assert not torch.allclose(logits, full)  # skipping layer 0 does change the output
+    # Step by step gives what one pass gives: the subset's cache and positions are consistent.
+    cache.rollback(0)
+    stepwise = [runner.forward(cache, [t]).logits[0] for t in tokens]
+    torch.testing.assert_close(torch.stack(stepwise), logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layers", [[], [-1], [2], [0, 5]])
+def test_invalid_layers(tiny_model: LoadedModel, layers: list[int]) -> None:
+    with pytest.raises(ConfigError, match="layers"):
+        ModelRunner(tiny_model, layers=layers)
+
+
+def test_other_architectures_are_refused_with_a_clear_message(tiny_model: LoadedModel) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2))
+    other = LoadedModel(model=gpt2, tokenizer=tiny_model.tokenizer, name="tiny-gpt2", source="memory")
+    with pytest.raises(ConfigError, match="tiny-gpt2 is a 'gpt2' model"):
+        ModelRunner(other, layers=[0, 1])
+
+
+def test_default_layers() -> None:
+    assert default_layers(30) == (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 15, 17, 19, 21, 23, 24, 25, 26, 27, 28, 29)
+    assert default_layers(2) == (0, 1)
+    assert set(default_layers(12)) >= {0, 11}
+
+
+def test_profile_round_trip_and_resolution(tmp_path: Path, tiny_model: LoadedModel) -> None:
+    profile = LayerSkipProfile(model="tiny", num_layers=2, layers=(1,), acceptance=0.5, cost_ratio=0.6,
+                               num_speculative_tokens=2, expected_speedup=0.9)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert LayerSkipProfile.load(path) == profile
+    config = SpeculativeConfig(method="layer_skip", profile=str(path))
+    assert resolve_layers(config, tiny_model) == (1,)
+    assert resolve_layers(SpeculativeConfig(method="layer_skip", layers=(0,)), tiny_model) == (0,)
+    assert resolve_layers(SpeculativeConfig(method="layer_skip"), tiny_model) == default_layers(2)
+    # A profile for another depth is refused.
+    json_data = json.loads(path.read_text())
+    path.write_text(json.dumps(json_data | {"num_layers": 30}))
+    with pytest.raises(ConfigError, match="30-layer"):
+        resolve_layers(config, tiny_model)
+    path.write_text("{}")
+    with pytest.raises(ConfigError, match="not a layer_skip profile"):
+        resolve_layers(config, tiny_model)
+
+
+def test_config_checks() -> None:
+    with pytest.raises(ConfigError, match="apply to method 'layer_skip' only"):
+        SpeculativeConfig(method="ngram", layers=(1, 2))
+    with pytest.raises(ConfigError, match="not both"):
+        SpeculativeConfig(method="layer_skip", layers=(1,), profile=__file__)
+    with pytest.raises(ConfigError, match="profile not found"):
+        SpeculativeConfig(method="layer_skip", profile="/nonexistent/profile.json")
+    with pytest.raises(ConfigError, match="must not repeat"):
+        SpeculativeConfig(method="layer_skip", layers=(1, 1))
+    with pytest.raises(ConfigError, match="quantization"):
+        SpeculativeConfig(method="draft_model", model="target", quantization="int4")
+    with pytest.raises(ConfigError, match="'quantization' applies"):
+        SpeculativeConfig(method="ngram", quantization="int8")
+    assert SpeculativeConfig(method="layer_skip", layers=[3, 1]).to_dict()["layers"] == [1, 3]
+
+
+@pytest.mark.slow
+def test_shipped_profile_is_used_for_the_default_model(default_model: LoadedModel) -> None:
+    profile = shipped_profile(default_model.name)
+    assert profile is not None and profile.num_layers == 30
+    drafter = build_drafter(SpeculativeConfig(method="layer_skip"), default_model)
+    assert drafter.runner.layers == profile.layers
+
+
+@pytest.mark.slow
+def test_int8_self_draft_shares_embeddings_and_leaves_the_target_alone(default_model: LoadedModel) -> None:
+    target_types = [type(m) for m in default_model.model.modules()]
+    draft = quantize_int8(default_model)
+    assert [type(m) for m in default_model.model.modules()] == target_types
+    embed = default_model.model.get_input_embeddings().weight
+    assert draft.model.get_input_embeddings().weight.data_ptr() == embed.data_ptr()
+    # What it adds: about one byte per linear weight (the tied LM head included), no more.
+    linear = sum(m.weight.numel() for m in default_model.model.modules() if isinstance(m, torch.nn.Linear))
+    added = quantized_bytes(draft.model)
+    assert linear <= added < 1.05 * linear
+    # Its greedy choices mostly agree with the target's.
+    tokens = ids(default_model)
+    target_logits = ModelRunner(default_model).forward(ModelRunner(default_model).new_cache(64), tokens).logits
+    draft_logits = ModelRunner(draft).forward(ModelRunner(draft).new_cache(64), tokens).logits
+    agree = (target_logits.argmax(-1) == draft_logits.argmax(-1)).float().mean().item()
+    assert agree > 0.8

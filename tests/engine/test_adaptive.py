@@ -1,0 +1,143 @@
+"""Adaptive k: the policy on its own with given times, and through the engine on the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import SamplingParams
+from specdec.drafters import Proposal
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine import Engine
+from specdec.engine.adaptive import AdaptiveK, FixedK
+from specdec.models import LoadedModel
+
+PLAIN_STEP = 0.030  # seconds, the made-up cost of an undrafted step below
+
+
+def run(policy: AdaptiveK, steps: list[tuple[int, float]], plain_s: float = PLAIN_STEP) -> list[int]:
+    """Feed the policy steps of (accepted tokens, step time) and return the k it asked for at
+    each. A step asked for k = 0 is a plain step costing plain_s."""
+    asked = []
+    for accepted, seconds in steps:
+        k = policy.next_k()
+        asked.append(k)
+        if k == 0:
+            policy.observe(0, 0, 0.0, plain_s)
+        else:
+            policy.observe(k, min(accepted, k), 0.0, seconds)
+    return asked
+
+
+def test_fixed_k_is_fixed() -> None:
+    policy = FixedK(3)
+    policy.observe(3, 0, 1.0, 1.0)
+    assert policy.next_k() == 3
+
+
+def test_k_grows_after_full_acceptance_and_shrinks_after_rejection() -> None:
+    policy = AdaptiveK(k_max=5, window=100)
+    policy.k = 2
+    policy.observe(2, 2, 0.0, 0.01)
+    assert policy.k == 3
+    policy.observe(3, 3, 0.0, 0.01)
+    policy.observe(4, 4, 0.0, 0.01)
+    policy.observe(5, 5, 0.0, 0.01)
+    assert policy.k == 5  # bounded by k_max
+    policy.observe(5, 1, 0.0, 0.01)
+    assert policy.k == 4
+    for _ in range(10):
+        policy.observe(policy.k, 0, 0.0, 0.01)
+    assert policy.k == 1  # bounded below by 1
+
+
+def test_measures_a_plain_step_before_judging() -> None:
+    policy = AdaptiveK(k_max=4, window=3)
+    asked = run(policy, [(4, 0.04)] * 3 + [(4, 0.04)])
+    assert asked[:3] == [4, 4, 4]
+    assert asked[3] == 0  # no plain step seen yet: take one to compare with
+    assert policy.plain_step_s == pytest.approx(PLAIN_STEP)
+
+
+def test_switches_off_when_slower_and_probes_again_with_growing_backoff() -> None:
+    policy = AdaptiveK(k_max=2, window=4, backoff=5, max_backoff=20)
+    policy.observe(0, 0, 0.0, PLAIN_STEP)  # a plain step is known
+    # Every draft rejected: 1 token per 45 ms step against 30 ms plain steps. Not paying.
+    asked = run(policy, [(0, 0.045)] * 4)
+    assert asked == [2, 1, 1, 1]
+    assert policy.switched_off == 1 and not policy.speculating
+    asked = run(policy, [(0, 0.045)] * 5)
+    assert asked == [0] * 5  # off for `backoff` steps
+    assert policy.speculating  # then it probes
+    asked = run(policy, [(0, 0.045)] * 4 + [(0, 0.045)] * 10)
+    assert asked[:4] == [1, 1, 1, 1] and asked[4:] == [0] * 10  # the next backoff is doubled
+    assert policy.switched_off == 2
+
+
+def test_a_paying_probe_keeps_speculating_and_resets_the_backoff() -> None:
+    policy = AdaptiveK(k_max=3, window=4, backoff=5, max_backoff=40)
+    policy.observe(0, 0, 0.0, PLAIN_STEP)
+    run(policy, [(0, 0.045)] * 4 + [(0, 0.0)] * 5)  # off once, backoff now 10
+    assert policy.backoff == 10
+    # All accepted: 4 tokens per 50 ms step beats 30 ms per token.
+    asked = run(policy, [(3, 0.05)] * 12)
+    assert 0 not in asked
+    assert policy.backoff == 5 and policy.switched_off == 1
+
+
+def test_invalid_settings() -> None:
+    with pytest.raises(ValueError):
+        AdaptiveK(k_max=0)
+    with pytest.raises(ValueError):
+        AdaptiveK(k_max=2, backoff=50, max_backoff=10)
+
+
+# --- through the engine, on the real default model -------------------------------------------
+
+
+class WrongDrafter:
+    """Proposes tokens the target never picks (the vocabulary's last ids), counting its calls."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.calls = 0
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        self.calls += 1
+        return Proposal([self.vocab_size - 1 - i for i in range(k)])
+
+    def commit(self, context: list[int], num_accepted: int) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_adaptive_switches_a_useless_drafter_off_without_changing_output(default_model: LoadedModel) -> None:
+    prompt = default_model.tokenizer("The history of the printing press begins", add_special_tokens=True)["input_ids"]
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    plain = Engine(default_model).generate(prompt, params)
+    drafter = WrongDrafter(default_model.vocab_size)
+    adaptive = Engine(default_model, drafter, 4, adaptive=True).generate(prompt, params)
+    assert adaptive.token_ids == plain.token_ids
+    stats = adaptive.stats
+    assert stats.accepted_tokens == 0
+    # Off most of the time: the drafter is not even asked while speculation is off.
+    assert stats.undrafted_steps > stats.target_steps / 2
+    assert drafter.calls == stats.target_steps - stats.undrafted_steps
+
+
+@pytest.mark.slow
+def test_adaptive_keeps_a_paying_drafter_on(default_model: LoadedModel) -> None:
+    text = "one two three four five six seven eight nine ten. " * 6
+    prompt = default_model.tokenizer(text + "one two", add_special_tokens=True)["input_ids"]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    plain = Engine(default_model).generate(prompt, params)
+    fixed = Engine(default_model, NgramDrafter(1, 6), 6).generate(prompt, params)
+    adaptive = Engine(default_model, NgramDrafter(1, 6), 6, adaptive=True).generate(prompt, params)
+    assert adaptive.token_ids == fixed.token_ids == plain.token_ids
+    # The text repeats: lookup is right nearly always, and adaptive k keeps drafting.
+    assert adaptive.stats.acceptance_rate > 0.8
+    assert adaptive.stats.mean_accepted_length > 3
+    assert adaptive.stats.undrafted_steps <= 2
