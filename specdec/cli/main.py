@@ -26,7 +26,7 @@ err = Console(stderr=True)
 out = Console(width=None if sys.stdout.isatty() else 160)
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file, a Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct).")]
-SpecOpt = Annotated[Optional[str], typer.Option("--speculative-config", help="JSON, as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, ...}.")]
+SpecOpt = Annotated[Optional[str], typer.Option("--speculative-config", help="JSON, as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, ...}; or a JSON file, such as the recommended.json of specdec tune.")]
 MethodOpt = Annotated[Optional[str], typer.Option("--method", help="Drafter: ngram, draft_model, or 'none' for plain decoding. [default: ngram]")]
 KOpt = Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Most tokens drafted per target step.")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for --method draft_model (same forms as --model).")]
@@ -34,12 +34,19 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda where a G
 
 
 def speculative_config(spec_json: str | None, method: str | None, k: int | None, draft_model: str | None) -> SpeculativeConfig | None:
-    """Combine --speculative-config with the shorthands, which override its keys. With neither
-    a JSON config nor --method, the method is ngram."""
+    """Combine --speculative-config (JSON text, or a file that holds it) with the shorthands,
+    which override its keys. With neither a config nor --method, the method is ngram. A file
+    written by `specdec tune` gives its overall recommendation, which may be plain decoding."""
     if spec_json is None and method is None:
         method = "ngram"
     data: dict[str, Any] = {}
-    if spec_json is not None:
+    config_file = _config_file(spec_json)
+    if config_file is not None:
+        from_file = SpeculativeConfig.from_file(config_file)
+        if from_file is None and method is None and k is None and draft_model is None:
+            return None  # the file recommends plain decoding
+        data = from_file.to_dict() if from_file is not None else {}
+    elif spec_json is not None:
         try:
             data = json.loads(spec_json)
         except json.JSONDecodeError as exc:
@@ -60,6 +67,16 @@ def speculative_config(spec_json: str | None, method: str | None, k: int | None,
         return None
     data.setdefault("method", "ngram")
     return SpeculativeConfig.from_dict(data)
+
+
+def _config_file(value: str | None) -> Path | None:
+    """The file a --speculative-config value names, or None when the value is JSON text."""
+    if value is None or value.lstrip().startswith("{"):
+        return None
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--speculative-config is neither a JSON object nor an existing file: {value}")
+    return path
 
 
 def _quiet_libraries() -> None:
@@ -190,6 +207,89 @@ def bench(
 
         for path in write_report_files(report, report_dir):
             err.print(f"wrote {path}")
+
+
+@app.command()
+def estimate(
+    acceptance: Annotated[float, typer.Option("--acceptance", "-a", help="Probability that each drafted token is accepted, in [0, 1].")],
+    k: Annotated[int, typer.Option("--num-speculative-tokens", "-k", help="Tokens drafted per target step, >= 1.")],
+    draft_cost: Annotated[float, typer.Option("--draft-cost", help="One draft pass over one plain target step, >= 0 (about 0 for ngram).")],
+    verify_cost: Annotated[float, typer.Option("--verify-cost", help="A target pass over k + 1 tokens over a plain step, > 0 (specdec costs measures it).")] = 1.0,
+) -> None:
+    """Expected tokens per target step and speedup over plain decoding, from acceptance and
+    costs: E = (1 - a^(k + 1)) / (1 - a), speedup = E / (k * draft cost + verify cost)."""
+    import math
+
+    from specdec.bench.estimate import expected_speedup, expected_tokens_per_step
+
+    if not 0 <= acceptance <= 1:
+        raise ConfigError(f"--acceptance must be in [0, 1], got {acceptance}")
+    if k < 1:
+        raise ConfigError(f"-k must be >= 1, got {k}")
+    if not (math.isfinite(draft_cost) and draft_cost >= 0):
+        raise ConfigError(f"--draft-cost must be a number >= 0, got {draft_cost}")
+    if not (math.isfinite(verify_cost) and verify_cost > 0):
+        raise ConfigError(f"--verify-cost must be a number > 0, got {verify_cost}")
+    out.print(f"expected tokens per target step: {expected_tokens_per_step(acceptance, k):.2f}")
+    out.print(f"expected speedup over plain decoding: {expected_speedup(acceptance, k, draft_cost, verify_cost):.2f}x")
+
+
+@app.command()
+def tune(
+    data: Annotated[Path, typer.Option("--data", help="JSONL of {id, category, turns}: your own prompts.")],
+    model: ModelOpt = None,
+    methods: Annotated[Optional[list[str]], typer.Option("--methods", help="A drafter to tune (repeatable): a method name, or a JSON speculative config without k. [default: ngram, layer_skip, and {\"method\": \"draft_model\", \"model\": \"target\", \"quantization\": \"int8\"}]")] = None,
+    ks: Annotated[Optional[str], typer.Option("--k", help="k values for every method, comma-separated. [default: 1,2,3,4,6 for ngram; 1,2,3,4 for the others]")] = None,
+    adaptive: Annotated[bool, typer.Option("--adaptive/--no-adaptive", help="Also measure each method with adaptive k, at its largest k.")] = True,
+    per_category: Annotated[Optional[int], typer.Option("--per-category", help="The first N prompts of each category.")] = None,
+    category: Annotated[Optional[list[str]], typer.Option("--category", help="Only these categories (repeatable).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per turn.")] = 128,
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for recommended.json, tune.json, report.md and plots.")] = Path("out/tune"),
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Measure drafters at several k (and adaptive k) against plain decoding on your prompts, set
+    the measured speedup beside the acceptance model's prediction, and recommend a config."""
+    from rich.table import Table
+
+    from specdec.bench import tune as t
+    from specdec.bench.data import load_records, select
+    from specdec.models.loader import load_model
+
+    method_specs = [t.parse_method(m) for m in methods] if methods else [dict(m) for m in t.DEFAULT_METHODS]
+    candidates = t.build_candidates(method_specs, t.parse_ks(ks) if ks is not None else None, adaptive)
+    records = select(load_records(data), per_category, category)
+    params = SamplingParams(max_tokens=max_tokens)
+    with err.status(f"loading {model or 'the default model'}..."):
+        target = load_model(model, device=device)
+    candidates = t.pin_layers(candidates, target)
+    turns = sum(len(r.turns) for r in records)
+    err.print(f"{len(records)} prompts ({turns} turns) x {len(candidates) + 1} systems (plain decoding and "
+              f"{len(candidates)} configs), up to {max_tokens} tokens a turn; preparing drafters and warming up...")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=err) as progress:
+        task = progress.add_task("tune", total=len(records))
+        raw, stats = t.measure(
+            target, candidates, records, params, on_prompt=lambda r: progress.advance(task),
+            warmup=[{"role": "user", "content": "Say hello."}],
+        )
+    meta = {
+        "model": target.name, "data": str(data), "max_tokens": max_tokens, "per_category": per_category,
+        "category": category, "device": device, "prompts": len(records), "adaptive": adaptive,
+    }
+    result = t.analyse(candidates, raw, stats, meta)
+    table = Table(title=f"specdec tune: {target.name}, {len(records)} prompts, overall (predicted: acceptance model from measured a, k_eff, c, v)")
+    for col in t.CONFIG_COLUMNS:
+        table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
+    for c in result["configs"]:
+        table.add_row(*t.config_row(c, c[t.OVERALL]))
+    out.print(table)
+    best = Table(title="Recommendation (best measured speedup; plain decoding where nothing beats it)")
+    for col in t.RECOMMENDATION_COLUMNS:
+        best.add_column(col, justify="left" if col in ("category", "recommended") else "right", no_wrap=True)
+    for row in t.recommendation_rows(result):
+        best.add_row(*(cell.strip("*") for cell in row))
+    out.print(best)
+    for path in t.write_outputs(result, out_dir):
+        err.print(f"wrote {path}")
 
 
 @app.command()
