@@ -67,7 +67,7 @@ DEFAULT_MODEL_KS = (1, 2, 3, 4)
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration to measure. `drafter` names the drafter without k (for grouping)."""
+    """One configuration to measure: `name` is its label, `drafter` the label without k."""
 
     name: str
     drafter: str
@@ -103,14 +103,6 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
-def drafter_label(method: dict[str, Any]) -> str:
-    """'ngram', 'layer_skip', 'draft_model target int8': the method and what it drafts with."""
-    parts = [method["method"]] + [str(method[key]) for key in ("model", "quantization", "profile") if method.get(key)]
-    if method.get("layers") is not None:
-        parts.append("layers " + ",".join(str(i) for i in method["layers"]))
-    return " ".join(parts)
-
-
 def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None, adaptive: bool = True) -> list[Candidate]:
     """Every method at every k (its default grid unless `ks`, or its own num_speculative_tokens),
     and adaptively at its largest k. Raises ConfigError for an invalid method."""
@@ -127,13 +119,12 @@ def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None,
             grid = [method["num_speculative_tokens"]]
         else:
             grid = list(ks) if ks else list(DEFAULT_KS.get(method["method"], DEFAULT_MODEL_KS))
-        label = drafter_label(method)
-        for k in grid:
-            candidates.append(Candidate(f"{label} k={k}", label, SpeculativeConfig.from_dict({**base, "num_speculative_tokens": k})))
+        configs = [SpeculativeConfig.from_dict({**base, "num_speculative_tokens": k}) for k in grid]
         if adaptive:
-            k = max(grid)
-            config = SpeculativeConfig.from_dict({**base, "num_speculative_tokens": k, "adaptive": True})
-            candidates.append(Candidate(f"{label} adaptive k<={k}", label, config))
+            configs.append(SpeculativeConfig.from_dict({**base, "num_speculative_tokens": max(grid), "adaptive": True}))
+        # Names as every specdec table gives them ("draft_model self int8 k=4 adaptive"); the
+        # drafter is the name without k.
+        candidates += [Candidate(c.label, c.label.rsplit(" k=", 1)[0], c) for c in configs]
     names = [c.name for c in candidates]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
