@@ -24,8 +24,10 @@ With f = 1 this is exactly `expected_speedup(a, k_eff, c, v)`. The measured spee
 ratio of tokens/s with prefill and per-token overheads included, which the prediction leaves
 out; the model also assumes every drafted token is accepted independently with probability a.
 
-The recommendation is the candidate with the best measured speedup, per category and overall,
-or null (plain decoding) where none beats plain decoding.
+`draft_time_s` includes a model drafter's pass over the prompt at each request's first step, a
+cost the measured speedup pays too. The recommendation is the candidate with the best measured
+speedup, per category and overall, among those whose greedy output was identical to plain
+decoding, or null (plain decoding) where none beats plain decoding.
 """
 
 from __future__ import annotations
@@ -288,10 +290,17 @@ def analyse(
 
 
 def recommend(configs: list[dict[str, Any]], categories: list[str]) -> dict[str, Any]:
-    """In the format `SpeculativeConfig.from_file(path, category)` loads."""
+    """Per category and overall, the config with the best measured speedup among those whose
+    output was identical to plain decoding, or None (plain decoding) where none beats it; in
+    the format `SpeculativeConfig.from_file(path, category)` loads."""
 
     def pick(scope_of: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any] | None:
-        scored = [(scope_of(c)["speedup"], c) for c in configs if scope_of(c).get("speedup") is not None]
+        # Greedy speculation is lossless: a config whose output differed from plain decoding on
+        # some prompt is a bug to report, not a candidate.
+        scored = [
+            (scope_of(c)["speedup"], c) for c in configs
+            if scope_of(c).get("speedup") is not None and scope_of(c)["identical"] == scope_of(c)["prompts"]
+        ]
         if not scored:
             return None
         speedup, best = max(scored, key=lambda pair: pair[0])
@@ -381,8 +390,9 @@ token; pred. len: the numerator above, its prediction. Where pred. len falls sho
 the acceptance model is what misses, not the costs: a (accepted / drafted, the metric every
 specdec surface reports) also counts the drafted tokens after a step's first rejection, which
 are never tested, and acceptance within a step is correlated; both make a long draft's
-prediction low. The recommendation is the config with the best measured speedup, or plain decoding
-where none beats it.
+prediction low. c includes a model drafter's pass over each prompt. The recommendation is the
+config with the best measured speedup among those with output identical to plain decoding, or
+plain decoding where none beats it.
 """
 
 

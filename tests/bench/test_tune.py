@@ -120,9 +120,10 @@ def test_nothing_drafted_predicts_from_costs_alone() -> None:
 # The recommendation ---------------------------------------------------------------------------
 
 
-def config_entry(name: str, spec: dict[str, Any], speedups: dict[str, float]) -> dict[str, Any]:
+def config_entry(name: str, spec: dict[str, Any], speedups: dict[str, float], identical: int = 2) -> dict[str, Any]:
     def scope(s: float) -> dict[str, Any]:
-        return {"speedup": s, "predicted_speedup": s * 0.9, "acceptance_rate": 0.5, "mean_accepted_length": 1.5}
+        return {"speedup": s, "predicted_speedup": s * 0.9, "acceptance_rate": 0.5, "mean_accepted_length": 1.5,
+                "prompts": 2, "identical": identical}
 
     return {"name": name, "speculative_config": spec, tune.OVERALL: scope(speedups[tune.OVERALL]),
             "categories": {cat: scope(s) for cat, s in speedups.items() if cat != tune.OVERALL}}
@@ -134,6 +135,8 @@ def test_recommendation_is_the_best_measured_or_plain(tmp_path: Path) -> None:
     configs = [
         config_entry("ngram k=3", ngram, {tune.OVERALL: 1.3, "code": 1.6, "chat": 0.9, "math": 1.05}),
         config_entry("int8", int8, {tune.OVERALL: 1.1, "code": 1.2, "chat": 0.95, "math": 1.2}),
+        # Faster everywhere, but its output differed from plain decoding: never recommended.
+        config_entry("broken", {"method": "ngram", "num_speculative_tokens": 6}, dict.fromkeys([tune.OVERALL, "code", "chat", "math"], 3.0), 1),
     ]
     rec = tune.recommend(configs, ["chat", "code", "math"])
     assert rec["speculative_config"] == ngram
@@ -277,7 +280,8 @@ def test_tune_recommendation_loads(tuned: tuple[Path, subprocess.CompletedProces
     assert rec == data["recommended"]
 
     def best(scope_of) -> dict[str, Any] | None:
-        top = max(data["configs"], key=lambda c: scope_of(c)["speedup"])
+        lossless = [c for c in data["configs"] if scope_of(c)["identical"] == scope_of(c)["prompts"]]
+        top = max(lossless, key=lambda c: scope_of(c)["speedup"])
         return top["speculative_config"] if scope_of(top)["speedup"] > 1 else None
 
     assert rec["speculative_config"] == best(lambda c: c[tune.OVERALL])
