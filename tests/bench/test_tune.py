@@ -204,6 +204,7 @@ def test_tune_bad_input_is_one_line_error(
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_measure_needs_prompts(default_model: LoadedModel) -> None:
     candidates = tune.build_candidates([{"method": "ngram"}], [2], adaptive=False)
     with pytest.raises(ConfigError, match="no prompts"):
@@ -221,6 +222,7 @@ def tuned(mini_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     return out, result
 
 
+@pytest.mark.slow
 def test_tune_writes_results_and_files(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, result = tuned
     assert result.returncode == 0, result.stderr
@@ -245,6 +247,7 @@ def test_tune_writes_results_and_files(tuned: tuple[Path, subprocess.CompletedPr
         assert f"![{png}]({png})" in markdown
 
 
+@pytest.mark.slow
 def test_tune_prediction_recomputes_from_its_measurements(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, result = tuned
     assert result.returncode == 0, result.stderr
@@ -271,6 +274,7 @@ def test_tune_prediction_recomputes_from_its_measurements(tuned: tuple[Path, sub
     assert checked >= 4
 
 
+@pytest.mark.slow
 def test_tune_recommendation_loads(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, result = tuned
     assert result.returncode == 0, result.stderr
