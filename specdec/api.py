@@ -70,6 +70,14 @@ class LLM:
             config = self.speculative_config
             self.engine = Engine(self.target, drafter, config.num_speculative_tokens, adaptive=config.adaptive)
 
+    def memory(self) -> dict[str, int]:
+        """Weight bytes: the target's, and what the drafter adds to them (0 when it shares them)."""
+        drafter = self.engine.drafter
+        return {
+            "target_weight_bytes": self.target.weight_bytes(),
+            "draft_added_bytes": drafter.added_memory_bytes if drafter is not None else 0,
+        }
+
     @property
     def tokenizer(self):
         return self.target.tokenizer

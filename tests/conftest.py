@@ -91,11 +91,11 @@ def small_model_factory() -> SmallModelFactory:
     """
     built: dict[tuple, LoadedModel] = {}
 
-    def make(seed: int, vocab_size: int = 8, logit_scale: float = 2.0, prefix: str = "t") -> LoadedModel:
-        key = (seed, vocab_size, logit_scale, prefix)
+    def make(seed: int, vocab_size: int = 8, logit_scale: float = 2.0, prefix: str = "t", layers: int = 1) -> LoadedModel:
+        key = (seed, vocab_size, logit_scale, prefix, layers)
         if key not in built:
             tokenizer = small_vocab_tokenizer(vocab_size, prefix)
-            model = _tiny_llama(vocab_size, seed, hidden=32, layers=1, eos=vocab_size - 1)
+            model = _tiny_llama(vocab_size, seed, hidden=32, layers=layers, eos=vocab_size - 1)
             with torch.no_grad():
                 # Large embeddings and attention weights make the output depend on the whole
                 # context; a large head makes the distributions peaked and far apart per seed.

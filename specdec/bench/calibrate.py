@@ -52,11 +52,12 @@ def teacher_forced_acceptance(target: LoadedModel, layers: Sequence[int], refs: 
     runner = ModelRunner(target, layers)
     matched = total = 0
     for ref in refs:
-        sequence = ref.prompt_ids + ref.answer_ids
-        cache = runner.new_cache(len(sequence))
-        logits = runner.forward(cache, sequence[:-1]).logits  # [len - 1, vocab]
-        # Position i predicts token i + 1; the answer starts at len(prompt).
-        predicted = logits[len(ref.prompt_ids) - 1 :].argmax(-1)  # [answer]
+        cache = runner.new_cache(len(ref.prompt_ids) + len(ref.answer_ids))
+        # The prompt's last position predicts the answer's first token, each answer token the
+        # next; the LM head runs on those positions only.
+        first = runner.forward(cache, ref.prompt_ids, last_only=True).logits  # [1, vocab]
+        rest = runner.forward(cache, ref.answer_ids[:-1]).logits  # [answer - 1, vocab]
+        predicted = torch.cat([first, rest]).argmax(-1)  # [answer]
         matched += int((predicted == torch.tensor(ref.answer_ids)).sum())
         total += len(ref.answer_ids)
     return matched / total

@@ -31,6 +31,9 @@ class Proposal:
 
 
 class Drafter(Protocol):
+    # Bytes of weights the drafter holds beyond the target's (0 when it shares them).
+    added_memory_bytes: int
+
     def begin(self, prompt_ids: list[int], max_len: int) -> None:
         """A new request starts with these prompt tokens; the context will not exceed max_len."""
 

@@ -17,7 +17,7 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Proposal, register
 from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import LoadedModel, default_model_path, load_model
-from specdec.models.quantize import quantize_int8
+from specdec.models.quantize import quantize_int8, quantized_bytes
 from specdec.models.runner import ModelRunner
 from specdec.models.vocab import check_vocabulary_compatible
 from specdec.sampling.probs import logits_to_probs, sample
@@ -37,8 +37,9 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 class DraftModelDrafter:
     """Drafts with `draft`, or with only the given decoder layers of it (self-speculation)."""
 
-    def __init__(self, draft: LoadedModel, layers: Sequence[int] | None = None) -> None:
+    def __init__(self, draft: LoadedModel, layers: Sequence[int] | None = None, added_memory_bytes: int = 0) -> None:
         self.runner = ModelRunner(draft, layers)
+        self.added_memory_bytes = added_memory_bytes
         self.cache: PreallocatedCache | None = None
         self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
 
@@ -90,8 +91,12 @@ def _same_model(name: str, target: LoadedModel) -> bool:
 def _build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
     assert config.model is not None  # the config checks this
     # A target drafting for itself shares its weights instead of loading them again.
-    draft = target if _same_model(config.model, target) else load_model(config.model, device=target.device)
+    shared = _same_model(config.model, target)
+    draft = target if shared else load_model(config.model, device=target.device)
     check_vocabulary_compatible(target, draft)
+    added = 0 if shared else draft.weight_bytes()
     if config.quantization == "int8":
+        # The int8 copy shares embeddings and norms with the model it was made from.
         draft = quantize_int8(draft)
-    return DraftModelDrafter(draft)
+        added += quantized_bytes(draft.model)
+    return DraftModelDrafter(draft, added_memory_bytes=added)

@@ -44,6 +44,8 @@ def find_continuation(context: np.ndarray, n_min: int, n_max: int, k: int) -> li
 
 
 class NgramDrafter:
+    added_memory_bytes = 0
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.n_min = prompt_lookup_min
         self.n_max = prompt_lookup_max

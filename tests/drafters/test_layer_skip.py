@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import SpeculativeConfig
+from specdec import SamplingParams, SpeculativeConfig
 from specdec.drafters import build_drafter
+from specdec.engine import Engine
 from specdec.drafters.layer_skip import LayerSkipProfile, default_layers, resolve_layers, shipped_profile
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
@@ -129,9 +130,17 @@ def test_int8_self_draft_shares_embeddings_and_leaves_the_target_alone(default_m
     linear = sum(m.weight.numel() for m in default_model.model.modules() if isinstance(m, torch.nn.Linear))
     added = quantized_bytes(draft.model)
     assert linear <= added < 1.05 * linear
-    # Its greedy choices mostly agree with the target's.
-    tokens = ids(default_model)
-    target_logits = ModelRunner(default_model).forward(ModelRunner(default_model).new_cache(64), tokens).logits
-    draft_logits = ModelRunner(draft).forward(ModelRunner(draft).new_cache(64), tokens).logits
-    agree = (target_logits.argmax(-1) == draft_logits.argmax(-1)).float().mean().item()
-    assert agree > 0.8
+    # On the target's own greedy path, fed a token at a time as when drafting, the draft's
+    # greedy choices mostly agree with the target's, not always.
+    prompt = ids(default_model)
+    answer = Engine(default_model).generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids
+    runner = ModelRunner(draft)
+    cache = runner.new_cache(len(prompt) + len(answer))
+    logits = [runner.forward(cache, prompt, last_only=True).logits[0]]
+    logits += [runner.forward(cache, [token]).logits[0] for token in answer[:-1]]
+    agree = (torch.stack(logits).argmax(-1) == torch.tensor(answer)).float().mean().item()
+    assert 0.7 < agree < 1.0
+    # A long block runs the shared float32 weights: the prompt's logits are the target's own.
+    target_logits = ModelRunner(default_model).forward(ModelRunner(default_model).new_cache(64), prompt).logits
+    draft_logits = runner.forward(runner.new_cache(64), prompt).logits
+    torch.testing.assert_close(draft_logits, target_logits)

@@ -127,15 +127,21 @@ def test_setup_target_and_draft_disagree(target: LoadedModel, draft: LoadedModel
     assert 0.5 * (exact_target - exact_draft).abs().sum().item() > 0.5
 
 
+@pytest.fixture(scope="module")
+def deep_target(small_model_factory) -> LoadedModel:
+    """Three layers, so that a subset of them is a different model (layer_skip)."""
+    return small_model_factory(seed=3, vocab_size=VOCAB, layers=3)
+
+
 def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
-    """Every drafter family on the tiny models: a separate draft, prompt lookup, the target's
-    first layer only (self-speculation), the target in int8, and a draft with adaptive k."""
+    """Every drafter family on the tiny models: a separate draft, prompt lookup, a subset of
+    the target's layers (self-speculation), the target in int8, and a draft with adaptive k."""
     if name == "draft_model":
         return Engine(target, DraftModelDrafter(draft), 2)
     if name == "ngram":
         return Engine(target, NgramDrafter(1, 3), 2)
     if name == "layer_skip":
-        return Engine(target, DraftModelDrafter(target, layers=[0]), 2)
+        return Engine(target, DraftModelDrafter(target, layers=[0, 2]), 2)
     if name == "int8":
         return Engine(target, DraftModelDrafter(quantize_int8(target)), 2)
     if name == "adaptive":
@@ -143,23 +149,24 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
     raise ValueError(name)
 
 
-def test_setup_self_drafts_differ_from_target(target: LoadedModel) -> None:
+def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: LoadedModel) -> None:
     # The self-drafts must not be the target's own distribution, or the test below is vacuous.
-    exact_target = exact_sequence_probs(target, SAMPLED)
-    for name in ("layer_skip", "int8"):
-        drafter = make_engine(name, target, target).drafter
+    for name, model in (("layer_skip", deep_target), ("int8", target)):
+        drafter = make_engine(name, model, model).drafter
         params = dataclasses.replace(SAMPLED, max_tokens=12)
-        engine = Engine(target, drafter, 3)
+        engine = Engine(model, drafter, 3)
         rates = [engine.generate(PROMPT, dataclasses.replace(params, seed=s)).stats.acceptance_rate for s in range(20)]
-        assert sum(rates) / len(rates) < 1.0, name
-    assert exact_target.sum().item() == pytest.approx(1.0)
+        assert 0 < sum(rates) / len(rates) < 0.98, name
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive"])
-def test_speculative_sampling_follows_target(target: LoadedModel, draft: LoadedModel, drafter: str) -> None:
-    engine = make_engine(drafter, target, draft)
+def test_speculative_sampling_follows_target(
+    target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str
+) -> None:
+    model = deep_target if drafter == "layer_skip" else target
+    engine = make_engine(drafter, model, draft)
     samples = sample_sequences(engine, SAMPLED, 2500)
-    exact = exact_sequence_probs(target, SAMPLED)
+    exact = exact_sequence_probs(model, SAMPLED)
     assert chi2_pvalue(samples, exact) > 1e-3
     for position in range(LENGTH):
         assert marginal_tv(samples, exact, position) < 0.05
