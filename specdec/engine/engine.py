@@ -15,7 +15,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter, Proposal
-from specdec.engine.adaptive import AdaptiveK, FixedK, SpeculationPolicy
+from specdec.engine.adaptive import AdaptiveK, AdaptiveState, FixedK, SpeculationPolicy
 from specdec.engine.stats import RequestStats
 from specdec.engine.text import TextAssembler
 from specdec.errors import PromptError
@@ -78,6 +78,7 @@ class Engine:
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
         self.adaptive = adaptive and drafter is not None
+        self.adaptive_state: AdaptiveState | None = None  # what adaptive k learned, kept across requests
         self.sampling_rule = sampling_rule
         self._last_prefill: _Prefill | None = None
         self._busy = False
@@ -92,7 +93,11 @@ class Engine:
 
     def new_policy(self) -> SpeculationPolicy:
         """How many tokens each step of a new request drafts."""
-        return AdaptiveK(self.k) if self.adaptive else FixedK(self.k)
+        if not self.adaptive:
+            return FixedK(self.k)
+        policy = AdaptiveK(self.k, self.adaptive_state)
+        self.adaptive_state = policy.state
+        return policy
 
     def _steps(self, prompt_ids: list[int], params: SamplingParams, budget: int, stats: RequestStats) -> Iterator[list[int]]:
         """Yield the tokens each target pass commits; the caller stops iterating when done."""
