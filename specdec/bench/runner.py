@@ -182,3 +182,33 @@ def _single(results: list[RunResult]) -> Tally:
     tally = Tally()
     tally.add(results, None)
     return tally
+
+
+def llama_cpp_runner(gguf_path: str, encode: Callable[[list[Message]], list[int]], params: SamplingParams,
+                     eos_token_ids: frozenset[int], prompt_lookup_tokens: int | None = None, threads: int | None = None) -> Runner:
+    """llama-cpp-python on the same GGUF file (llama.cpp's own kernels and weight format),
+    greedy, with its prompt-lookup drafting when `prompt_lookup_tokens` is set. Raises
+    ImportError when llama-cpp-python is not installed."""
+    import os
+
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup_tokens) if prompt_lookup_tokens else None
+    model = Llama(model_path=gguf_path, n_ctx=4096, n_threads=threads or os.cpu_count(), draft_model=draft,
+                  logits_all=draft is not None, verbose=False)
+    tokenizer_eos = frozenset(eos_token_ids) | {model.token_eos()}
+
+    def run(messages: list[Message]) -> RunResult:
+        ids = encode(messages)
+        new: list[int] = []
+        start = time.perf_counter()
+        for token in model.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if token in tokenizer_eos or len(new) >= params.max_tokens:
+                break
+            new.append(token)
+        seconds = time.perf_counter() - start
+        text = model.detokenize(new).decode("utf-8", errors="replace")
+        return RunResult(new, text, seconds)
+
+    return run

@@ -150,15 +150,22 @@ def compare_samples(
     length: int,
     alpha: float,
     on_draws: Callable[[int], None] | None = None,
+    plain_samples: dict[int, list[list[int]]] | None = None,
 ) -> SamplingCheck:
-    """Sample `draws` continuations of `length` tokens per prompt with and without speculation."""
+    """Sample `draws` continuations of `length` tokens per prompt with and without speculation.
+    `plain_samples` (prompt index -> continuations) keeps the plain arm for another comparison."""
     params = dataclasses.replace(params, max_tokens=length, ignore_eos=True, stop=())
     pvalues = []
     drafted = accepted = 0
+    plain_samples = {} if plain_samples is None else plain_samples
     for index, prompt in enumerate(prompts):
         prompt_ids = llm.encode([{"role": "user", "content": prompt}])
         # Different seeds for the two samples: the test compares distributions, not draws.
-        plain = [g.token_ids for g in sample_continuations(llm.plain_engine, prompt_ids, params, draws, 1_000_000 * index)]
+        if index not in plain_samples:
+            plain_samples[index] = [
+                g.token_ids for g in sample_continuations(llm.plain_engine, prompt_ids, params, draws, 1_000_000 * index)
+            ]
+        plain = plain_samples[index]
         spec_runs = sample_continuations(spec_engine, prompt_ids, params, draws, 1_000_000 * index + 500_000)
         spec = [g.token_ids for g in spec_runs]
         drafted += sum(g.stats.drafted_tokens for g in spec_runs)
@@ -181,9 +188,10 @@ def verify_sampling(
     on_draws: Callable[[int], None] | None = None,
 ) -> tuple[SamplingCheck, SamplingCheck]:
     """The test on the configured speculation, then the self-check on the wrong rule."""
-    result = compare_samples(llm, llm.engine, params, prompts, draws, length, alpha, on_draws)
+    plain: dict[int, list[list[int]]] = {}  # one plain sample serves both comparisons
+    result = compare_samples(llm, llm.engine, params, prompts, draws, length, alpha, on_draws, plain)
     wrong = Engine(llm.target, NgramDrafter(1, 6), num_speculative_tokens=4, sampling_rule=accept_every_draft)
-    self_check = compare_samples(llm, wrong, params, prompts, draws, length, alpha, on_draws)
+    self_check = compare_samples(llm, wrong, params, prompts, draws, length, alpha, on_draws, plain)
     return result, self_check
 
 

@@ -87,6 +87,15 @@ def _quiet_libraries() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
+def _gguf_file(model: str | None) -> str | None:
+    """The GGUF file behind a --model value, if it is one."""
+    from specdec.models.loader import default_model_path
+
+    if model in (None, "", "default"):
+        return str(default_model_path())
+    return model if str(model).endswith(".gguf") else None
+
+
 def _load(model: str | None, spec: SpeculativeConfig | None, device: str):
     from specdec.api import LLM
 
@@ -134,8 +143,10 @@ def generate(
         out.print(result.text, markup=False, highlight=False, soft_wrap=True, end="")
     out.print()
     if stats:
-        label = "plain decoding" if spec is None else f"{spec.method}, k={spec.num_speculative_tokens}"
-        err.print(f"[dim]{label}; finish: {result.finish_reason}[/dim]")
+        label = "plain decoding" if spec is None else spec.label
+        memory = llm.memory()
+        err.print(f"[dim]{label}; finish: {result.finish_reason}; weights: target "
+                  f"{memory['target_weight_bytes'] / 2**20:.0f} MiB, draft adds {memory['draft_added_bytes'] / 2**20:.0f} MiB[/dim]")
         err.print_json(data=result.stats.to_dict())
 
 
@@ -153,12 +164,14 @@ def bench(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
     report_dir: Annotated[Optional[Path], typer.Option("--report-dir", help="Write report.md and PNG plots into this folder.")] = None,
     peers: Annotated[bool, typer.Option("--peers", help="Also run transformers' generate (plain and prompt lookup) on the same prompts.")] = False,
+    compare: Annotated[Optional[list[str]], typer.Option("--compare", help="Another speculative config (JSON or file) to run side by side on the same target (repeatable).")] = None,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Run each prompt with and without speculation, interleaved, and report speedup and identity."""
     from specdec.bench.data import load_records, select
     from specdec.bench.report import PLAIN, SPEC, build_report, print_report
-    from specdec.bench.runner import System, run_bench, specdec_runner, transformers_runner
+    from specdec.api import LLM
+    from specdec.bench.runner import System, llama_cpp_runner, run_bench, specdec_runner, transformers_runner
 
     records = select(load_records(data), per_category, category)
     spec = speculative_config(spec_json, method, k, draft_model)
@@ -167,6 +180,12 @@ def bench(
     params = SamplingParams(max_tokens=max_tokens)
     llm = _load(model, spec, device)
     systems = [System(PLAIN, specdec_runner(llm, params, False)), System(SPEC, specdec_runner(llm, params, True), PLAIN)]
+    for text in compare or []:
+        other = speculative_config(text, None, None, None)
+        if other is None:
+            raise ConfigError("--compare needs a speculative config, not 'none'")
+        other_llm = LLM(loaded=llm.target, speculative_config=other)
+        systems.append(System(f"specdec {other.label}", specdec_runner(other_llm, params, True), PLAIN))
     if peers:
         from specdec.models.loader import load_model
 
@@ -176,6 +195,17 @@ def bench(
             System("transformers generate", transformers_runner(stock, encode, params)),
             System("transformers prompt lookup", transformers_runner(stock, encode, params, prompt_lookup_num_tokens=10), "transformers generate"),
         ]
+        gguf = _gguf_file(model)
+        if gguf is None:
+            err.print("llama-cpp-python peer skipped: the model is not a GGUF file")
+        else:
+            try:
+                systems += [
+                    System("llama.cpp", llama_cpp_runner(gguf, encode, params, llm.target.eos_token_ids)),
+                    System("llama.cpp prompt lookup (10)", llama_cpp_runner(gguf, encode, params, llm.target.eos_token_ids, 10), "llama.cpp"),
+                ]
+            except ImportError:
+                err.print("llama-cpp-python peer skipped: not installed (pip install llama-cpp-python)")
         if spec.method == "draft_model":
             assistant = llm.engine.drafter.runner.loaded  # type: ignore[union-attr]
             systems.append(System("transformers assisted", transformers_runner(stock, encode, params, assistant_model=assistant.model), "transformers generate"))
@@ -193,7 +223,8 @@ def bench(
         "max_tokens": max_tokens,
         "per_category": per_category,
         "speculative_config": spec.to_dict(),
-        "method_label": f"{spec.method} k={spec.num_speculative_tokens}",
+        "method_label": spec.label,
+        "compared": [s.name for s in systems if s.baseline == PLAIN],
         "device": device,
     }
     report = build_report(raw, meta)
@@ -325,7 +356,7 @@ def verify(
     records = load_records(data) if data is not None else v.builtin_prompts()
     sampling_params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else None
     llm = _load(model, spec, device)
-    label = f"{spec.method} k={spec.num_speculative_tokens}"
+    label = spec.label
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err) as progress:
         task = progress.add_task(f"greedy ({label})", total=len(records))
         greedy = v.verify_greedy(llm, records, max_tokens, on_prompt=lambda: progress.advance(task))
@@ -395,6 +426,48 @@ def costs(
     for n, seconds in measured.items():
         table.add_row(str(n), str(n - 1), f"{seconds * 1e3:.1f}", f"{seconds / measured[1]:.2f}")
     out.print(table)
+
+
+@app.command()
+def calibrate(
+    model: ModelOpt = None,
+    data: Annotated[Optional[Path], typer.Option("--data", help="JSONL prompts to calibrate on (default: the built-in sample of real prompts).")] = None,
+    per_category: Annotated[Optional[int], typer.Option("--per-category", help="Prompts per category.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Reference answer length per prompt.")] = 48,
+    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", help="Skip longer prompts (calibration passes over every token).")] = 400,
+    min_layers: Annotated[Optional[int], typer.Option("--min-layers", help="Fewest layers to try. [default: a third of them]")] = None,
+    output: Annotated[Path, typer.Option("--out", "-o", help="Where to write the profile.")] = Path("layer_skip_profile.json"),
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Choose the layers of the layer_skip self-draft for a model by measured acceptance and
+    cost, and write them as a profile: --speculative-config '{"method": "layer_skip", "profile": "FILE"}'."""
+    from rich.table import Table
+
+    from specdec.api import LLM
+    from specdec.bench import verify as v
+    from specdec.bench.calibrate import calibrate_layer_skip
+    from specdec.bench.data import load_records, select
+
+    records = select(load_records(data) if data is not None else v.builtin_prompts(), per_category)
+    with err.status("loading the model..."):
+        llm = LLM(model, device=device)
+    prompts = [ids for ids in (llm.encode([{"role": "user", "content": r.turns[0]}]) for r in records)
+               if len(ids) <= max_prompt_tokens]
+    if not prompts:
+        raise ConfigError(f"no prompt of at most {max_prompt_tokens} tokens to calibrate on")
+    with err.status("calibrating...") as status:
+        profile = calibrate_layer_skip(llm.target, prompts, max_tokens, min_layers,
+                                       progress=lambda m: status.update(f"calibrating: {m}"))
+    profile.save(output)
+    table = Table(title=f"{llm.target.name}: layer_skip candidates ({len(prompts)} prompts, {max_tokens} tokens each)")
+    for col in ("layers", "acceptance", "draft cost", "best k", "expected speedup"):
+        table.add_column(col, justify="right")
+    for c in profile.candidates:
+        table.add_row(str(c["num_layers"]), f"{c['acceptance']:.3f}", f"{c['cost_ratio']:.2f}",
+                      str(c["num_speculative_tokens"]), f"{c['expected_speedup']:.2f}x")
+    out.print(table)
+    out.print(f"chose {len(profile.layers)} of {profile.num_layers} layers {list(profile.layers)}, "
+              f"k={profile.num_speculative_tokens}: expected {profile.expected_speedup:.2f}x; wrote {output}")
 
 
 def main() -> None:

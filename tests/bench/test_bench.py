@@ -88,7 +88,8 @@ def test_bench_cli_writes_report(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     result = subprocess.run(
         [sys.executable, "-m", "specdec.cli.main", "bench", "--data", str(data), "--per-category", "1",
-         "--max-tokens", "16", "--json", str(out), "-k", "3", "--report-dir", str(tmp_path / "rep")],
+         "--max-tokens", "16", "--json", str(out), "-k", "3", "--report-dir", str(tmp_path / "rep"),
+         "--compare", '{"method": "layer_skip", "num_speculative_tokens": 2, "adaptive": true}'],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -102,8 +103,14 @@ def test_bench_cli_writes_report(tmp_path: Path) -> None:
         assert {"speedup", "identical", "prompts", "acceptance_rate", "mean_accepted_length"} <= set(category)
     assert report["speculative_config"]["num_speculative_tokens"] == 3
     assert "overall" in result.stdout
+    # The compared config ran on the same prompts, measured against the same plain decoding.
+    compared = report["systems"]["specdec layer_skip k=2 adaptive"]
+    assert compared["identical"] == 2 and compared["prompts"] == 2
+    assert report["baselines"]["specdec layer_skip k=2 adaptive"] == "specdec plain"
+    assert report["compared"] == ["specdec", "specdec layer_skip k=2 adaptive"]
     markdown = (tmp_path / "rep" / "report.md").read_text()
     assert "| **overall** | 2 | 2/2 |" in markdown
+    assert "| category | specdec | specdec layer_skip k=2 adaptive |" in markdown
     for png in ("speedup_by_category.png", "acceptance_by_position.png"):
         assert (tmp_path / "rep" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"![{png}]({png})" in markdown
