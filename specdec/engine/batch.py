@@ -35,7 +35,6 @@ from specdec.engine.engine import Generation, StreamChunk
 from specdec.engine.text import TextAssembler
 from specdec.errors import PromptError
 from specdec.models.batch_cache import BatchCache
-from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
 from specdec.sampling import AcceptResult, greedy_accept, logits_to_probs, speculative_accept

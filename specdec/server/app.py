@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec.api import LLM
 from specdec.config import SamplingParams
 from specdec.engine.stats import RequestStats
-from specdec.errors import ConfigError, PromptError
+from specdec.errors import PromptError
 from specdec.server.config import RouteConfig, ServerConfig
 from specdec.server.memory import MemoryPlan
 from specdec.server.metrics import ServerMetrics
@@ -262,7 +262,7 @@ def create_app(state: ServerState) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _stream(job, meta, prompt_tokens, chat=False, include_usage=include_usage)
         results = await _collect(job, request)
-        choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None, "speculation": r.stats}
+        choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None, "speculation": _stats_dict(r)}
                    for i, r in enumerate(results)]
         return JSONResponse(meta | {"object": "text_completion", "choices": choices, **_totals(prompt_tokens, results)})
 
@@ -281,7 +281,7 @@ def create_app(state: ServerState) -> FastAPI:
             return _stream(job, meta, len(ids), chat=True, include_usage=include_usage)
         results = await _collect(job, request)
         choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
-                    "logprobs": None, "speculation": r.stats} for i, r in enumerate(results)]
+                    "logprobs": None, "speculation": _stats_dict(r)} for i, r in enumerate(results)]
         return JSONResponse(meta | {"object": "chat.completion", "choices": choices, **_totals(len(ids), results)})
 
     return app
@@ -292,29 +292,23 @@ class _Result:
     text: str = ""
     tokens: int = 0
     finish_reason: str | None = None
-    stats: dict | None = None
+    stats: RequestStats | None = None
+
+
+def _stats_dict(result: _Result) -> dict[str, Any] | None:
+    return result.stats.to_dict() if result.stats is not None else None
 
 
 def _totals(prompt_tokens: int, results: list[_Result]) -> dict[str, Any]:
-    """usage, and the speculation statistics of the request (of all its choices together)."""
-    speculation = results[0].stats if len(results) == 1 else _merge_dicts([r.stats for r in results])
-    return {"usage": _usage(prompt_tokens, sum(r.tokens for r in results)), "speculation": speculation}
-
-
-def _merge_dicts(stats: list[dict | None]) -> dict[str, Any] | None:
-    """Statistics of several choices as one: counts add up; rates are recomputed from the sums."""
-    present = [s for s in stats if s]
-    if not present:
-        return None
-    merged = {key: sum(s[key] for s in present) for key in
-              ("prompt_tokens", "generated_tokens", "drafted_tokens", "accepted_tokens", "target_forward_passes")}
-    merged["acceptance_rate"] = round(merged["accepted_tokens"] / merged["drafted_tokens"], 4) if merged["drafted_tokens"] else 0.0
-    steps = merged["target_forward_passes"] - len(present)
-    committed = sum(s["mean_accepted_length"] * (s["target_forward_passes"] - 1) for s in present)
-    merged["mean_accepted_length"] = round(committed / steps, 4) if steps else 0.0
-    merged["wall_time_s"] = max(s["wall_time_s"] for s in present)
-    merged["tokens_per_s"] = round(merged["generated_tokens"] / merged["wall_time_s"], 2) if merged["wall_time_s"] else 0.0
-    return merged
+    """usage, and the speculation statistics of the request: with several choices, their
+    counts added up and the rates recomputed from the sums (RequestStats.merge)."""
+    merged = RequestStats()
+    for result in results:
+        if result.stats is not None:
+            merged.merge(result.stats)
+    if len(results) == 1 and results[0].stats is not None:
+        merged = results[0].stats
+    return {"usage": _usage(prompt_tokens, sum(r.tokens for r in results)), "speculation": merged.to_dict()}
 
 
 async def _next_event(job: _Job, request: Request) -> Event:
@@ -385,7 +379,7 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, *, chat: bool, 
                 elif event.kind == "done":
                     result.finish_reason, result.stats = event.finish_reason, event.stats
                     pending -= 1
-                    yield chunk([choice(event.index, None if chat else "", event.finish_reason, speculation=event.stats)])
+                    yield chunk([choice(event.index, None if chat else "", event.finish_reason, speculation=event.stats.to_dict() if event.stats else None)])
                 else:
                     pending -= 1
                     yield f"data: {json.dumps(error_body(event.message, type='server_error', code='generation_failed'))}\n\n"

@@ -9,6 +9,7 @@ Cancelled requests (client gone, shutdown) leave the batch before the next step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,6 +23,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
 from specdec.engine.batch import BatchEngine, Sequence, SequenceOutput
+from specdec.engine.stats import RequestStats
 from specdec.errors import SpecDecError
 from specdec.models.loader import LoadedModel
 from specdec.server.config import RouteConfig
@@ -43,7 +45,7 @@ class Event:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
-    stats: dict | None = None
+    stats: RequestStats | None = None
     message: str = ""
 
 
@@ -248,7 +250,10 @@ class Scheduler:
             self.metrics.route_running.labels(request.route.name).dec()
         self.metrics.requests.labels(request.route.name, reason).inc()
         if notify:
-            stats = seq.result.stats.to_dict() if seq is not None else None
+            stats = None
+            if seq is not None:  # a copy: the sequence's own object is not touched again
+                own = seq.result.stats
+                stats = dataclasses.replace(own, drafted_at=list(own.drafted_at), accepted_at=list(own.accepted_at))
             request.sink(Event("done", request.index, finish_reason=reason, stats=stats))
 
     def _update_gauges(self) -> None:

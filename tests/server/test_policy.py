@@ -11,7 +11,7 @@ import pytest
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
-from specdec.server.config import DEFAULT_LOAD_SCHEDULE, DriftConfig, LoadSchedule, RouteConfig, ServerConfig, default_config, load_config
+from specdec.server.config import DEFAULT_LOAD_SCHEDULE, DriftConfig, LoadSchedule, default_config, load_config
 from specdec.server.memory import plan_memory
 from specdec.server.metrics import AcceptanceDrift, ServerMetrics
 from specdec.server.runtime import build_state
