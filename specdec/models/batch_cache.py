@@ -122,6 +122,11 @@ class BatchCache(Cache):
         return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * element
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers, all layers."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._buffers)
+
+    @property
     def holes(self) -> int:
         """Written slots of active rows that are not valid (rejected drafts, padding, alignment)."""
         return int(self.rows * self.write - self.lengths[: self.rows].sum())

@@ -152,7 +152,8 @@ class _Job:
             self.scheduler.cancel(request)
 
 
-def _submit(state: ServerState, route: RouteConfig, prompts: list[list[int]], params: list[SamplingParams], k: int) -> _Job:
+def _submit(state: ServerState, route: RouteConfig, prompts: list[list[int]], params: list[SamplingParams], k: int,
+            arrival: float) -> _Job:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -162,7 +163,7 @@ def _submit(state: ServerState, route: RouteConfig, prompts: list[list[int]], pa
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
             pass
 
-    requests = [ServerRequest(route, ids, p, k, sink, index=i) for i, (ids, p) in enumerate(zip(prompts, params))]
+    requests = [ServerRequest(route, ids, p, k, sink, index=i, arrival=arrival) for i, (ids, p) in enumerate(zip(prompts, params))]
     job = _Job(requests, events, state.scheduler)
     try:
         for request in requests:
@@ -230,7 +231,7 @@ def create_app(state: ServerState) -> FastAPI:
             "max_num_seqs": state.max_num_seqs,
             "running": state.scheduler.running,
             "waiting": state.scheduler.waiting,
-            "memory": state.memory.to_dict(),
+            "memory": state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -249,13 +250,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
         route = _route(state, body.model)
         k = _k(route, body.speculative)
         prompts = _encode_completion(state, body)
         max_tokens = body.max_tokens or 16
         expanded = [ids for ids in prompts for _ in range(body.n)]
         params = [_params(body, max_tokens, i % body.n) for i in range(len(expanded))]
-        job = _submit(state, route, expanded, params, k)
+        job = _submit(state, route, expanded, params, k, arrival)
         prompt_tokens = sum(len(ids) for ids in prompts)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
         if body.stream:
@@ -268,13 +270,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
         route = _route(state, body.model)
         k = _k(route, body.speculative)
         ids = _encode_chat(state, body)
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
         prompts = [ids] * body.n
         params = [_params(body, max_tokens, i) for i in range(body.n)]
-        job = _submit(state, route, prompts, params, k)
+        job = _submit(state, route, prompts, params, k, arrival)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

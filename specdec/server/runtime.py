@@ -55,6 +55,9 @@ def build_state(config: ServerConfig, model: str | None = None, *, loaded: Loade
                         ("draft_kv_per_token", memory.draft_kv_bytes_per_token),
                         ("cache_budget", memory.cache_budget_bytes), ("per_sequence", memory.bytes_per_sequence)):
         metrics.memory.labels(part).set(value)
+    metrics.memory.labels("kv_allocated").set(engine.cache.nbytes)
+    log.info("KV cache allocated: %.1f MiB for %d sequences of up to %d tokens (plus %d slots of slack each)",
+             engine.cache.nbytes / (1 << 20), rows, config.max_model_len, engine.cache.capacity - config.max_model_len)
     metrics.max_sequences.labels("true").set(memory.max_sequences)
     metrics.max_sequences.labels("false").set(memory.max_sequences_without_draft)
     # The HTTP side encodes prompts with its own tokenizer copy: a fast tokenizer must not be

@@ -137,3 +137,16 @@ def test_client_disconnect_frees_its_sequence(server: ServerThread) -> None:
         time.sleep(0.02)
     assert scheduler.running == 0
     assert metrics(server)[("specdec_requests_total", (("finish_reason", "abort"), ("route", "plain")))] == aborted + 1
+
+
+def test_non_streaming_client_that_gives_up_frees_its_sequence(server: ServerThread) -> None:
+    scheduler = server.server.config.app.state.specdec.scheduler
+    key = ("specdec_requests_total", (("finish_reason", "abort"), ("route", "plain")))
+    aborted = metrics(server).get(key, 0)
+    body = {"model": "plain", "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True}  # ~10 s of generation
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 3  # the handler checks for a disconnect every 0.5 s
+    while scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.running == 0 and metrics(server)[key] == aborted + 1

@@ -4,6 +4,7 @@ plus the scheduler applying the schedule as the batch fills and empties."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,33 @@ def test_scheduler_shortens_k_as_the_batch_fills_and_restores_it(tmp_path: Path,
     scheduler.cancel(requests[1])
     assert step_with(requests[:1]) == [4]  # load fell: speculation is back
     assert scheduler.running == 1 and state.metrics.current_k.labels("interactive")._value.get() == 4
+
+
+def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(tmp_path: Path, tiny_model: LoadedModel,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text(CONFIG)
+    state = build_state(load_config(path), loaded=tiny_model)
+    scheduler = state.scheduler
+    route = state.config.route("batch")
+    events = []
+    request = ServerRequest(route, [1, 5, 9], SamplingParams(max_tokens=20, ignore_eos=True), 0, events.append)
+    scheduler.submit(request)
+    scheduler._drain(block=False)
+    scheduler._admit()
+
+    def broken_step() -> list:
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(scheduler.engine, "step", broken_step)
+    scheduler._step()
+    assert events[-1].kind == "error" and scheduler.running == 0 and scheduler.engine.cache.rows == 0
+    monkeypatch.undo()
+    again = ServerRequest(route, [1, 5, 9], SamplingParams(max_tokens=3, ignore_eos=True), 0, events.append)
+    scheduler.submit(again)
+    scheduler.start()
+    deadline = time.monotonic() + 30
+    while not (events[-1].kind == "done" and events[-1].finish_reason == "length") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    scheduler.stop()
+    assert events[-1].kind == "done" and events[-1].stats.generated_tokens == 3
