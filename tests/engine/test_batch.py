@@ -140,3 +140,21 @@ def test_prompt_over_the_context_is_refused(tiny_model: LoadedModel) -> None:
     with pytest.raises(ValueError, match="at most 15"):
         engine.add(Sequence(list(range(1, 17)), SamplingParams()))
     assert engine.running == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_model_forks_match_single_engine(tiny_model: LoadedModel, temperature: float) -> None:
+    """A stateful drafter (its own KV cache): one fork per sequence, as the server does."""
+    from specdec.config import SpeculativeConfig
+    from specdec.drafters import build_drafter
+    from specdec.server.scheduler import fork_drafter
+
+    config = SpeculativeConfig("draft_model", 3, model=tiny_model.source)
+    prototype = build_drafter(config, tiny_model)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=5 + i, ignore_eos=True) for i in range(3)]
+    expected = [Engine(tiny_model, build_drafter(config, tiny_model), 3).generate(p, sp).token_ids
+                for p, sp in zip(PROMPTS, params)]
+    seqs = [Sequence(p, sp, fork_drafter(prototype), k=3) for p, sp in zip(PROMPTS, params)]
+    _run(BatchEngine(tiny_model, max_rows=3, max_model_len=128), seqs, join_every=2)
+    assert [s.result.token_ids for s in seqs] == expected
+    assert all(s.result.stats.accepted_tokens > 0 for s in seqs)
