@@ -216,7 +216,7 @@ class BatchEngine:
 
     def _accept(self, seq: Sequence, logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None) -> AcceptResult:
         # logits: [n + 1, vocab]; draft: n tokens; draft_probs: [n, vocab] or None
-        draft_tensor = torch.tensor([draft], dtype=torch.long)  # [1, n]
+        draft_tensor = torch.tensor([draft], dtype=torch.long, device=logits.device)  # [1, n]
         if seq.params.greedy:
             return greedy_accept(logits[None], draft_tensor)
         target_probs = logits_to_probs(logits, seq.params)[None]  # [1, n + 1, vocab]
