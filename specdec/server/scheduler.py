@@ -199,6 +199,11 @@ class Scheduler:
             except (SpecDecError, ValueError) as exc:  # the handler checks prompts; this is a backstop
                 request.sink(Event("error", request.index, message=str(exc)))
                 continue
+            except Exception:  # noqa: BLE001  a failed prefill fails its request, not the thread
+                log.exception("prefill failed")
+                self.engine.remove(seq)  # in case it got a row before failing
+                request.sink(Event("error", request.index, message="internal error during prefill"))
+                continue
             self._running[seq.id] = request
             self.metrics.route_running.labels(request.route.name).inc()
             self._deliver(request, out, prefill=True)
