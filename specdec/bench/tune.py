@@ -6,7 +6,9 @@ For each candidate, per category and overall, the report sets the measured speed
 speedup the acceptance model predicts from the same run's measured quantities (Leviathan et
 al., 2023; `specdec.bench.estimate`):
 
-- a, acceptance rate: accepted / drafted tokens.
+- a, tested acceptance: accepted / (accepted + rejected steps), the probability that a drafted
+  token the target tested was accepted. (accepted / drafted, the acceptance rate every surface
+  reports, also counts the tokens drafted after a step's first rejection, never tested.)
 - k_eff, effective k: drafted tokens per drafting step (a step that proposed at least one
   token). For a fixed-k model drafter it is k (less only where the token budget cut a draft);
   `ngram` proposes at most min(k, n - 1) tokens for a match of n, and adaptive k varies.
@@ -215,13 +217,14 @@ def predict(config: RequestStats, plain: RequestStats) -> dict[str, Any]:
         "drafting_steps": drafting_steps,
         "drafted_tokens": config.drafted_tokens,
         "accepted_tokens": config.accepted_tokens,
+        "rejected_steps": config.rejected_steps,
         "draft_time_s": config.draft_time_s,
         "verify_time_s": config.verify_time_s,
         "drafting_fraction": f,
         "verify_cost": v,
     }
     if config.drafted_tokens:
-        a = config.acceptance_rate
+        a = config.tested_acceptance
         k_eff = config.drafted_tokens / drafting_steps
         c = config.draft_time_s / config.drafted_tokens / plain_step_s
         tokens_per_step = f * expected_tokens_per_step(a, k_eff) + (1 - f)  # type: ignore[arg-type]  # k may be fractional
@@ -375,7 +378,8 @@ RECOMMENDATION_COLUMNS = ("category", "recommended", "measured speedup", "predic
 DEFINITIONS = """\
 Speedup: tokens/s over plain decoding of the same prompts, measured interleaved in one process
 (prefill included). Predicted: the acceptance model (`specdec.bench.estimate`) fed this run's
-measured quantities: acceptance a, effective k (k_eff: drafted tokens per drafting step; for
+measured quantities: tested acceptance a = accepted / (accepted + steps with a rejection),
+effective k (k_eff: drafted tokens per drafting step; for
 `ngram`, which proposes at most min(k, n - 1) tokens for a match of n, and for adaptive k it is
 below k), drafting fraction f (steps that drafted anything), draft cost per token
 c = (draft_time_s / drafted tokens) / plain step, and verification cost
@@ -386,11 +390,9 @@ verify_time_s / target steps:
 
 which is expected_speedup(a, k_eff, c, v) when every step drafts (f = 1). "pred. vs meas." is
 predicted / measured - 1. Mean len: committed tokens per target step, counting the target's own
-token; pred. len: the numerator above, its prediction. Where pred. len falls short of mean len,
-the acceptance model is what misses, not the costs: a (accepted / drafted, the metric every
-specdec surface reports) also counts the drafted tokens after a step's first rejection, which
-are never tested, and acceptance within a step is correlated; both make a long draft's
-prediction low. c includes a model drafter's pass over each prompt. The recommendation is the
+token; pred. len: the numerator above, its prediction. Where pred. len differs from mean len,
+the acceptance model is what misses, not the costs: it takes every tested token to be accepted
+independently with probability a, while acceptance within a step is correlated. c includes a model drafter's pass over each prompt. The recommendation is the
 config with the best measured speedup among those with output identical to plain decoding, or
 plain decoding where none beats it.
 """

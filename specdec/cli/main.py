@@ -470,6 +470,32 @@ def calibrate(
               f"k={profile.num_speculative_tokens}: expected {profile.expected_speedup:.2f}x; wrote {output}")
 
 
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="TOML server config: routes, speculative policy, load schedule, limits.")] = None,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port")] = 8000,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Longest prompt + output per sequence (overrides the config).")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="Most sequences in the batch (overrides the config).")] = None,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics) with batched speculative decoding. Without --config: route `specdec`
+    (ngram, load-aware k) and route `specdec-plain` (no speculation)."""
+    from specdec.server.config import default_config, load_config
+    from specdec.server.runtime import build_state, uvicorn_server
+
+    logging.getLogger("specdec").setLevel(logging.INFO)
+    overrides = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
+    server_config = load_config(config, **overrides) if config is not None else default_config(**{k: v for k, v in overrides.items() if v is not None})
+    with err.status(f"loading {model or 'the default model'}..."):
+        state = build_state(server_config, model, device=device)
+    err.print(f"memory: {state.memory.describe()}", highlight=False, soft_wrap=True)
+    err.print(f"routes: {', '.join(r.name for r in server_config.routes)}; up to {state.max_num_seqs} sequences; http://{host}:{port}/v1")
+    uvicorn_server(state, host, port).run()
+
+
 def main() -> None:
     """Entry point: user errors print one line and exit 2, with no traceback."""
     _quiet_libraries()

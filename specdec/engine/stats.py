@@ -15,6 +15,10 @@
 - draft_time_s: time spent in the drafter proposing; verify_time_s: time spent in target
   passes after prefill and in acceptance. Their ratio per token is the draft/target cost
   ratio that `specdec tune` and `specdec estimate` use.
+- rejected_steps: target steps in which a drafted token was rejected. Drafted tokens after a
+  step's first rejection are never tested, so the probability that a tested drafted token is
+  accepted is accepted_tokens / (accepted_tokens + rejected_steps) (`tested_acceptance`):
+  the acceptance rate a of the expected-speedup formula, which acceptance_rate underestimates.
 - undrafted_steps: target steps that verified an empty draft (nothing proposed, or
   speculation switched off by adaptive k); they cost what a plain step costs.
 
@@ -41,6 +45,7 @@ class RequestStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     undrafted_steps: int = 0
+    rejected_steps: int = 0
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
 
@@ -49,6 +54,7 @@ class RequestStats:
         self.draft_time_s += draft_time_s
         self.verify_time_s += verify_time_s
         self.undrafted_steps += drafted == 0
+        self.rejected_steps += accepted < drafted
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.committed_tokens += accepted + 1
@@ -65,7 +71,7 @@ class RequestStats:
         """Add another request's counts and times to these (for totals over many requests)."""
         for name in ("prompt_tokens", "generated_tokens", "drafted_tokens", "accepted_tokens", "committed_tokens",
                      "target_steps", "prefill_time_s", "wall_time_s", "draft_time_s", "verify_time_s",
-                     "undrafted_steps"):
+                     "undrafted_steps", "rejected_steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         grow = len(other.drafted_at) - len(self.drafted_at)
         if grow > 0:
@@ -82,6 +88,11 @@ class RequestStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tested_acceptance(self) -> float:
+        tested = self.accepted_tokens + self.rejected_steps
+        return self.accepted_tokens / tested if tested else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -106,6 +117,8 @@ class RequestStats:
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "target_forward_passes": self.target_forward_passes,
             "undrafted_steps": self.undrafted_steps,
+            "rejected_steps": self.rejected_steps,
+            "tested_acceptance": round(self.tested_acceptance, 4),
             "draft_time_s": round(self.draft_time_s, 4),
             "verify_time_s": round(self.verify_time_s, 4),
             "wall_time_s": round(self.wall_time_s, 4),

@@ -79,16 +79,18 @@ def test_bad_methods_are_config_errors(methods: list[str], ks: str | None, messa
 # The prediction -------------------------------------------------------------------------------
 
 
-def stats(steps: int, undrafted: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> RequestStats:
+def stats(steps: int, undrafted: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
+          rejected: int = 0) -> RequestStats:
     return RequestStats(target_steps=steps, undrafted_steps=undrafted, drafted_tokens=drafted, accepted_tokens=accepted,
-                        committed_tokens=accepted + steps, draft_time_s=draft_s, verify_time_s=verify_s)
+                        committed_tokens=accepted + steps, draft_time_s=draft_s, verify_time_s=verify_s,
+                        rejected_steps=rejected)
 
 
 @pytest.mark.parametrize(
     ("config", "plain"),
     [
-        (stats(20, 5, 45, 30, 0.09, 0.5), stats(50, 50, 0, 0, 0.0, 1.0)),    # some steps draft nothing (ngram)
-        (stats(40, 0, 160, 90, 1.6, 1.7), stats(100, 100, 0, 0, 0.0, 2.5)),  # every step drafts k = 4
+        (stats(20, 5, 45, 30, 0.09, 0.5, 9), stats(50, 50, 0, 0, 0.0, 1.0)),    # some steps draft nothing (ngram)
+        (stats(40, 0, 160, 90, 1.6, 1.7, 25), stats(100, 100, 0, 0, 0.0, 2.5)),  # every step drafts k = 4
         (stats(10, 0, 30, 30, 0.3, 0.4), stats(10, 10, 0, 0, 0.0, 0.3)),     # everything accepted
     ],
 )
@@ -96,7 +98,7 @@ def test_prediction_is_the_formula_on_measured_quantities(config: RequestStats, 
     got = tune.predict(config, plain)
     plain_step = plain.verify_time_s / plain.target_steps
     drafting = config.target_steps - config.undrafted_steps
-    a = config.accepted_tokens / config.drafted_tokens
+    a = config.accepted_tokens / (config.accepted_tokens + config.rejected_steps)  # tested acceptance
     k_eff = config.drafted_tokens / drafting
     c = config.draft_time_s / config.drafted_tokens / plain_step
     v = config.verify_time_s / config.target_steps / plain_step
@@ -260,7 +262,7 @@ def test_tune_prediction_recomputes_from_its_measurements(tuned: tuple[Path, sub
             if not scope["drafted_tokens"]:
                 continue
             step = plain["plain_step_s"]
-            a = scope["accepted_tokens"] / scope["drafted_tokens"]
+            a = scope["accepted_tokens"] / (scope["accepted_tokens"] + scope["rejected_steps"])
             k_eff = scope["drafted_tokens"] / scope["drafting_steps"]
             f = scope["drafting_steps"] / scope["target_steps"]
             draft_cost = scope["draft_time_s"] / scope["drafted_tokens"] / step
@@ -269,7 +271,7 @@ def test_tune_prediction_recomputes_from_its_measurements(tuned: tuple[Path, sub
             predicted = (f * tokens + 1 - f) / (f * k_eff * draft_cost + verify_cost)
             assert scope["predicted_speedup"] == pytest.approx(predicted)
             assert scope["relative_difference"] == pytest.approx(predicted / scope["speedup"] - 1)
-            assert scope["acceptance_rate"] == pytest.approx(a, abs=1e-4)
+            assert scope["acceptance_rate"] == pytest.approx(scope["accepted_tokens"] / scope["drafted_tokens"], abs=1e-4)
             checked += 1
     assert checked >= 4
 

@@ -64,7 +64,7 @@ def test_generate_streams_text_and_reports_stats() -> None:
     assert stats["generated_tokens"] == 24 or stats["generated_tokens"] < 24  # EOS may end it first
     assert stats["target_forward_passes"] <= stats["generated_tokens"] + 1
     assert 0.0 <= stats["acceptance_rate"] <= 1.0
-    assert "ngram, k=4" in result.stderr
+    assert "ngram k=4" in result.stderr
 
 
 def test_generate_plain_and_speculative_print_the_same_text() -> None:

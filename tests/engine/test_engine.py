@@ -310,12 +310,17 @@ def test_speculative_stats_follow_their_definitions(default_model: LoadedModel) 
         "per_position_acceptance",
         "target_forward_passes",
         "undrafted_steps",
+        "rejected_steps",
+        "tested_acceptance",
         "draft_time_s",
         "verify_time_s",
         "wall_time_s",
         "tokens_per_s",
     }
     assert stats.undrafted_steps == stats.target_steps - stats.drafted_at[0]  # steps that drafted nothing
+    assert 0 < stats.rejected_steps <= stats.drafted_at[0]
+    assert stats.tested_acceptance == stats.accepted_tokens / (stats.accepted_tokens + stats.rejected_steps)
+    assert stats.tested_acceptance >= stats.acceptance_rate
     assert 0 < stats.draft_time_s < stats.verify_time_s < stats.wall_time_s
 
 

@@ -1,0 +1,402 @@
+"""The FastAPI application: OpenAI-compatible completions and chat completions (streaming and
+not), `/v1/models`, `/health` and `/metrics`, over the scheduler thread.
+
+Each choice of a request is one sequence in the batch. Its events arrive from the scheduler
+thread on an asyncio queue; a client that goes away cancels its sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.api import LLM
+from specdec.config import SamplingParams
+from specdec.engine.stats import RequestStats
+from specdec.errors import PromptError
+from specdec.server.config import RouteConfig, ServerConfig
+from specdec.server.memory import MemoryPlan
+from specdec.server.metrics import ServerMetrics
+from specdec.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SpeculativeOverride,
+    error_body,
+)
+from specdec.server.scheduler import Event, QueueFullError, Scheduler, ServerRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """What the app serves: the config, an encoder (own tokenizer copy, used only on the event
+    loop), the scheduler thread, metrics and the memory plan."""
+
+    config: ServerConfig
+    encoder: LLM
+    scheduler: Scheduler
+    metrics: ServerMetrics
+    memory: MemoryPlan
+    model_name: str
+    max_model_len: int
+    max_num_seqs: int
+    shutting_down: bool = False
+
+
+# --- request -> sequences ------------------------------------------------------------------------
+
+
+def _route(state: ServerState, name: str) -> RouteConfig:
+    route = state.config.route(name)
+    if route is None:
+        known = ", ".join(r.name for r in state.config.routes)
+        raise APIError(404, f"The model '{name}' does not exist; this server has: {known}", param="model", code="model_not_found")
+    return route
+
+
+def _k(route: RouteConfig, override: bool | SpeculativeOverride | None) -> int:
+    """The request's k: the route's own, or the request's within the route's cap (0 = off)."""
+    if override is None or override is True:
+        return route.k
+    if override is False:
+        return 0
+    k = override.num_speculative_tokens
+    if k > 0 and route.speculative is None:
+        raise APIError(400, f"route '{route.name}' does not speculate; only num_speculative_tokens 0 is allowed",
+                       param="speculative.num_speculative_tokens", code="speculation_not_allowed")
+    if k > route.k_cap:
+        raise APIError(400, f"num_speculative_tokens {k} exceeds route '{route.name}' limit of {route.k_cap}",
+                       param="speculative.num_speculative_tokens", code="speculation_limit")
+    return k
+
+
+def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if any(not s for s in stop):
+        raise APIError(400, "stop strings must be non-empty", param="stop")
+    if len(stop) > 16:
+        raise APIError(400, "at most 16 stop strings", param="stop")
+    seed = None if body.seed is None else (body.seed + choice) % 2**63  # choices of one request differ
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                          min_p=body.min_p, seed=seed, stop=stop, ignore_eos=body.ignore_eos)
+
+
+def _check_length(state: ServerState, prompt_ids: list[int], param: str) -> None:
+    if not prompt_ids:
+        raise APIError(400, "prompt is empty", param=param)
+    if len(prompt_ids) >= state.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens; the prompt has "
+                            f"{len(prompt_ids)} tokens, leaving no room for output", param=param, code="context_length_exceeded")
+
+
+def _encode_completion(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    vocab = state.encoder.target.vocab_size
+    encoded = []
+    for p in prompts:
+        if isinstance(p, str):
+            try:
+                ids = state.encoder.encode(p)
+            except PromptError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+        else:
+            if any(t < 0 or t >= vocab for t in p):
+                raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
+            ids = list(p)
+        _check_length(state, ids, "prompt")
+        encoded.append(ids)
+    return encoded
+
+
+def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    try:
+        ids = state.encoder.encode(messages)
+    except PromptError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    _check_length(state, ids, "messages")
+    return ids
+
+
+@dataclass
+class _Job:
+    """The sequences of one HTTP request and the queue their events arrive on."""
+
+    requests: list[ServerRequest]
+    events: asyncio.Queue[Event]
+    scheduler: Scheduler
+    checked_at: float = 0.0  # when the client's connection was last checked
+
+    def cancel(self) -> None:
+        for request in self.requests:
+            self.scheduler.cancel(request)
+
+
+def _submit(state: ServerState, route: RouteConfig, prompts: list[list[int]], params: list[SamplingParams], k: int,
+            arrival: float) -> _Job:
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def sink(event: Event) -> None:  # runs on the scheduler thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    requests = [ServerRequest(route, ids, p, k, sink, index=i, arrival=arrival) for i, (ids, p) in enumerate(zip(prompts, params))]
+    job = _Job(requests, events, state.scheduler)
+    try:
+        for request in requests:
+            state.scheduler.submit(request)
+    except QueueFullError as exc:
+        job.cancel()
+        raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+    return job
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+# --- the app --------------------------------------------------------------------------------------
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over a ready ServerState; the scheduler thread starts with the app."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not state.scheduler.alive:
+            state.scheduler.start()
+        yield
+        state.shutting_down = True
+        await asyncio.to_thread(state.scheduler.stop)
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    app.state.specdec = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "invalid"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message, code = "We could not parse the JSON body of your request.", "json_invalid"
+        else:
+            message, code = f"{param or 'body'}: {first.get('msg', 'invalid value')}", first.get("type")
+        return JSONResponse(error_body(message, param=param, code=code), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error handling %s", request.url.path)
+        return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.scheduler.alive and not state.shutting_down
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": state.model_name,
+            "routes": [r.to_dict() for r in state.config.routes],
+            "max_model_len": state.max_model_len,
+            "max_num_seqs": state.max_num_seqs,
+            "running": state.scheduler.running,
+            "waiting": state.scheduler.waiting,
+            "memory": state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes},
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.refresh_rates()
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": r.name, "object": "model", "created": created, "owned_by": "specdec", "root": state.model_name,
+             "max_model_len": state.max_model_len, "speculative": r.to_dict()} for r in state.config.routes
+        ]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        route = _route(state, body.model)
+        k = _k(route, body.speculative)
+        prompts = _encode_completion(state, body)
+        max_tokens = body.max_tokens or 16
+        expanded = [ids for ids in prompts for _ in range(body.n)]
+        params = [_params(body, max_tokens, i % body.n) for i in range(len(expanded))]
+        job = _submit(state, route, expanded, params, k, arrival)
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(job, meta, prompt_tokens, chat=False, include_usage=include_usage)
+        results = await _collect(job, request)
+        choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None, "speculation": _stats_dict(r)}
+                   for i, r in enumerate(results)]
+        return JSONResponse(meta | {"object": "text_completion", "choices": choices, **_totals(prompt_tokens, results)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        route = _route(state, body.model)
+        k = _k(route, body.speculative)
+        ids = _encode_chat(state, body)
+        max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
+        prompts = [ids] * body.n
+        params = [_params(body, max_tokens, i) for i in range(body.n)]
+        job = _submit(state, route, prompts, params, k, arrival)
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(job, meta, len(ids), chat=True, include_usage=include_usage)
+        results = await _collect(job, request)
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
+                    "logprobs": None, "speculation": _stats_dict(r)} for i, r in enumerate(results)]
+        return JSONResponse(meta | {"object": "chat.completion", "choices": choices, **_totals(len(ids), results)})
+
+    return app
+
+
+@dataclass
+class _Result:
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+
+
+def _stats_dict(result: _Result) -> dict[str, Any] | None:
+    return result.stats.to_dict() if result.stats is not None else None
+
+
+def _totals(prompt_tokens: int, results: list[_Result]) -> dict[str, Any]:
+    """usage, and the speculation statistics of the request: with several choices, their
+    counts added up and the rates recomputed from the sums (RequestStats.merge)."""
+    merged = RequestStats()
+    for result in results:
+        if result.stats is not None:
+            merged.merge(result.stats)
+    if len(results) == 1 and results[0].stats is not None:
+        merged = results[0].stats
+    return {"usage": _usage(prompt_tokens, sum(r.tokens for r in results)), "speculation": merged.to_dict()}
+
+
+async def _next_event(job: _Job, request: Request) -> Event:
+    """The next event. Every 0.5 s (events arrive far more often) it also asks whether the client
+    has gone; a client that has cancels the job."""
+    while True:
+        now = time.monotonic()
+        if now - job.checked_at >= 0.5:
+            job.checked_at = now
+            if await request.is_disconnected():
+                job.cancel()
+                raise asyncio.CancelledError
+        try:
+            return await asyncio.wait_for(job.events.get(), timeout=0.5)
+        except TimeoutError:
+            continue
+
+
+async def _collect(job: _Job, request: Request) -> list[_Result]:
+    results = [_Result() for _ in job.requests]
+    pending = len(job.requests)
+    try:
+        while pending:
+            event = await _next_event(job, request)
+            result = results[event.index]
+            if event.kind == "token":
+                result.text += event.text
+                result.tokens += len(event.token_ids)
+            elif event.kind == "done":
+                result.finish_reason, result.stats = event.finish_reason, event.stats
+                pending -= 1
+            else:
+                raise APIError(503, event.message, type="server_error", code="generation_failed")
+    finally:
+        if pending:
+            job.cancel()
+    return results
+
+
+def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, *, chat: bool, include_usage: bool) -> StreamingResponse:
+    """SSE in OpenAI's chunk format, ending with `data: [DONE]`. Each choice's last chunk carries
+    its finish_reason and `speculation` statistics; with include_usage a final chunk with no
+    choices carries usage. When the client disconnects, Starlette cancels this generator and
+    its sequences are cancelled."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return f"data: {json.dumps(meta | {'object': obj, 'choices': choices} | extra)}\n\n"
+
+    def choice(index: int, text: str | None, finish: str | None, role: bool = False, **extra: Any) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}
+        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None, **extra}
+
+    async def events() -> AsyncIterator[str]:
+        results = [_Result() for _ in job.requests]
+        pending = len(job.requests)
+        try:
+            if chat:
+                for i in range(len(job.requests)):
+                    yield chunk([choice(i, "", None, role=True)])
+            while pending:
+                event = await job.events.get()
+                result = results[event.index]
+                if event.kind == "token":
+                    result.text += event.text
+                    result.tokens += len(event.token_ids)
+                    if event.text:
+                        yield chunk([choice(event.index, event.text, None)])
+                elif event.kind == "done":
+                    result.finish_reason, result.stats = event.finish_reason, event.stats
+                    pending -= 1
+                    yield chunk([choice(event.index, None if chat else "", event.finish_reason, speculation=event.stats.to_dict() if event.stats else None)])
+                else:
+                    pending -= 1
+                    yield f"data: {json.dumps(error_body(event.message, type='server_error', code='generation_failed'))}\n\n"
+            if include_usage:
+                yield chunk([], **_totals(prompt_tokens, results))
+            yield "data: [DONE]\n\n"
+        finally:
+            if pending:  # the client went away, or the server is stopping: free the sequences
+                job.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,234 @@
+"""Server configuration: routes (served model names) with their speculative policy, the
+load-aware schedule, and limits. Frozen and validated; read from TOML (stdlib `tomllib`).
+
+Example (`specdec serve --config server.toml`)::
+
+    max_model_len = 2048          # longest prompt + output per sequence
+    max_num_seqs = 16             # most sequences in the batch (also bounded by the cache budget)
+    cache_budget_mb = 2048        # KV cache budget; a draft model's weights are taken from it
+
+    [drift]                       # acceptance drift warning, per route
+    window = 256                  # drafted tokens in the rolling window
+    baseline = 1024               # drafted tokens before the window that form its baseline
+    threshold = 0.15              # warn when window acceptance < baseline acceptance - threshold
+
+    [routes.interactive]          # a route: requests name it as "model"
+    speculative = { method = "ngram", num_speculative_tokens = 4 }
+    max_num_speculative_tokens = 8                 # cap for a request's own k (0 forbids overrides)
+    load_schedule = { 1 = 4, 2 = 4, 4 = 2, 8 = 0 } # running sequences -> k; false = fixed k
+
+    [routes.batch]                # no `speculative`: plain decoding
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdec.config import SpeculativeConfig
+from specdec.errors import ConfigError
+
+# Initial load-aware schedule: running sequences -> k (0 = speculation off). A starting point,
+# to be replaced by measurement (benchmarks/serve_load.py); change it in the config file.
+DEFAULT_LOAD_SCHEDULE: dict[int, int] = {1: 4, 2: 4, 4: 2, 8: 0}
+DEFAULT_ROUTE = "specdec"
+DEFAULT_PLAIN_ROUTE = "specdec-plain"
+
+
+@dataclass(frozen=True)
+class LoadSchedule:
+    """Maps the number of running sequences to k. `steps` are (from_running, k) pairs sorted by
+    from_running; the last pair whose from_running <= running applies; below the first, its k."""
+
+    steps: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ConfigError("load_schedule needs at least one entry")
+        for running, k in self.steps:
+            if isinstance(running, bool) or not isinstance(running, int) or running < 1:
+                raise ConfigError(f"load_schedule keys are running-sequence counts >= 1, got {running!r}")
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
+                raise ConfigError(f"load_schedule values are k in 0..64, got {k!r}")
+        if list(self.steps) != sorted(self.steps) or len({r for r, _ in self.steps}) != len(self.steps):
+            raise ConfigError("load_schedule entries must have distinct counts, in increasing order")
+
+    @classmethod
+    def from_mapping(cls, mapping: dict[Any, Any]) -> LoadSchedule:
+        try:
+            steps = sorted((int(key), value) for key, value in mapping.items())
+        except (TypeError, ValueError):
+            raise ConfigError(f"load_schedule keys must be integers, got {sorted(map(str, mapping))}") from None
+        return cls(tuple(steps))
+
+    def k_for(self, running: int) -> int:
+        k = self.steps[0][1]
+        for threshold, value in self.steps:
+            if running >= threshold:
+                k = value
+        return k
+
+    def to_dict(self) -> dict[str, int]:
+        return {str(running): k for running, k in self.steps}
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    """One served model name and how it speculates.
+
+    speculative: None for plain decoding.
+    load_schedule: None for a fixed k; else k follows the number of running sequences.
+    max_num_speculative_tokens: the largest k a request may ask for (extra body field
+        `speculative`); 0 forbids raising it. Turning speculation off is always allowed.
+    """
+
+    name: str
+    speculative: SpeculativeConfig | None = None
+    load_schedule: LoadSchedule | None = None
+    max_num_speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError("a route needs a non-empty name")
+        cap = self.max_num_speculative_tokens
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= 64:
+            raise ConfigError(f"route {self.name!r}: max_num_speculative_tokens must be in 0..64, got {cap!r}")
+        if self.speculative is None and self.load_schedule is not None:
+            raise ConfigError(f"route {self.name!r}: a load_schedule needs a speculative config")
+
+    @property
+    def k(self) -> int:
+        """The route's own k (0 without speculation)."""
+        return 0 if self.speculative is None else int(self.speculative.num_speculative_tokens or 0)
+
+    @property
+    def k_cap(self) -> int:
+        """The most a request on this route may draft per step."""
+        return max(self.k, self.max_num_speculative_tokens) if self.speculative is not None else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "speculative": None if self.speculative is None else self.speculative.to_dict(),
+            "load_schedule": None if self.load_schedule is None else self.load_schedule.to_dict(),
+            "max_num_speculative_tokens": self.k_cap,
+        }
+
+
+@dataclass(frozen=True)
+class DriftConfig:
+    """Acceptance drift: the acceptance of the last `window` drafted tokens is compared with that
+    of the `baseline` drafted tokens before them; a drop by more than `threshold` warns."""
+
+    window: int = 256
+    baseline: int = 1024
+    threshold: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.baseline < 1:
+            raise ConfigError("drift window and baseline must be >= 1")
+        if not 0 < self.threshold < 1:
+            raise ConfigError(f"drift threshold must be in (0, 1), got {self.threshold!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the server needs besides the model: routes, limits, memory budget, drift."""
+
+    routes: tuple[RouteConfig, ...]
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    cache_budget_bytes: int = 2 << 30
+    max_waiting: int = 256
+    graceful_shutdown_s: float = 30.0
+    drift: DriftConfig = field(default_factory=DriftConfig)
+
+    def __post_init__(self) -> None:
+        if not self.routes:
+            raise ConfigError("the server needs at least one route")
+        names = [r.name for r in self.routes]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"route names must be distinct, got {names}")
+        for name in ("max_model_len", "max_num_seqs", "cache_budget_bytes", "max_waiting"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.graceful_shutdown_s < 0:
+            raise ConfigError("graceful_shutdown_s must be >= 0")
+
+    def route(self, name: str) -> RouteConfig | None:
+        return next((r for r in self.routes if r.name == name), None)
+
+    @property
+    def max_draft(self) -> int:
+        return max((r.k_cap for r in self.routes), default=0)
+
+
+def default_config(**overrides: Any) -> ServerConfig:
+    """Two routes on the served model: `specdec` (ngram, k = 4, load-aware with the default
+    schedule) and `specdec-plain` (no speculation)."""
+    routes = (
+        RouteConfig(DEFAULT_ROUTE, SpeculativeConfig("ngram"), LoadSchedule.from_mapping(DEFAULT_LOAD_SCHEDULE), 8),
+        RouteConfig(DEFAULT_PLAIN_ROUTE),
+    )
+    return ServerConfig(routes=routes, **overrides)
+
+
+_TOP_KEYS = {"max_model_len", "max_num_seqs", "cache_budget_mb", "max_waiting", "graceful_shutdown_s", "drift", "routes"}
+_ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}
+
+
+def _route_from_table(name: str, table: Any) -> RouteConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"route {name!r} must be a table")
+    unknown = sorted(set(table) - _ROUTE_KEYS)
+    if unknown:
+        raise ConfigError(f"route {name!r}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_ROUTE_KEYS))}")
+    spec = SpeculativeConfig.from_dict(table["speculative"]) if "speculative" in table else None
+    schedule_value = table.get("load_schedule", spec is not None)
+    if schedule_value is True:
+        schedule = LoadSchedule.from_mapping(DEFAULT_LOAD_SCHEDULE)
+    elif schedule_value is False:
+        schedule = None
+    elif isinstance(schedule_value, dict):
+        schedule = LoadSchedule.from_mapping(schedule_value)
+    else:
+        raise ConfigError(f"route {name!r}: load_schedule must be a table, true or false")
+    return RouteConfig(name, spec, schedule, table.get("max_num_speculative_tokens", 0))
+
+
+def config_from_dict(data: dict[str, Any], **overrides: Any) -> ServerConfig:
+    """Build a ServerConfig from parsed TOML (see the module docstring for the keys)."""
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown server config key(s): {', '.join(unknown)}; known: {', '.join(sorted(_TOP_KEYS))}")
+    routes_table = data.get("routes")
+    if not isinstance(routes_table, dict) or not routes_table:
+        raise ConfigError("the server config needs a [routes.NAME] table for each served model name")
+    kwargs: dict[str, Any] = {k: data[k] for k in ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s") if k in data}
+    if "cache_budget_mb" in data:
+        budget = data["cache_budget_mb"]
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+            raise ConfigError(f"cache_budget_mb must be a number > 0, got {budget!r}")
+        kwargs["cache_budget_bytes"] = int(budget * (1 << 20))
+    if "drift" in data:
+        drift = data["drift"]
+        if not isinstance(drift, dict) or set(drift) - {"window", "baseline", "threshold"}:
+            raise ConfigError("[drift] takes window, baseline and threshold")
+        kwargs["drift"] = DriftConfig(**drift)
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    return ServerConfig(routes=tuple(_route_from_table(name, table) for name, table in routes_table.items()), **kwargs)
+
+
+def load_config(path: str | Path, **overrides: Any) -> ServerConfig:
+    """Read a TOML server config; `overrides` (not None) replace its top-level values."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read server config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"server config {path} is not valid TOML: {exc}") from None
+    return config_from_dict(data, **overrides)

@@ -1,0 +1,89 @@
+"""Memory accounting at start-up: what the weights take, what a cached token costs, and how
+many sequences of max_model_len tokens the KV cache budget holds, with and without the draft.
+
+A draft's weights (what it adds to the target's) are taken from the cache budget, and
+every sequence then also needs the draft's own KV cache; `sequences_lost_to_draft` says how many
+concurrent sequences that costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from specdec.drafters.base import Drafter
+from specdec.models.batch_cache import BatchCache
+from specdec.models.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    target_weight_bytes: int
+    draft_weight_bytes: int  # what drafters add to the target's weights (0: none, or shared)
+    target_kv_bytes_per_token: int
+    draft_kv_bytes_per_token: int  # 0 without a draft model
+    max_model_len: int
+    cache_budget_bytes: int
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return self.max_model_len * (self.target_kv_bytes_per_token + self.draft_kv_bytes_per_token)
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences of max_model_len tokens that fit the budget once the draft is paid for."""
+        return max(0, self.cache_budget_bytes - self.draft_weight_bytes) // self.bytes_per_sequence
+
+    @property
+    def max_sequences_without_draft(self) -> int:
+        return self.cache_budget_bytes // (self.max_model_len * self.target_kv_bytes_per_token)
+
+    @property
+    def sequences_lost_to_draft(self) -> int:
+        return self.max_sequences_without_draft - self.max_sequences
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "bytes_per_sequence": self.bytes_per_sequence,
+            "max_sequences": self.max_sequences,
+            "max_sequences_without_draft": self.max_sequences_without_draft,
+            "sequences_lost_to_draft": self.sequences_lost_to_draft,
+        }
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        text = (
+            f"target weights {self.target_weight_bytes / mib:.1f} MiB; KV {self.target_kv_bytes_per_token} B/token; "
+            f"cache budget {self.cache_budget_bytes / mib:.0f} MiB holds {self.max_sequences_without_draft} sequences "
+            f"of {self.max_model_len} tokens"
+        )
+        if self.draft_weight_bytes or self.draft_kv_bytes_per_token:
+            text += (
+                f"; the draft takes {self.draft_weight_bytes / mib:.1f} MiB of weights and {self.draft_kv_bytes_per_token} "
+                f"B/token of KV from it: {self.max_sequences} sequences ({self.sequences_lost_to_draft} fewer)"
+            )
+        return text
+
+
+def plan_memory(target: LoadedModel, drafters: list[Drafter], max_model_len: int, cache_budget_bytes: int) -> MemoryPlan:
+    """The memory plan for a target and its routes' drafters. A drafter's weights are what it
+    adds to the target's (`added_memory_bytes`: 0 for the target drafting for itself or for
+    layer_skip, the int8 copy for the quantized self-draft); a drafter that runs a model also
+    needs KV per token for the layers it runs. Each draft model is counted once."""
+    seen: set[tuple[int, tuple[int, ...] | None]] = set()
+    weights = kv = 0
+    for drafter in drafters:
+        runner = getattr(drafter, "runner", None)
+        loaded = getattr(runner, "loaded", None)
+        if not isinstance(loaded, LoadedModel):
+            continue  # no model, no KV (ngram)
+        layers = getattr(runner, "layers", None)
+        key = (id(loaded.model), layers)
+        if key in seen:
+            continue
+        seen.add(key)
+        weights += drafter.added_memory_bytes
+        per_token = BatchCache.bytes_per_token(loaded.model)
+        num_layers = int(loaded.model.config.num_hidden_layers)
+        kv += per_token if layers is None else per_token * len(layers) // num_layers
+    return MemoryPlan(target.weight_bytes(), weights, BatchCache.bytes_per_token(target.model), kv, max_model_len, cache_budget_bytes)

@@ -1,0 +1,195 @@
+"""Prometheus metrics of the server, and acceptance drift per route.
+
+Every metric carries a `route` label (the served model name) unless it describes the whole
+machine. Definitions (the same names and meanings as :mod:`specdec.engine.stats`):
+
+- `specdec_drafted_tokens_total`: tokens drafted and verified by the target.
+- `specdec_accepted_tokens_total`: drafted tokens that passed verification.
+- `specdec_committed_tokens_total`: tokens committed by target steps (accepted + the one the
+  target adds each step), before truncation at stop conditions.
+- `specdec_target_steps_total`: target verification steps (prefill excluded).
+- `specdec_generated_tokens_total`: output tokens returned to clients.
+- `specdec_acceptance_rate`: accepted / drafted since start (0 before any draft).
+- `specdec_mean_accepted_length`: committed tokens / target steps since start, counting the
+  token the target adds each step (plain decoding is 1.0).
+- `specdec_drafted_at_position_total`, `specdec_accepted_at_position_total`,
+  `specdec_position_acceptance`: per draft position i (0-based), steps that drafted a token
+  there, steps in which it was accepted, and their ratio.
+- `specdec_tokens_per_second`: output tokens per second over the last 10 s.
+- `specdec_time_to_first_token_seconds`: from the request's arrival to its first token.
+- `specdec_inter_token_latency_seconds`: for each emission after the first, the time since the
+  previous emission divided by the tokens it carries, observed once per token.
+- `specdec_speculative_tokens`: the k the route's load schedule gives at the current load.
+- `specdec_window_acceptance_rate`, `specdec_baseline_acceptance_rate`,
+  `specdec_acceptance_drift`: drift (see :class:`AcceptanceDrift`); the last is 1 while drifting.
+- `specdec_requests_total{route, finish_reason}`: finished requests by reason (stop, length,
+  abort, error).
+- machine-wide: `specdec_queue_length` (requests waiting for a row), `specdec_running_sequences`
+  (rows in the batch; also per route as `specdec_route_running_sequences`), and the memory plan
+  gauges `specdec_memory_bytes{part}` and `specdec_max_concurrent_sequences{with_draft}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specdec.server.config import DriftConfig
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class AcceptanceDrift:
+    """Acceptance of a route's most recent drafted tokens against its own recent past.
+
+    The last `window` drafted tokens (whole steps) form the window; the `baseline` drafted
+    tokens before them, the baseline. Drifting: both are full and window acceptance is below
+    baseline acceptance by more than `threshold`. The baseline moves with time, so a lasting
+    change stops being drift once it has filled the baseline too.
+    """
+
+    def __init__(self, config: DriftConfig) -> None:
+        self.config = config
+        self._window: deque[tuple[int, int]] = deque()  # (drafted, accepted) per step
+        self._baseline: deque[tuple[int, int]] = deque()
+        self._sums = {"window": [0, 0], "baseline": [0, 0]}
+        self.drifting = False
+
+    def _push(self, name: str, queue: deque[tuple[int, int]], item: tuple[int, int]) -> None:
+        queue.append(item)
+        self._sums[name][0] += item[0]
+        self._sums[name][1] += item[1]
+
+    def _pop(self, name: str, queue: deque[tuple[int, int]]) -> tuple[int, int]:
+        item = queue.popleft()
+        self._sums[name][0] -= item[0]
+        self._sums[name][1] -= item[1]
+        return item
+
+    def record(self, drafted: int, accepted: int) -> bool | None:
+        """Add one step. Returns True when drift starts, False when it ends, None otherwise."""
+        if drafted <= 0:
+            return None
+        self._push("window", self._window, (drafted, accepted))
+        while self._sums["window"][0] - self._window[0][0] >= self.config.window:
+            self._push("baseline", self._baseline, self._pop("window", self._window))
+        while self._baseline and self._sums["baseline"][0] - self._baseline[0][0] >= self.config.baseline:
+            self._pop("baseline", self._baseline)
+        was = self.drifting
+        full = self._sums["window"][0] >= self.config.window and self._sums["baseline"][0] >= self.config.baseline
+        self.drifting = full and self.baseline_rate - self.window_rate > self.config.threshold
+        return self.drifting if self.drifting != was else None
+
+    @property
+    def window_rate(self) -> float:
+        drafted, accepted = self._sums["window"]
+        return accepted / drafted if drafted else 0.0
+
+    @property
+    def baseline_rate(self) -> float:
+        drafted, accepted = self._sums["baseline"]
+        return accepted / drafted if drafted else 0.0
+
+
+class ServerMetrics:
+    """All server metrics, in a registry of their own (no process-wide globals)."""
+
+    def __init__(self, drift: DriftConfig) -> None:
+        self.registry = CollectorRegistry()
+        r, route = self.registry, ["route"]
+        self.drafted = Counter("specdec_drafted_tokens", "Tokens drafted and verified by the target", route, registry=r)
+        self.accepted = Counter("specdec_accepted_tokens", "Drafted tokens that passed verification", route, registry=r)
+        self.committed = Counter("specdec_committed_tokens", "Tokens committed by target steps (accepted + 1 per step)", route, registry=r)
+        self.steps = Counter("specdec_target_steps", "Target verification steps (prefill excluded)", route, registry=r)
+        self.generated = Counter("specdec_generated_tokens", "Output tokens returned to clients", route, registry=r)
+        self.drafted_at = Counter("specdec_drafted_at_position", "Steps that drafted a token at this position", ["route", "position"], registry=r)
+        self.accepted_at = Counter("specdec_accepted_at_position", "Steps whose token at this position was accepted", ["route", "position"], registry=r)
+        self.requests = Counter("specdec_requests", "Finished requests by finish reason", ["route", "finish_reason"], registry=r)
+        self.acceptance_rate = Gauge("specdec_acceptance_rate", "Accepted / drafted tokens since start", route, registry=r)
+        self.mean_accepted_length = Gauge("specdec_mean_accepted_length", "Committed tokens per target step since start, the target's own token counted", route, registry=r)
+        self.position_acceptance = Gauge("specdec_position_acceptance", "Accepted / drafted at each draft position since start", ["route", "position"], registry=r)
+        self.tokens_per_second = Gauge("specdec_tokens_per_second", "Output tokens per second over the last 10 s", route, registry=r)
+        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Request arrival to first token", route, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specdec_inter_token_latency_seconds", "Time between emissions per token carried", route, buckets=LATENCY_BUCKETS, registry=r)
+        self.current_k = Gauge("specdec_speculative_tokens", "k the route's load schedule gives at the current load", route, registry=r)
+        self.window_rate = Gauge("specdec_window_acceptance_rate", "Acceptance over the drift window", route, registry=r)
+        self.baseline_rate = Gauge("specdec_baseline_acceptance_rate", "Acceptance over the drift baseline", route, registry=r)
+        self.drift = Gauge("specdec_acceptance_drift", "1 while window acceptance is below baseline by more than the threshold", route, registry=r)
+        self.route_running = Gauge("specdec_route_running_sequences", "Sequences of this route in the batch", route, registry=r)
+        self.queue_length = Gauge("specdec_queue_length", "Requests waiting for a row in the batch", registry=r)
+        self.running = Gauge("specdec_running_sequences", "Sequences in the batch", registry=r)
+        self.memory = Gauge("specdec_memory_bytes", "Memory plan: weights, KV per token, budget", ["part"], registry=r)
+        self.max_sequences = Gauge("specdec_max_concurrent_sequences", "Sequences that fit the cache budget at max_model_len", ["with_draft"], registry=r)
+        self._drift_config = drift
+        self._drift: dict[str, AcceptanceDrift] = {}
+        self._totals: dict[str, list[int]] = {}  # route -> [drafted, accepted, committed, steps]
+        self._position: dict[str, list[list[int]]] = {}  # route -> [[drafted, accepted] per position]
+        self._recent: dict[str, deque[tuple[float, int]]] = {}  # route -> (time, tokens)
+
+    def add_route(self, route: str) -> None:
+        """Create a route's series at zero, so they exist before the first request."""
+        self._drift[route] = AcceptanceDrift(self._drift_config)
+        self._totals[route] = [0, 0, 0, 0]
+        self._position[route] = []
+        self._recent[route] = deque()
+        for metric in (self.drafted, self.accepted, self.committed, self.steps, self.generated):
+            metric.labels(route)
+        for gauge in (self.acceptance_rate, self.mean_accepted_length, self.tokens_per_second, self.current_k,
+                      self.window_rate, self.baseline_rate, self.drift, self.route_running):
+            gauge.labels(route).set(0)
+        self.ttft.labels(route)
+        self.itl.labels(route)
+
+    def record_step(self, route: str, drafted: int, accepted: int) -> None:
+        """One sequence's target step: `drafted` tokens verified, `accepted` of them kept."""
+        totals = self._totals[route]
+        totals[0] += drafted
+        totals[1] += accepted
+        totals[2] += accepted + 1
+        totals[3] += 1
+        self.drafted.labels(route).inc(drafted)
+        self.accepted.labels(route).inc(accepted)
+        self.committed.labels(route).inc(accepted + 1)
+        self.steps.labels(route).inc()
+        self.acceptance_rate.labels(route).set(totals[1] / totals[0] if totals[0] else 0.0)
+        self.mean_accepted_length.labels(route).set(totals[2] / totals[3])
+        positions = self._position[route]
+        while len(positions) < drafted:
+            positions.append([0, 0])
+        for i in range(drafted):
+            positions[i][0] += 1
+            positions[i][1] += i < accepted
+            self.drafted_at.labels(route, str(i)).inc()
+            if i < accepted:
+                self.accepted_at.labels(route, str(i)).inc()
+            self.position_acceptance.labels(route, str(i)).set(positions[i][1] / positions[i][0])
+        drift = self._drift[route]
+        change = drift.record(drafted, accepted)
+        self.window_rate.labels(route).set(drift.window_rate)
+        self.baseline_rate.labels(route).set(drift.baseline_rate)
+        self.drift.labels(route).set(1 if drift.drifting else 0)
+        if change is True:
+            log.warning("route %s: acceptance drift: %.3f over the last %d drafted tokens vs baseline %.3f (threshold %.2f)",
+                        route, drift.window_rate, self._drift_config.window, drift.baseline_rate, self._drift_config.threshold)
+        elif change is False:
+            log.info("route %s: acceptance back to %.3f (baseline %.3f)", route, drift.window_rate, drift.baseline_rate)
+
+    def record_tokens(self, route: str, tokens: int, now: float | None = None) -> None:
+        """Output tokens returned to a client; updates the 10 s tokens/s gauge."""
+        now = time.monotonic() if now is None else now
+        self.generated.labels(route).inc(tokens)
+        recent = self._recent[route]
+        recent.append((now, tokens))
+        self.refresh_rates(now)
+
+    def refresh_rates(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for route, recent in self._recent.items():
+            while recent and recent[0][0] < now - 10.0:
+                recent.popleft()
+            self.tokens_per_second.labels(route).set(sum(n for _, n in recent) / 10.0)

@@ -1,0 +1,121 @@
+"""Start-up and running: load the model and drafters, plan memory, build the batch engine and
+the scheduler, and run uvicorn (in the foreground, or in a thread for tests and benchmarks)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import threading
+import time
+import urllib.request
+
+import torch
+import uvicorn
+
+from specdec.api import LLM
+from specdec.drafters import build_drafter
+from specdec.drafters.base import Drafter
+from specdec.engine.batch import BatchEngine
+from specdec.errors import ConfigError
+from specdec.models.loader import LoadedModel, load_model
+from specdec.server.app import ServerState, create_app
+from specdec.server.config import ServerConfig
+from specdec.server.memory import plan_memory
+from specdec.server.metrics import ServerMetrics
+from specdec.server.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def build_state(config: ServerConfig, model: str | None = None, *, loaded: LoadedModel | None = None,
+                device: str | torch.device = "cpu") -> ServerState:
+    """Everything the app needs, ready to serve (the scheduler thread starts with the app)."""
+    target = loaded if loaded is not None else load_model(model, device=device)
+    if config.max_model_len > target.max_positions:
+        raise ConfigError(f"max_model_len {config.max_model_len} exceeds {target.name}'s context of {target.max_positions}")
+    # One prototype drafter per route: builds (and checks) its draft model once; sequences fork it.
+    drafters: dict[str, Drafter | None] = {
+        r.name: build_drafter(r.speculative, target) if r.speculative is not None else None for r in config.routes
+    }
+    memory = plan_memory(target, [d for d in drafters.values() if d is not None], config.max_model_len,
+                         config.cache_budget_bytes)
+    log.info("memory: %s", memory.describe())
+    if memory.max_sequences < 1:
+        raise ConfigError(f"the cache budget holds no sequence of {config.max_model_len} tokens: {memory.describe()}")
+    rows = min(config.max_num_seqs, memory.max_sequences)
+    if rows < config.max_num_seqs:
+        log.warning("max_num_seqs %d lowered to %d to fit the cache budget", config.max_num_seqs, rows)
+    engine = BatchEngine(target, max_rows=rows, max_model_len=config.max_model_len, max_draft=max(config.max_draft, 1))
+    metrics = ServerMetrics(config.drift)
+    for route in config.routes:
+        metrics.add_route(route.name)
+    for part, value in (("target_weights", memory.target_weight_bytes), ("draft_weights", memory.draft_weight_bytes),
+                        ("target_kv_per_token", memory.target_kv_bytes_per_token),
+                        ("draft_kv_per_token", memory.draft_kv_bytes_per_token),
+                        ("cache_budget", memory.cache_budget_bytes), ("per_sequence", memory.bytes_per_sequence)):
+        metrics.memory.labels(part).set(value)
+    metrics.memory.labels("kv_allocated").set(engine.cache.nbytes)
+    log.info("KV cache allocated: %.1f MiB for %d sequences of up to %d tokens (plus %d slots of slack each)",
+             engine.cache.nbytes / (1 << 20), rows, config.max_model_len, engine.cache.capacity - config.max_model_len)
+    metrics.max_sequences.labels("true").set(memory.max_sequences)
+    metrics.max_sequences.labels("false").set(memory.max_sequences_without_draft)
+    # The HTTP side encodes prompts with its own tokenizer copy: a fast tokenizer must not be
+    # used from two threads at once, and the scheduler thread decodes with the original.
+    encoder = LLM(loaded=dataclasses.replace(target, tokenizer=copy.deepcopy(target.tokenizer)))
+    scheduler = Scheduler(engine, drafters, metrics, max_waiting=config.max_waiting)
+    return ServerState(config, encoder, scheduler, metrics, memory, target.name, config.max_model_len, rows)
+
+
+def uvicorn_server(state: ServerState, host: str, port: int, log_level: str = "info") -> uvicorn.Server:
+    """A uvicorn server for the app; SIGTERM (in the main thread) drains in-flight requests for
+    up to graceful_shutdown_s, then the scheduler stops and aborts what is left."""
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=state.config.graceful_shutdown_s, lifespan="on")
+    return uvicorn.Server(config)
+
+
+class ServerThread:
+    """Runs the server in a background thread of this process (tests, benchmarks)."""
+
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.server = uvicorn_server(state, host, port, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, name="specdec-uvicorn", daemon=True)
+        self.host = host
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        wait_healthy(self.url, timeout)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def wait_healthy(url: str, timeout: float = 60.0) -> None:
+    """Poll GET /health until it answers 200."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/health did not answer within {timeout} s")
+        time.sleep(0.1)

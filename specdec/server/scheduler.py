@@ -1,0 +1,266 @@
+"""The scheduler: one background thread owns the batched engine and all torch work.
+
+HTTP handlers submit requests from the event loop; the thread admits them into the batch
+between steps (continuous batching), sets each sequence's k from its route's load schedule,
+runs one engine step, and hands every sequence's new text back through a thread-safe callback.
+Cancelled requests (client gone, shutdown) leave the batch before the next step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters.base import Drafter
+from specdec.engine.batch import BatchEngine, Sequence, SequenceOutput
+from specdec.engine.stats import RequestStats
+from specdec.errors import SpecDecError
+from specdec.models.loader import LoadedModel
+from specdec.server.config import RouteConfig
+from specdec.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Event:
+    """What the scheduler tells a request's handler.
+
+    kind: "token" (new text and tokens), "done" (finish_reason and stats; the last event), or
+    "error" (message; also the last event).
+    """
+
+    kind: str
+    index: int
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+    message: str = ""
+
+
+@dataclass(eq=False)
+class ServerRequest:
+    """One sequence to generate: a prompt on a route, with its k (0 = no speculation) and a
+    callback that delivers events to the handler (called from the scheduler thread)."""
+
+    route: RouteConfig
+    prompt_ids: list[int]
+    params: SamplingParams
+    k: int
+    sink: Callable[[Event], None]
+    index: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    sequence: Sequence | None = None
+    last_emit: float | None = None
+
+    def k_at(self, running: int) -> int:
+        """k for the next step when `running` sequences share the batch."""
+        if self.route.load_schedule is None:
+            return self.k
+        return min(self.k, self.route.load_schedule.k_for(running))
+
+
+def fork_drafter(prototype: Drafter) -> Drafter:
+    """A fresh drafter configured like `prototype` (which must never have run a request),
+    sharing its models' weights: modules, tensors and loaded models are shared, everything
+    else (per-request state such as a draft KV cache) is copied."""
+    memo: dict[int, object] = {}
+
+    def share(obj: object, depth: int) -> None:
+        for value in getattr(obj, "__dict__", {}).values():
+            if isinstance(value, (torch.nn.Module, torch.Tensor, LoadedModel)):
+                memo[id(value)] = value
+                if isinstance(value, LoadedModel):
+                    memo[id(value.model)] = value.model
+                    memo[id(value.tokenizer)] = value.tokenizer
+            elif depth > 0:
+                share(value, depth - 1)
+
+    share(prototype, 2)
+    return copy.deepcopy(prototype, memo)
+
+
+class QueueFullError(SpecDecError):
+    """Too many requests are waiting for a row."""
+
+
+class Scheduler:
+    """Runs the batched engine in a background thread; see the module docstring."""
+
+    def __init__(self, engine: BatchEngine, drafters: dict[str, Drafter | None], metrics: ServerMetrics,
+                 max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.drafters = drafters  # route name -> prototype drafter (never run), or None
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self._inbox: queue.Queue[ServerRequest] = queue.Queue()
+        self._waiting: deque[ServerRequest] = deque()
+        self._running: dict[int, ServerRequest] = {}  # sequence id -> request
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
+        self.steps = 0
+
+    # --- called from the event loop ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: ServerRequest) -> None:
+        if self._stopping.is_set():
+            raise QueueFullError("the server is shutting down")
+        if self._inbox.qsize() + len(self._waiting) >= self.max_waiting:
+            raise QueueFullError(f"{self.max_waiting} requests are already waiting")
+        self._inbox.put(request)
+
+    def cancel(self, request: ServerRequest) -> None:
+        """Mark a request cancelled; its sequence leaves the batch before the next step."""
+        request.cancelled = True
+
+    @property
+    def waiting(self) -> int:
+        return self._inbox.qsize() + len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still waiting or running end with finish_reason "abort"."""
+        self._stopping.set()
+        self._thread.join(timeout)
+
+    # --- the scheduler thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self._running and not self._waiting)
+            self._drop_cancelled()
+            self._admit()
+            if self._running:
+                self._step()
+            self._update_gauges()
+        for request in list(self._running.values()) + list(self._waiting) + self._drain_all():
+            self._finish(request, "abort")
+        self._update_gauges()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        self._waiting.append(item)
+        self._waiting.extend(self._drain_all())
+
+    def _drain_all(self) -> list[ServerRequest]:
+        items = []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self._running.values() if r.cancelled]:
+            self._finish(request, "abort")
+        if any(r.cancelled for r in self._waiting):
+            kept = deque()
+            for request in self._waiting:
+                if request.cancelled:
+                    self._finish(request, "abort")
+                else:
+                    kept.append(request)
+            self._waiting = kept
+
+    def _admit(self) -> None:
+        while self._waiting and self.engine.running < self.engine.max_rows:
+            request = self._waiting.popleft()
+            prototype = self.drafters.get(request.route.name)
+            drafter = fork_drafter(prototype) if prototype is not None and request.k > 0 else None
+            seq = Sequence(request.prompt_ids, request.params, drafter, k=request.k)
+            request.sequence = seq
+            try:
+                out = self.engine.add(seq)
+            except (SpecDecError, ValueError) as exc:  # the handler checks prompts; this is a backstop
+                request.sink(Event("error", request.index, message=str(exc)))
+                continue
+            except Exception:  # noqa: BLE001  a failed prefill fails its request, not the thread
+                log.exception("prefill failed")
+                self.engine.remove(seq)  # in case it got a row before failing
+                request.sink(Event("error", request.index, message="internal error during prefill"))
+                continue
+            self._running[seq.id] = request
+            self.metrics.route_running.labels(request.route.name).inc()
+            self._deliver(request, out, prefill=True)
+
+    def _step(self) -> None:
+        running = self.engine.running
+        for seq in self.engine.sequences:
+            seq.k = self._running[seq.id].k_at(running)
+        for route, schedule in {r.route.name: r.route for r in self._running.values()}.items():
+            self.metrics.current_k.labels(route).set(schedule.load_schedule.k_for(running) if schedule.load_schedule else schedule.k)
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001  a failed step must not kill the thread; fail its requests instead
+            log.exception("engine step failed; failing the %d running requests", running)
+            self.engine.cache.clear()
+            self.engine.sequences.clear()
+            for request in list(self._running.values()):
+                request.sink(Event("error", request.index, message="internal error while generating"))
+                self._finish(request, "error", notify=False)
+            return
+        self.steps += 1
+        for out in outputs:
+            self._deliver(self._running[out.sequence.id], out, prefill=False)
+
+    def _deliver(self, request: ServerRequest, out: SequenceOutput, prefill: bool) -> None:
+        route = request.route.name
+        if not prefill:
+            self.metrics.record_step(route, out.drafted, out.accepted)
+        now = time.monotonic()
+        tokens = len(out.chunk.token_ids)
+        if tokens:
+            self.metrics.record_tokens(route, tokens, now)
+            if request.last_emit is None:
+                self.metrics.ttft.labels(route).observe(now - request.arrival)
+            else:
+                per_token = (now - request.last_emit) / tokens
+                for _ in range(tokens):
+                    self.metrics.itl.labels(route).observe(per_token)
+            request.last_emit = now
+        if tokens or out.chunk.text:
+            request.sink(Event("token", request.index, out.chunk.text, tuple(out.chunk.token_ids)))
+        if out.finished:
+            self._finish(request, out.sequence.result.finish_reason or "stop")
+
+    def _finish(self, request: ServerRequest, reason: str, notify: bool = True) -> None:
+        seq = request.sequence
+        if seq is not None and self._running.pop(seq.id, None) is not None:
+            self.engine.remove(seq)
+            self.metrics.route_running.labels(request.route.name).dec()
+        self.metrics.requests.labels(request.route.name, reason).inc()
+        if notify:
+            stats = None
+            if seq is not None:  # a copy: the sequence's own object is not touched again
+                own = seq.result.stats
+                stats = dataclasses.replace(own, drafted_at=list(own.drafted_at), accepted_at=list(own.accepted_at))
+            request.sink(Event("done", request.index, finish_reason=reason, stats=stats))
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_length.set(self.waiting)
+        self.metrics.running.set(self.engine.running)

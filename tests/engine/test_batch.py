@@ -1,0 +1,160 @@
+"""The batched engine against the single-request Engine: per sequence, the same tokens.
+
+Greedy outputs must be token-identical whatever the batch around a sequence does (rows joining
+late, other rows drafting more or less, rejections elsewhere). Seeded sampling must give the
+same tokens as the single engine with the same seed. With speculation off, a step is one
+batched forward pass over [rows, 1]."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters import Proposal
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine import Engine
+from specdec.engine.batch import BatchEngine, Sequence
+from specdec.models import LoadedModel
+
+PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 2000], [1, 700, 800, 900], [1, 42] * 6, [1, 3000, 3001, 3002, 3003, 3004]]
+MAX_TOKENS = 24
+
+
+class NoisyDrafter:
+    """Agrees partly: proposes the plain greedy continuation with one token in three wrong."""
+
+    def __init__(self, reference: list[int]) -> None:
+        self.reference = reference  # prompt + plain greedy output
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        right = self.reference[len(context) : len(context) + k]
+        wrong = len(context) % 3
+        return Proposal([7 if i == wrong else t for i, t in enumerate(right)])
+
+    def commit(self, context: list[int], num_accepted: int) -> None:
+        pass
+
+
+def _run(engine: BatchEngine, seqs: list[Sequence], join_every: int = 0) -> None:
+    """Add the sequences (one every `join_every` steps, or all at once) and step to the end."""
+    waiting = list(seqs)
+    steps = 0
+    while waiting or engine.running:
+        if waiting and (join_every == 0 or steps % join_every == 0):
+            batch = waiting if join_every == 0 else waiting[:1]
+            for seq in batch:
+                if engine.add(seq).finished:
+                    engine.remove(seq)
+            waiting = [s for s in waiting if s not in batch]
+        for out in engine.step():
+            if out.finished:
+                engine.remove(out.sequence)
+        steps += 1
+
+
+def _plain(model: LoadedModel, prompt: list[int]) -> list[int]:
+    return prompt + Engine(model).generate(prompt, SamplingParams(max_tokens=MAX_TOKENS + 8, ignore_eos=True)).token_ids
+
+
+def _drafter(kind: str, model: LoadedModel, prompt: list[int]):
+    if kind == "noisy":
+        return NoisyDrafter(_plain(model, prompt))
+    return {"none": None, "ngram": NgramDrafter(1, 4)}[kind]
+
+
+@pytest.mark.parametrize("join_every", [0, 3])
+def test_greedy_matches_single_engine_per_sequence(tiny_model: LoadedModel, join_every: int) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    kinds = ["none", "ngram", "noisy", "noisy"]
+    ks = [0, 4, 3, 6]
+    expected = [Engine(tiny_model, _drafter(kind, tiny_model, p), k).generate(p, params).token_ids for p, kind, k in zip(PROMPTS, kinds, ks)]
+    engine = BatchEngine(tiny_model, max_rows=4, max_model_len=128, max_holes=8)
+    seqs = [Sequence(p, params, _drafter(kind, tiny_model, p), k=k) for p, kind, k in zip(PROMPTS, kinds, ks)]
+    _run(engine, seqs, join_every)
+    assert [s.result.token_ids for s in seqs] == expected
+    assert all(s.result.finish_reason == "length" for s in seqs)
+    noisy = seqs[2].result.stats
+    assert 0 < noisy.accepted_tokens < noisy.drafted_tokens  # rejections happened in the batch
+    assert engine.running == 0 and engine.cache.rows == 0
+
+
+def test_k_can_change_between_steps(tiny_model: LoadedModel) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = Engine(tiny_model).generate(PROMPTS[0], params).token_ids
+    engine = BatchEngine(tiny_model, max_rows=2, max_model_len=128)
+    seq = Sequence(PROMPTS[0], params, NoisyDrafter(_plain(tiny_model, PROMPTS[0])), k=4)
+    engine.add(seq)
+    step = 0
+    while not seq.finished:
+        seq.k = [4, 0, 2][step % 3]  # what a load-aware schedule does
+        engine.step()
+        step += 1
+    assert seq.result.token_ids == expected
+    stats = seq.result.stats
+    assert len(stats.drafted_at) == 4 and stats.drafted_at[1] > stats.drafted_at[2] > 0  # k=2 and k=4 steps
+
+
+def test_seeded_sampling_matches_single_engine(tiny_model: LoadedModel) -> None:
+    expected, seqs = [], []
+    for i, prompt in enumerate(PROMPTS):
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+        expected.append(Engine(tiny_model, NgramDrafter(1, 4), 3).generate(prompt, params).token_ids)
+        seqs.append(Sequence(prompt, params, NgramDrafter(1, 4), k=3))
+    _run(BatchEngine(tiny_model, max_rows=4, max_model_len=128), seqs)
+    assert [s.result.token_ids for s in seqs] == expected
+    assert len({tuple(s.result.token_ids) for s in seqs}) == len(seqs)
+
+
+def test_plain_decoding_is_one_batched_pass_per_step(tiny_model: LoadedModel) -> None:
+    shapes = []
+    hook = tiny_model.model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    try:
+        engine = BatchEngine(tiny_model, max_rows=4, max_model_len=128)
+        seqs = [Sequence(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in PROMPTS]
+        for seq in seqs:
+            engine.add(seq)
+        shapes.clear()  # prefills were one pass each
+        engine.step()
+    finally:
+        hook.remove()
+    assert shapes == [(4, 1)]
+
+
+def test_stop_conditions_match_single_engine(tiny_model: LoadedModel) -> None:
+    reference = Engine(tiny_model).generate(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    stop = reference.text[len(reference.text) // 2 : len(reference.text) // 2 + 3]
+    assert stop.strip()
+    params = SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,), ignore_eos=True)
+    expected = Engine(tiny_model, NgramDrafter(1, 4), 4).generate(PROMPTS[1], params)
+    seq = Sequence(PROMPTS[1], params, NgramDrafter(1, 4), k=4)
+    _run(BatchEngine(tiny_model, max_rows=2, max_model_len=128), [seq])
+    assert (seq.result.token_ids, seq.result.text, seq.result.finish_reason) == (expected.token_ids, expected.text, "stop")
+
+
+def test_prompt_over_the_context_is_refused(tiny_model: LoadedModel) -> None:
+    engine = BatchEngine(tiny_model, max_rows=1, max_model_len=16)
+    with pytest.raises(ValueError, match="at most 15"):
+        engine.add(Sequence(list(range(1, 17)), SamplingParams()))
+    assert engine.running == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_model_forks_match_single_engine(tiny_model: LoadedModel, temperature: float) -> None:
+    """A stateful drafter (its own KV cache): one fork per sequence, as the server does."""
+    from specdec.config import SpeculativeConfig
+    from specdec.drafters import build_drafter
+    from specdec.server.scheduler import fork_drafter
+
+    config = SpeculativeConfig("draft_model", 3, model=tiny_model.source)
+    prototype = build_drafter(config, tiny_model)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=5 + i, ignore_eos=True) for i in range(3)]
+    expected = [Engine(tiny_model, build_drafter(config, tiny_model), 3).generate(p, sp).token_ids
+                for p, sp in zip(PROMPTS, params)]
+    seqs = [Sequence(p, sp, fork_drafter(prototype), k=3) for p, sp in zip(PROMPTS, params)]
+    _run(BatchEngine(tiny_model, max_rows=3, max_model_len=128), seqs, join_every=2)
+    assert [s.result.token_ids for s in seqs] == expected
+    assert all(s.result.stats.accepted_tokens > 0 for s in seqs)

@@ -1,0 +1,179 @@
+"""Route config, the load-aware schedule, drift detection and the memory plan: pure logic,
+plus the scheduler applying the schedule as the batch fills and empties."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.errors import ConfigError
+from specdec.models import LoadedModel
+from specdec.server.config import DEFAULT_LOAD_SCHEDULE, DriftConfig, LoadSchedule, default_config, load_config
+from specdec.server.memory import plan_memory
+from specdec.server.metrics import AcceptanceDrift, ServerMetrics
+from specdec.server.runtime import build_state
+from specdec.server.scheduler import ServerRequest, fork_drafter
+
+CONFIG = """
+max_model_len = 128
+max_num_seqs = 3
+cache_budget_mb = 64
+
+[drift]
+window = 8
+baseline = 16
+threshold = 0.3
+
+[routes.interactive]
+speculative = { method = "ngram", num_speculative_tokens = 4 }
+max_num_speculative_tokens = 6
+load_schedule = { 1 = 4, 2 = 2, 3 = 0 }
+
+[routes.fixed]
+speculative = { method = "ngram", num_speculative_tokens = 3 }
+load_schedule = false
+
+[routes.batch]
+"""
+
+
+def test_load_schedule_picks_the_last_threshold_reached() -> None:
+    schedule = LoadSchedule.from_mapping(DEFAULT_LOAD_SCHEDULE)
+    assert [schedule.k_for(n) for n in (1, 2, 3, 4, 7, 8, 64)] == [4, 4, 4, 2, 2, 0, 0]
+    assert LoadSchedule.from_mapping({"2": 3}).k_for(1) == 3
+    with pytest.raises(ConfigError):
+        LoadSchedule.from_mapping({0: 4})
+    with pytest.raises(ConfigError):
+        LoadSchedule.from_mapping({1: -1})
+
+
+def test_toml_config(tmp_path: Path) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text(CONFIG)
+    config = load_config(path, max_num_seqs=None)
+    assert [r.name for r in config.routes] == ["interactive", "fixed", "batch"]
+    interactive, fixed, batch = config.routes
+    assert interactive.k == 4 and interactive.k_cap == 6 and interactive.load_schedule.k_for(2) == 2
+    assert fixed.load_schedule is None and fixed.k_cap == 3
+    assert batch.speculative is None and batch.k_cap == 0
+    assert config.cache_budget_bytes == 64 << 20 and config.drift.window == 8
+    assert load_config(path, max_num_seqs=5).max_num_seqs == 5
+    path.write_text(CONFIG + "\n[routes.bad]\nspeculative = { method = 'magic' }\n")
+    with pytest.raises(ConfigError, match="unknown speculative method"):
+        load_config(path)
+    path.write_text("max_model_len = 128\n")
+    with pytest.raises(ConfigError, match="routes"):
+        load_config(path)
+    assert default_config().route("specdec").load_schedule.k_for(8) == 0
+
+
+def test_drift_warns_when_acceptance_drops_and_recovers(caplog: pytest.LogCaptureFixture) -> None:
+    drift = AcceptanceDrift(DriftConfig(window=8, baseline=16, threshold=0.4))
+    changes = [drift.record(4, 3) for _ in range(6)]  # 24 tokens at 0.75: baseline and window full
+    assert not drift.drifting and set(changes) == {None}
+    assert [drift.record(4, 0) for _ in range(2)] == [None, True]  # the window drops to 0
+    assert drift.window_rate == 0.0 and drift.baseline_rate == 0.75
+    metrics = ServerMetrics(DriftConfig(window=8, baseline=16, threshold=0.4))
+    metrics.add_route("r")
+    with caplog.at_level(logging.WARNING):
+        for accepted in [3] * 6 + [0] * 2:
+            metrics.record_step("r", 4, accepted)
+    assert "acceptance drift" in caplog.text
+    assert metrics.drift.labels("r")._value.get() == 1
+    for _ in range(8):  # the baseline catches up with the new level: no longer drift
+        drift.record(4, 0)
+    assert not drift.drifting
+
+
+def test_memory_plan_takes_the_draft_from_the_budget(tiny_model: LoadedModel, small_model_factory) -> None:
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.ngram import NgramDrafter
+
+    draft = small_model_factory(seed=3, vocab_size=16)
+    per_token = 2 * 2 * 2 * 16 * 4  # keys and values, 2 layers, 2 kv heads, head_dim 16, fp32
+    budget = 10 << 20
+    separate = DraftModelDrafter(draft, added_memory_bytes=draft.weight_bytes())
+    plan = plan_memory(tiny_model, [separate, separate, NgramDrafter(1, 3)], max_model_len=100, cache_budget_bytes=budget)
+    assert plan.target_kv_bytes_per_token == per_token
+    assert plan.draft_weight_bytes == draft.weight_bytes() > 0 and plan.draft_kv_bytes_per_token > 0  # counted once
+    assert plan.max_sequences == (budget - plan.draft_weight_bytes) // (100 * (per_token + plan.draft_kv_bytes_per_token))
+    assert plan.sequences_lost_to_draft == budget // (100 * per_token) - plan.max_sequences > 0
+    itself = plan_memory(tiny_model, [DraftModelDrafter(tiny_model)], max_model_len=100, cache_budget_bytes=budget)
+    assert itself.draft_weight_bytes == 0 and itself.draft_kv_bytes_per_token == per_token
+    # layer_skip: no weights of its own, KV for the layers it runs only.
+    half = plan_memory(tiny_model, [DraftModelDrafter(tiny_model, layers=[1])], max_model_len=100, cache_budget_bytes=budget)
+    assert half.draft_weight_bytes == 0 and half.draft_kv_bytes_per_token == per_token // 2
+    assert plan_memory(tiny_model, [NgramDrafter(1, 3)], 100, budget).sequences_lost_to_draft == 0
+
+
+def test_fork_drafter_shares_weights_not_state(tiny_model: LoadedModel) -> None:
+    from specdec.drafters import build_drafter
+
+    prototype = build_drafter(SpeculativeConfig("draft_model", 2, model=str(tiny_model.source)), tiny_model)
+    fork = fork_drafter(prototype)
+    assert fork is not prototype and fork.runner.model is prototype.runner.model
+    fork.begin([1, 2, 3], 16)
+    assert fork.cache is not None and prototype.cache is None
+
+
+def test_scheduler_shortens_k_as_the_batch_fills_and_restores_it(tmp_path: Path, tiny_model: LoadedModel) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text(CONFIG)
+    state = build_state(load_config(path), loaded=tiny_model)  # the scheduler thread is not started
+    scheduler = state.scheduler
+    route = state.config.route("interactive")
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    requests = [ServerRequest(route, [1, 5, 9, 5, 9], params, route.k, lambda event: None, index=i) for i in range(3)]
+    assert state.max_num_seqs == 3
+
+    def step_with(active: list[ServerRequest]) -> list[int]:
+        scheduler._drain(block=False)
+        scheduler._drop_cancelled()
+        scheduler._admit()
+        scheduler._step()
+        return [r.sequence.k for r in active]
+
+    scheduler.submit(requests[0])
+    assert step_with(requests[:1]) == [4]
+    for request in requests[1:]:
+        scheduler.submit(request)
+    assert step_with(requests) == [0, 0, 0]  # 3 running: speculation off
+    scheduler.cancel(requests[2])
+    assert step_with(requests[:2]) == [2, 2]
+    scheduler.cancel(requests[1])
+    assert step_with(requests[:1]) == [4]  # load fell: speculation is back
+    assert scheduler.running == 1 and state.metrics.current_k.labels("interactive")._value.get() == 4
+
+
+def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(tmp_path: Path, tiny_model: LoadedModel,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text(CONFIG)
+    state = build_state(load_config(path), loaded=tiny_model)
+    scheduler = state.scheduler
+    route = state.config.route("batch")
+    events = []
+    request = ServerRequest(route, [1, 5, 9], SamplingParams(max_tokens=20, ignore_eos=True), 0, events.append)
+    scheduler.submit(request)
+    scheduler._drain(block=False)
+    scheduler._admit()
+
+    def broken_step() -> list:
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(scheduler.engine, "step", broken_step)
+    scheduler._step()
+    assert events[-1].kind == "error" and scheduler.running == 0 and scheduler.engine.cache.rows == 0
+    monkeypatch.undo()
+    again = ServerRequest(route, [1, 5, 9], SamplingParams(max_tokens=3, ignore_eos=True), 0, events.append)
+    scheduler.submit(again)
+    scheduler.start()
+    deadline = time.monotonic() + 30
+    while not (events[-1].kind == "done" and events[-1].finish_reason == "length") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    scheduler.stop()
+    assert events[-1].kind == "done" and events[-1].stats.generated_tokens == 3
