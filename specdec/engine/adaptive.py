@@ -15,10 +15,13 @@ when it does not pay, by measuring what a committed token costs:
   which it probes again; each failed probe doubles the backoff (up to `max_backoff`), and a
   probe that pays resets it.
 
-What was learned (k, the backoff and how much of it is left, the plain step time) lives in an
-`AdaptiveState` that the engine keeps across requests: a drafter that did not pay on the last
-request starts the next one switched off and probes on the same schedule, instead of paying
-the same lesson again on every request. Acceptance and time still decide within each request.
+What was learned (k, the backoff and how much of it is left, the plain step time, the draft's
+cost) lives in an `AdaptiveState` that the engine keeps across requests. A drafter whose
+passes cost something (a model) and did not pay on the last request starts the next one
+switched off and probes on the same schedule, instead of paying the lesson (and a draft pass
+over the new prompt) again on every request. A drafter that costs next to nothing (prompt
+lookup: under `CHEAP_DRAFT` of a plain step per drafted token) pays or not by the text of each
+request, and probing costs it nothing, so each new request starts it speculating.
 
 Any choice of k made before a step keeps decoding lossless: the acceptance rule makes each
 step's tokens follow the target's distribution whatever the draft length was.
@@ -29,6 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+# Draft time per drafted token, over a plain step, under which drafting counts as free.
+CHEAP_DRAFT = 0.05
+
 
 @dataclass
 class AdaptiveState:
@@ -38,6 +44,7 @@ class AdaptiveState:
     backoff: int
     off_steps_left: int = 0
     plain_step_s: float | None = None  # moving average of an undrafted target step
+    draft_cost: float | None = None  # moving average of draft time per drafted token / plain step
     switched_off: int = 0  # how many times speculation went off
 
 
@@ -72,6 +79,9 @@ class AdaptiveK:
         self.k_max = k_max
         self.state = state if state is not None else AdaptiveState(k=k_max, backoff=backoff)
         self.state.k = min(max(self.state.k, 1), k_max)
+        if self.state.draft_cost is not None and self.state.draft_cost < CHEAP_DRAFT:
+            self.state.off_steps_left = 0  # a free drafter probes each new request at once
+            self.state.backoff = backoff
         self.window = window
         self.base_backoff = backoff
         self.max_backoff = max_backoff
@@ -104,6 +114,9 @@ class AdaptiveK:
             if state.off_steps_left > 0:
                 state.off_steps_left -= 1
         else:
+            if state.plain_step_s:
+                cost = draft_time_s / drafted / state.plain_step_s
+                state.draft_cost = cost if state.draft_cost is None else 0.7 * state.draft_cost + 0.3 * cost
             if accepted == drafted:
                 state.k = min(state.k + 1, self.k_max)
             elif accepted == 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ def run(policy: AdaptiveK, steps: list[tuple[int, float]], plain_s: float = PLAI
         if k == 0:
             policy.observe(0, 0, 0.0, plain_s)
         else:
-            policy.observe(k, min(accepted, k), 0.0, seconds)
+            policy.observe(k, min(accepted, k), 0.4 * seconds, 0.6 * seconds)  # a drafter that costs
     return asked
 
 
@@ -99,6 +101,22 @@ def test_what_was_learned_carries_over_to_the_next_request() -> None:
     assert fresh.k == 4  # a remembered k is kept within this policy's bounds
 
 
+def test_a_free_drafter_starts_each_request_speculating() -> None:
+    costly = AdaptiveK(k_max=1, window=2, backoff=8)
+    costly.observe(0, 0, 0.0, PLAIN_STEP)
+    for _ in range(2):
+        costly.observe(1, 0, 0.5 * PLAIN_STEP, 1.1 * PLAIN_STEP)  # half a plain step per drafted token
+    assert costly.state.draft_cost == pytest.approx(0.5, rel=0.05) and not costly.speculating
+    assert not AdaptiveK(k_max=1, state=costly.state).speculating  # still off on the next request
+    free = AdaptiveK(k_max=1, window=2, backoff=8)
+    free.observe(0, 0, 0.0, PLAIN_STEP)
+    for _ in range(2):
+        free.observe(1, 0, 0.001 * PLAIN_STEP, 1.1 * PLAIN_STEP)  # prompt lookup: drafting is free
+    assert not free.speculating
+    again = AdaptiveK(k_max=1, state=free.state, backoff=8)
+    assert again.speculating and again.next_k() > 0 and again.state.backoff == 8
+
+
 def test_invalid_settings() -> None:
     with pytest.raises(ValueError):
         AdaptiveK(k_max=0)
@@ -110,7 +128,10 @@ def test_invalid_settings() -> None:
 
 
 class WrongDrafter:
-    """Proposes tokens the target never picks (the vocabulary's last ids), counting its calls."""
+    """Proposes tokens the target never picks (the vocabulary's last ids), counting its calls;
+    each proposal takes 10 ms, as a draft model's passes would."""
+
+    added_memory_bytes = 0
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -121,6 +142,7 @@ class WrongDrafter:
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         self.calls += 1
+        time.sleep(0.01)
         return Proposal([self.vocab_size - 1 - i for i in range(k)])
 
     def commit(self, context: list[int], num_accepted: int) -> None:
