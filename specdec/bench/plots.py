@@ -16,18 +16,26 @@ def plot_speedup_by_category(report: dict[str, Any], path: Path) -> None:
     systems = [name for name, base in report["baselines"].items() if base is not None]
     categories = sorted(report["systems_by_category"])
     width = 0.8 / max(1, len(systems))
-    fig, ax = plt.subplots(figsize=(max(6, len(categories) * 0.7), 4))
+    fig, ax = plt.subplots(figsize=(max(6, len(categories) * 0.7) + (3 if len(systems) > 2 else 0), 4))
     for i, name in enumerate(systems):
         values = [report["systems_by_category"][c][name]["speedup"] for c in categories]
-        ax.bar([x + i * width for x in range(len(categories))], values, width, label=name)
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=_label(report, name))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(categories))], categories, rotation=45, ha="right")
     ax.set_ylabel("speedup over own plain decoding")
-    ax.set_title(f"{report['model']}: {report['method_label']}")
-    ax.legend()
+    ax.set_title(f"{report['model']}: speedup over plain decoding by category")
+    if len(systems) > 2:  # outside the axes, where it hides no bar
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _label(report: dict[str, Any], name: str) -> str:
+    """The primary speculative system is called "specdec" in tables; plots name its config."""
+    return f"specdec {report['method_label']}" if name == "specdec" else name
 
 
 def plot_acceptance_by_position(report: dict[str, Any], path: Path) -> None:
@@ -45,7 +53,7 @@ def plot_acceptance_by_position(report: dict[str, Any], path: Path) -> None:
         per_position = stats.get("per_position_acceptance") or []
         if per_position:
             style = {"linewidth": 3, "color": "black"} if name == "overall" else {"linewidth": 1.5, "alpha": 0.8}
-            ax.plot(range(1, len(per_position) + 1), per_position, marker="o", label=name, **style)
+            ax.plot(range(1, len(per_position) + 1), per_position, marker="o", label=_label(report, name), **style)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1.05)
