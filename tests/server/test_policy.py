@@ -65,6 +65,9 @@ def test_toml_config(tmp_path: Path) -> None:
     path.write_text(CONFIG + "\n[routes.bad]\nspeculative = { method = 'magic' }\n")
     with pytest.raises(ConfigError, match="unknown speculative method"):
         load_config(path)
+    path.write_text(CONFIG + "\n[routes.adaptive]\nspeculative = { method = 'ngram', adaptive = true }\n")
+    with pytest.raises(ConfigError, match="'adaptive' is not supported by the server yet"):
+        load_config(path)
     path.write_text("max_model_len = 128\n")
     with pytest.raises(ConfigError, match="routes"):
         load_config(path)
