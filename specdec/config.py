@@ -15,7 +15,7 @@ from typing import Any
 from specdec.errors import ConfigError
 
 # Defaults per method, chosen by measurement (see README, "Choosing k").
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 3}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 1}
 QUANTIZATIONS = ("int8",)
 
 
