@@ -5,6 +5,7 @@ distribution tests, where the exact target distribution can be enumerated."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,3 +110,21 @@ def small_model_factory() -> SmallModelFactory:
         return built[key]
 
     return make
+
+
+CliRun = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> CliRun:
+    """Runs the `specdec` command in this process, as `main()` runs it: (exit status, stdout, stderr)."""
+    from specdec.cli.main import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["specdec", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        captured = capsys.readouterr()
+        return exit_info.value.code or 0, captured.out, captured.err
+
+    return run

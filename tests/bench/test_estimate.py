@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 
 from specdec.bench.estimate import expected_speedup, expected_tokens_per_step
-from specdec.cli.main import main
 
 
-def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """The command in this process, as `main()` runs it: (exit status, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["specdec", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    captured = capsys.readouterr()
-    return exit_info.value.code or 0, captured.out, captured.err
 
 
 @pytest.mark.parametrize(("acceptance", "k"), [(0.0, 1), (0.3, 2), (0.8, 4), (0.95, 8), (1.0, 3)])
@@ -34,10 +25,10 @@ def test_expected_tokens_is_the_sum_over_positions(acceptance: float, k: int) ->
     ],
 )
 def test_estimate_prints_the_formula(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    run_cli,
     args: list[str], acceptance: float, k: int, draft_cost: float, verify_cost: float,
 ) -> None:
-    code, out, err = run_cli(monkeypatch, capsys, "estimate", *args)
+    code, out, err = run_cli("estimate", *args)
     assert code == 0, err
     tokens = (1 - acceptance ** (k + 1)) / (1 - acceptance)
     speedup = tokens / (k * draft_cost + verify_cost)
@@ -45,15 +36,15 @@ def test_estimate_prints_the_formula(
     assert f"expected speedup over plain decoding: {speedup:.2f}x" in out
 
 
-def test_estimate_example_from_the_readme(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_cli(monkeypatch, capsys, "estimate", "-a", "0.8", "-k", "4", "--draft-cost", "0.1")
+def test_estimate_example_from_the_readme(run_cli) -> None:
+    code, out, _ = run_cli("estimate", "-a", "0.8", "-k", "4", "--draft-cost", "0.1")
     assert code == 0
     assert out.splitlines() == ["expected tokens per target step: 3.36", "expected speedup over plain decoding: 2.40x"]
 
 
-def test_estimate_every_draft_accepted(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_estimate_every_draft_accepted(run_cli) -> None:
     # a = 1: (1 - a^(k+1)) / (1 - a) is 0/0; every step commits k + 1 tokens.
-    code, out, err = run_cli(monkeypatch, capsys, "estimate", "-a", "1", "-k", "5", "--draft-cost", "0.2")
+    code, out, err = run_cli("estimate", "-a", "1", "-k", "5", "--draft-cost", "0.2")
     assert code == 0, err
     assert "expected tokens per target step: 6.00" in out
     assert f"expected speedup over plain decoding: {6 / (5 * 0.2 + 1):.2f}x" in out
@@ -73,9 +64,9 @@ def test_estimate_every_draft_accepted(monkeypatch: pytest.MonkeyPatch, capsys: 
     ],
 )
 def test_estimate_bad_input_is_one_line_error(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+    run_cli, args: list[str], message: str
 ) -> None:
-    code, out, err = run_cli(monkeypatch, capsys, "estimate", *args)
+    code, out, err = run_cli("estimate", *args)
     assert code == 2
     assert not out
     lines = [line for line in err.splitlines() if line.strip()]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from specdec.bench import tune
-from specdec.cli.main import main, speculative_config
+from specdec.cli.main import speculative_config
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine.stats import RequestStats
 from specdec.errors import ConfigError
@@ -26,12 +26,6 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["specdec", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    captured = capsys.readouterr()
-    return exit_info.value.code or 0, captured.out, captured.err
 
 
 # The candidate grid ---------------------------------------------------------------------------
@@ -196,10 +190,10 @@ def mini_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ],
 )
 def test_tune_bad_input_is_one_line_error(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], mini_data: Path, args: list[str], message: str
+    run_cli, mini_data: Path, args: list[str], message: str
 ) -> None:
     data = [] if "--data" in args else ["--data", str(mini_data)]
-    code, out, err = run_cli(monkeypatch, capsys, "tune", *data, *args)
+    code, out, err = run_cli("tune", *data, *args)
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
