@@ -27,7 +27,7 @@ out = Console(width=None if sys.stdout.isatty() else 160)
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file, a Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct).")]
 SpecOpt = Annotated[Optional[str], typer.Option("--speculative-config", help="JSON, as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, ...}; or a JSON file, such as the recommended.json of specdec tune.")]
-MethodOpt = Annotated[Optional[str], typer.Option("--method", help="Drafter: ngram, draft_model, or 'none' for plain decoding. [default: ngram]")]
+MethodOpt = Annotated[Optional[str], typer.Option("--method", help="Drafter: ngram, draft_model, layer_skip, or 'none' for plain decoding. [default: ngram]")]
 KOpt = Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Most tokens drafted per target step.")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for --method draft_model (same forms as --model).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda where a GPU exists.")]

@@ -10,18 +10,26 @@ when it does not pay, by measuring what a committed token costs:
 - Every `window` speculative steps, the time per committed token while speculating (draft
   plus verification) is compared with the time of a plain step (a target pass over one
   token, measured on undrafted steps; one is taken on purpose when none has been seen yet).
-  When speculating is slower, or no drafted token at all was accepted in the window (then it
-  cannot be faster, whatever the timer says), speculation is off for `backoff` steps, after
-  which it probes again; each failed probe doubles the backoff (up to `max_backoff`), and a
-  probe that pays resets it.
+  When speculating was slower, or no drafted token at all was accepted in the window (then it
+  cannot be faster, whatever the timer says), the window's own figures go into the speedup
+  formula: expected tokens per step (1 - a^(k+1)) / (1 - a) over the step's cost k*c + v, with
+  a the tested acceptance, c the draft cost per token and v the verification cost, both in
+  plain steps. k is set to the best k by that formula. If even the best k cannot pay,
+  speculation goes off for `max_backoff` steps at once; otherwise it is off for `backoff`
+  steps, after which it probes again, each failed probe doubling the backoff (up to
+  `max_backoff`). A probe that pays resets it.
 
 What was learned (k, the backoff and how much of it is left, the plain step time, the draft's
 cost) lives in an `AdaptiveState` that the engine keeps across requests. A drafter whose
 passes cost something (a model) and did not pay on the last request starts the next one
 switched off and probes on the same schedule, instead of paying the lesson (and a draft pass
-over the new prompt) again on every request. A drafter that costs next to nothing (prompt
-lookup: under `CHEAP_DRAFT` of a plain step per drafted token) pays or not by the text of each
-request, and probing costs it nothing, so each new request starts it speculating.
+over the new prompt) again on every request.
+
+A drafter that costs next to nothing (prompt lookup: under `CHEAP_DRAFT` of a plain step per
+drafted token) is never switched off: when it finds nothing it drafts nothing and the step is
+a plain one, and when its guesses fail the cost is only the extra positions verified, which
+a shrinking k bounds. Switching it off would only miss the matches that come later (repeated
+text, a quoted passage); its k alone follows acceptance.
 
 Any choice of k made before a step keeps decoding lossless: the acceptance rule makes each
 step's tokens follow the target's distribution whatever the draft length was.
@@ -31,6 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+
+from specdec.bench.estimate import expected_speedup
 
 # Draft time per drafted token, over a plain step, under which drafting counts as free.
 CHEAP_DRAFT = 0.05
@@ -79,15 +89,26 @@ class AdaptiveK:
         self.k_max = k_max
         self.state = state if state is not None else AdaptiveState(k=k_max, backoff=backoff)
         self.state.k = min(max(self.state.k, 1), k_max)
-        if self.state.draft_cost is not None and self.state.draft_cost < CHEAP_DRAFT:
-            self.state.off_steps_left = 0  # a free drafter probes each new request at once
+        if self.free:
+            self.state.off_steps_left = 0  # a free drafter is never off
             self.state.backoff = backoff
         self.window = window
         self.base_backoff = backoff
         self.max_backoff = max_backoff
+        self._reset_window()
+
+    def _reset_window(self) -> None:
         self._window_steps = 0
-        self._window_time_s = 0.0
-        self._window_tokens = 0
+        self._window_draft_s = 0.0
+        self._window_verify_s = 0.0
+        self._window_drafted = 0
+        self._window_accepted = 0
+        self._window_rejections = 0
+
+    @property
+    def free(self) -> bool:
+        """Whether drafting costs next to nothing (prompt lookup), as measured so far."""
+        return self.state.draft_cost is not None and self.state.draft_cost < CHEAP_DRAFT
 
     @property
     def k(self) -> int:
@@ -122,20 +143,38 @@ class AdaptiveK:
             elif accepted == 0:
                 state.k = max(state.k - 1, 1)
             self._window_steps += 1
-            self._window_time_s += draft_time_s + verify_time_s
-            self._window_tokens += accepted + 1
+            self._window_draft_s += draft_time_s
+            self._window_verify_s += verify_time_s
+            self._window_drafted += drafted
+            self._window_accepted += accepted
+            self._window_rejections += accepted < drafted
         if self._window_steps >= self.window and state.plain_step_s is not None:
             self._judge_window()
 
     def _judge_window(self) -> None:
         state = self.state
-        time_per_token = self._window_time_s / self._window_tokens
-        if time_per_token > state.plain_step_s or self._window_tokens == self._window_steps:
+        plain = state.plain_step_s
+        steps = self._window_steps
+        tokens = self._window_accepted + steps
+        if state.draft_cost is None:
+            state.draft_cost = self._window_draft_s / self._window_drafted / plain
+        paid = self._window_accepted > 0 and (self._window_draft_s + self._window_verify_s) / tokens <= plain
+        if paid or self.free:
+            state.backoff = self.base_backoff
+        else:
+            tested = self._window_accepted + self._window_rejections
+            acceptance = self._window_accepted / tested if tested else 0.0
+            cost = self._window_draft_s / self._window_drafted / plain
+            verify = max(self._window_verify_s / steps / plain, 1e-9)
+            best_k, best = max(
+                ((k, expected_speedup(acceptance, k, cost, verify)) for k in range(1, self.k_max + 1)),
+                key=lambda pair: pair[1],
+            )
+            state.k = best_k
+            if best < 1.0:
+                state.backoff = self.max_backoff  # no k can pay: off for as long as it gets
             state.off_steps_left = state.backoff
             state.backoff = min(2 * state.backoff, self.max_backoff)
             state.switched_off += 1
-        else:
-            state.backoff = self.base_backoff
-        self._window_steps = 0
-        self._window_time_s = 0.0
-        self._window_tokens = 0
+        self._reset_window()
+

@@ -63,26 +63,44 @@ def test_measures_a_plain_step_before_judging() -> None:
     assert policy.state.plain_step_s == pytest.approx(PLAIN_STEP)
 
 
-def test_switches_off_when_slower_and_probes_again_with_growing_backoff() -> None:
+def test_a_draft_that_is_never_right_goes_off_for_the_longest_backoff() -> None:
     policy = AdaptiveK(k_max=2, window=4, backoff=5, max_backoff=20)
     policy.observe(0, 0, 0.0, PLAIN_STEP)  # a plain step is known
-    # Every draft rejected: 1 token per 45 ms step against 30 ms plain steps. Not paying.
+    # Every draft rejected: no k can pay, so no short backoff is tried first.
     asked = run(policy, [(0, 0.045)] * 4)
     assert asked == [2, 1, 1, 1]
     assert policy.state.switched_off == 1 and not policy.speculating
-    asked = run(policy, [(0, 0.045)] * 5)
-    assert asked == [0] * 5  # off for `backoff` steps
-    assert policy.speculating  # then it probes
-    asked = run(policy, [(0, 0.045)] * 4 + [(0, 0.045)] * 10)
-    assert asked[:4] == [1, 1, 1, 1] and asked[4:] == [0] * 10  # the next backoff is doubled
+    asked = run(policy, [(0, 0.045)] * 20)
+    assert asked == [0] * 20  # off for max_backoff steps
+    assert policy.speculating  # then it probes again
+    asked = run(policy, [(0, 0.045)] * 4 + [(0, 0.045)] * 20)
+    assert asked[:4] == [1, 1, 1, 1] and asked[4:] == [0] * 20
     assert policy.state.switched_off == 2
+
+
+def observe_window(policy: AdaptiveK, accepted: list[int], k: int, draft_cost: float, verify_cost: float) -> None:
+    """Steps that each draft k tokens at draft_cost plain steps a token and verify at verify_cost."""
+    for n in accepted:
+        policy.observe(k, n, k * draft_cost * PLAIN_STEP, verify_cost * PLAIN_STEP)
+
+
+def test_a_draft_that_could_pay_at_a_smaller_k_backs_off_briefly_and_returns_at_that_k() -> None:
+    policy = AdaptiveK(k_max=4, window=4, backoff=5, max_backoff=40)
+    policy.observe(0, 0, 0.0, PLAIN_STEP)
+    # k = 4 at 0.3 plain steps a drafted token: 2.3 plain steps for 2 tokens a step, slower than
+    # plain. Tested acceptance 4 / (4 + 4) = 0.5: by the formula k = 1 pays (1.5 / 1.4 = 1.07x).
+    observe_window(policy, [3, 0, 1, 0], k=4, draft_cost=0.3, verify_cost=1.1)
+    assert not policy.speculating and policy.state.off_steps_left == 5 and policy.state.backoff == 10
+    assert policy.k == 1
+    asked = run(policy, [(0, 0.0)] * 5)
+    assert asked == [0] * 5 and policy.next_k() == 1
 
 
 def test_a_paying_probe_keeps_speculating_and_resets_the_backoff() -> None:
     policy = AdaptiveK(k_max=3, window=4, backoff=5, max_backoff=40)
     policy.observe(0, 0, 0.0, PLAIN_STEP)
-    run(policy, [(0, 0.045)] * 4 + [(0, 0.0)] * 5)  # off once, backoff now 10
-    assert policy.state.backoff == 10
+    run(policy, [(0, 0.045)] * 4 + [(0, 0.0)] * 40)  # off for the longest backoff
+    assert policy.state.backoff == 40 and policy.speculating
     # All accepted: 4 tokens per 50 ms step beats 30 ms per token.
     asked = run(policy, [(3, 0.05)] * 12)
     assert 0 not in asked
@@ -90,31 +108,33 @@ def test_a_paying_probe_keeps_speculating_and_resets_the_backoff() -> None:
 
 
 def test_what_was_learned_carries_over_to_the_next_request() -> None:
-    first = AdaptiveK(k_max=4, window=4, backoff=8)
+    first = AdaptiveK(k_max=4, window=4, backoff=8, max_backoff=8)
     first.observe(0, 0, 0.0, PLAIN_STEP)
     run(first, [(0, 0.045)] * 4 + [(0, 0.0)] * 3)  # off, 5 of 8 off steps left
     assert first.state.off_steps_left == 5
-    second = AdaptiveK(k_max=4, state=first.state, window=4, backoff=8)
+    second = AdaptiveK(k_max=4, state=first.state, window=4, backoff=8, max_backoff=8)
     assert run(second, [(0, 0.0)] * 5) == [0] * 5  # the new request starts switched off
-    assert second.speculating and second.state.backoff == 16
+    assert second.speculating
     fresh = AdaptiveK(k_max=4, state=AdaptiveState(k=9, backoff=8))
     assert fresh.k == 4  # a remembered k is kept within this policy's bounds
 
 
-def test_a_free_drafter_starts_each_request_speculating() -> None:
+def test_a_free_drafter_is_never_switched_off() -> None:
     costly = AdaptiveK(k_max=1, window=2, backoff=8)
     costly.observe(0, 0, 0.0, PLAIN_STEP)
     for _ in range(2):
         costly.observe(1, 0, 0.5 * PLAIN_STEP, 1.1 * PLAIN_STEP)  # half a plain step per drafted token
     assert costly.state.draft_cost == pytest.approx(0.5, rel=0.05) and not costly.speculating
     assert not AdaptiveK(k_max=1, state=costly.state).speculating  # still off on the next request
-    free = AdaptiveK(k_max=1, window=2, backoff=8)
+    free = AdaptiveK(k_max=3, window=2, backoff=8)
     free.observe(0, 0, 0.0, PLAIN_STEP)
-    for _ in range(2):
-        free.observe(1, 0, 0.001 * PLAIN_STEP, 1.1 * PLAIN_STEP)  # prompt lookup: drafting is free
-    assert not free.speculating
-    again = AdaptiveK(k_max=1, state=free.state, backoff=8)
-    assert again.speculating and again.next_k() > 0 and again.state.backoff == 8
+    for _ in range(20):
+        free.observe(free.next_k(), 0, 0.001 * PLAIN_STEP, 1.1 * PLAIN_STEP)  # prompt lookup: drafting is free
+    assert free.free and free.speculating and free.state.switched_off == 0
+    assert free.k == 1  # its k still follows acceptance
+    for _ in range(3):
+        free.observe(free.next_k(), free.next_k(), 0.001 * PLAIN_STEP, 1.2 * PLAIN_STEP)
+    assert free.k == 3
 
 
 def test_invalid_settings() -> None:
