@@ -4,7 +4,9 @@ Drives the server over HTTP with the official `openai` client, streaming, on Spe
 (first turns, cycled in file order, the same sequence for every mode and level). For each mode
 and concurrency level it sends `--requests` requests, at most `concurrency` in flight, and
 reports per-request latency (median, p95), time to first token (median), and aggregate output
-tokens/s (all output tokens / the level's wall time). Greedy decoding.
+tokens/s (all output tokens / the level's wall time). With `--rounds N` each level is run N
+times, the modes taking turns in a rotated order, and the figures pool the rounds. Greedy
+decoding.
 
 Without `--url` it starts `specdec serve` in a subprocess (so the client's threads do not share
 a Python interpreter with the server) with three routes:
@@ -91,16 +93,23 @@ def one_request(client: openai.OpenAI, route: str, prompt: str, max_tokens: int,
     return RequestResult(end - start, (first or end) - start, tokens)
 
 
-def run_level(client: openai.OpenAI, mode: str, route: str, prompts: list[str], concurrency: int, requests: int,
-              max_tokens: int, ignore_eos: bool) -> LevelResult:
+def run_level(client: openai.OpenAI, route: str, prompts: list[str], concurrency: int, requests: int,
+              max_tokens: int, ignore_eos: bool) -> tuple[list[RequestResult], float]:
+    """Send `requests` requests, at most `concurrency` in flight; return them and the wall time."""
     batch = [prompts[i % len(prompts)] for i in range(requests)]
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: one_request(client, route, p, max_tokens, ignore_eos), batch))
-    wall = time.perf_counter() - start
+    return results, time.perf_counter() - start
+
+
+def summarise(mode: str, concurrency: int, runs: list[tuple[list[RequestResult], float]]) -> LevelResult:
+    """One level's figures over all its rounds: tokens/s is all tokens over all wall time."""
+    results = [r for batch, _ in runs for r in batch]
+    wall = sum(seconds for _, seconds in runs)
     latencies = [r.latency_s for r in results]
     tokens = sum(r.tokens for r in results)
-    return LevelResult(mode, concurrency, requests, tokens, round(wall, 3), round(tokens / wall, 2),
+    return LevelResult(mode, concurrency, len(results), tokens, round(wall, 3), round(tokens / wall, 2),
                        round(statistics.median(latencies), 3), round(percentile(latencies, 0.95), 3),
                        round(statistics.median(r.ttft_s for r in results), 3))
 
@@ -155,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="Spec-Bench JSONL")
     parser.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels")
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x concurrency, at least 4)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat each level this many times, the modes taking turns (default 1)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens tokens")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: on, off, load-aware")
@@ -170,8 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.modes = [m.strip() for m in args.modes.split(",")]
-    if set(args.modes) - set(MODES) or min(args.concurrency) < 1 or args.max_tokens < 1:
-        parser.error("modes must be among on, off, load-aware; concurrency and max-tokens >= 1")
+    if set(args.modes) - set(MODES) or min(args.concurrency) < 1 or args.max_tokens < 1 or args.rounds < 1:
+        parser.error("modes must be among on, off, load-aware; concurrency, max-tokens and rounds >= 1")
     args.schedule = {int(n): int(k) for n, k in args.schedule.items()}
     return args
 
@@ -192,11 +203,19 @@ def main(argv: list[str] | None = None) -> None:
             one_request(client, routes[mode], prompts[0], 4, False)
         for concurrency in args.concurrency:
             requests = args.requests or max(4, 2 * concurrency)
-            for mode in args.modes:
-                level = run_level(client, mode, routes[mode], prompts, concurrency, requests, args.max_tokens, args.ignore_eos)
-                levels.append(level)
-                print(f"  {mode} c={concurrency}: {level.tokens_per_s:.1f} tok/s, p50 {level.latency_median_s:.2f} s",
-                      file=sys.stderr)
+            runs: dict[str, list[tuple[list[RequestResult], float]]] = {mode: [] for mode in args.modes}
+            for round_ in range(args.rounds):
+                # Modes take turns, in a rotated order each round, so that drift in the
+                # machine's speed falls on all of them alike.
+                shift = round_ % len(args.modes)
+                for mode in args.modes[shift:] + args.modes[:shift]:
+                    results, wall = run_level(client, routes[mode], prompts, concurrency, requests, args.max_tokens,
+                                              args.ignore_eos)
+                    runs[mode].append((results, wall))
+                    tokens = sum(r.tokens for r in results)
+                    print(f"  {mode} c={concurrency} round {round_ + 1}/{args.rounds}: {tokens / wall:.1f} tok/s",
+                          file=sys.stderr)
+            levels.extend(summarise(mode, concurrency, runs[mode]) for mode in args.modes)
     finally:
         if process is not None:
             process.send_signal(signal.SIGTERM)
@@ -205,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"url": args.url, "model": args.model or "default", "max_tokens": args.max_tokens,
-                "ignore_eos": args.ignore_eos, "k": args.k, "schedule": args.schedule, "data": str(args.data),
+                "ignore_eos": args.ignore_eos, "rounds": args.rounds, "k": args.k, "schedule": args.schedule, "data": str(args.data),
                 "threads": os.environ.get("OMP_NUM_THREADS")}
         args.json.write_text(json.dumps({"meta": meta, "levels": [asdict(level) for level in levels]}, indent=2))
         print(f"written to {args.json}", file=sys.stderr)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -22,6 +25,28 @@ app = typer.Typer(
     help="Lossless speculative decoding: generate text faster without changing what the model says.",
 )
 err = Console(stderr=True)
+
+
+@contextmanager
+def prompt_progress(label: str, total: int) -> Iterator[Callable[[object], None]]:
+    """Yield a callback to call once per finished prompt: a live bar on a terminal, and a line
+    per prompt (count and elapsed time) when stderr goes to a file or a pipe."""
+    if err.is_terminal:
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=err) as progress:
+            task = progress.add_task(label, total=total)
+            yield lambda record: progress.advance(task)
+        return
+    start = time.perf_counter()
+    done = 0
+
+    def advance(record: object) -> None:
+        nonlocal done
+        done += 1
+        minutes, seconds = divmod(int(time.perf_counter() - start), 60)
+        err.print(f"{label}: {done}/{total} prompts, {minutes}m{seconds:02d}s")
+
+    yield advance
 # Reports piped to a file keep their full width instead of rich's default of 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -211,10 +236,9 @@ def bench(
             systems.append(System("transformers assisted", transformers_runner(stock, encode, params, assistant_model=assistant.model), "transformers generate"))
     turns = sum(len(r.turns) for r in records)
     err.print(f"{len(records)} prompts ({turns} turns) x {len(systems)} systems, up to {max_tokens} tokens a turn")
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=err) as progress:
-        task = progress.add_task("bench", total=len(records))
+    with prompt_progress("bench", len(records)) as advance:
         raw = run_bench(
-            systems, records, on_prompt=lambda r: progress.advance(task),
+            systems, records, on_prompt=advance,
             warmup=[{"role": "user", "content": "Say hello."}],
         )
     meta = {
@@ -296,10 +320,9 @@ def tune(
     turns = sum(len(r.turns) for r in records)
     err.print(f"{len(records)} prompts ({turns} turns) x {len(candidates) + 1} systems (plain decoding and "
               f"{len(candidates)} configs), up to {max_tokens} tokens a turn; preparing drafters and warming up...")
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=err) as progress:
-        task = progress.add_task("tune", total=len(records))
+    with prompt_progress("tune", len(records)) as advance:
         raw, stats = t.measure(
-            target, candidates, records, params, on_prompt=lambda r: progress.advance(task),
+            target, candidates, records, params, on_prompt=advance,
             warmup=[{"role": "user", "content": "Say hello."}],
         )
     meta = {
