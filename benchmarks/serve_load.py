@@ -16,6 +16,8 @@ a Python interpreter with the server) with three routes:
 - `spec-load-aware`: ngram with the load schedule (`--schedule`, default the server's default).
 
 With `--url` it drives a running server; name its routes with `--route-on/--route-off/--route-load-aware`.
+`--threads` sets the started server's torch threads; the results record what the server reports
+in /health, since its intra-op threads compete for the cores with the event loop and the client.
 
     python benchmarks/serve_load.py --requests 4 --max-tokens 32 --concurrency 1,2,4   # ~1 minute
     python benchmarks/serve_load.py --requests 32 --max-tokens 128 --json out/serve_load.json
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,10 +145,18 @@ load_schedule = {{ {schedule} }}
     command = [sys.executable, "-m", "specdec.cli.main", "serve", "--config", str(path), "--port", str(port)]
     if args.model:
         command += ["--model", args.model]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL if not args.verbose else None, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, timeout=300)
     return process, url
+
+
+def server_threads(url: str) -> int | None:
+    """The torch intra-op threads the server's scheduler runs with (None if it does not say)."""
+    with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10) as response:
+        return json.load(response).get("threads")
 
 
 def print_table(levels: list[LevelResult]) -> None:
@@ -173,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", type=json.loads, default=DEFAULT_LOAD_SCHEDULE,
                         help='load schedule of the started server, JSON: \'{"1": 4, "4": 2, "8": 0}\'')
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--threads", type=int, help="torch threads of the started server (default: its default)")
     parser.add_argument("--route-on", default="spec-on")
     parser.add_argument("--route-off", default="spec-off")
     parser.add_argument("--route-load-aware", default="spec-load-aware")
@@ -198,9 +210,11 @@ def main(argv: list[str] | None = None) -> None:
     routes = {"on": args.route_on, "off": args.route_off, "load-aware": args.route_load_aware}
     client = openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=600)
     levels: list[LevelResult] = []
+    threads = None
     try:
         for mode in args.modes:  # warm-up: one short request per route
             one_request(client, routes[mode], prompts[0], 4, False)
+        threads = server_threads(url)  # after a request: the scheduler thread has surely started
         for concurrency in args.concurrency:
             requests = args.requests or max(4, 2 * concurrency)
             runs: dict[str, list[tuple[list[RequestResult], float]]] = {mode: [] for mode in args.modes}
@@ -224,8 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"url": args.url, "model": args.model or "default", "max_tokens": args.max_tokens,
-                "ignore_eos": args.ignore_eos, "rounds": args.rounds, "k": args.k, "schedule": args.schedule, "data": str(args.data),
-                "threads": os.environ.get("OMP_NUM_THREADS")}
+                "ignore_eos": args.ignore_eos, "rounds": args.rounds, "k": args.k, "schedule": args.schedule,
+                "data": str(args.data), "threads": threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
         args.json.write_text(json.dumps({"meta": meta, "levels": [asdict(level) for level in levels]}, indent=2))
         print(f"written to {args.json}", file=sys.stderr)
 

@@ -501,6 +501,7 @@ def serve(
     port: Annotated[int, typer.Option("--port")] = 8000,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Longest prompt + output per sequence (overrides the config).")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="Most sequences in the batch (overrides the config).")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads of the model work (overrides the config; default: torch's, one per core).")] = None,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -510,7 +511,7 @@ def serve(
     from specdec.server.runtime import build_state, uvicorn_server
 
     logging.getLogger("specdec").setLevel(logging.INFO)
-    overrides = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
+    overrides = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "threads": threads}
     server_config = load_config(config, **overrides) if config is not None else default_config(**{k: v for k, v in overrides.items() if v is not None})
     with err.status(f"loading {model or 'the default model'}..."):
         state = build_state(server_config, model, device=device)

@@ -232,6 +232,7 @@ def create_app(state: ServerState) -> FastAPI:
             "max_num_seqs": state.max_num_seqs,
             "running": state.scheduler.running,
             "waiting": state.scheduler.waiting,
+            "threads": state.scheduler.torch_threads,
             "memory": state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes},
         }
         return JSONResponse(body, status_code=200 if ok else 503)

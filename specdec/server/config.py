@@ -6,6 +6,7 @@ Example (`specdec serve --config server.toml`)::
     max_model_len = 2048          # longest prompt + output per sequence
     max_num_seqs = 16             # most sequences in the batch (also bounded by the cache budget)
     cache_budget_mb = 2048        # KV cache budget; a draft model's weights are taken from it
+    threads = 1                   # torch intra-op threads of the model work (default: torch's, one per core)
 
     [drift]                       # acceptance drift warning, per route
     window = 256                  # drafted tokens in the rolling window
@@ -144,6 +145,9 @@ class ServerConfig:
     max_waiting: int = 256
     graceful_shutdown_s: float = 30.0
     drift: DriftConfig = field(default_factory=DriftConfig)
+    # torch intra-op threads of the scheduler thread, which does all the model work. None keeps
+    # torch's default (one per core), which leaves no core free for the HTTP event loop.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.routes:
@@ -157,6 +161,9 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.graceful_shutdown_s < 0:
             raise ConfigError("graceful_shutdown_s must be >= 0")
+        threads = self.threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
 
     def route(self, name: str) -> RouteConfig | None:
         return next((r for r in self.routes if r.name == name), None)
@@ -176,7 +183,8 @@ def default_config(**overrides: Any) -> ServerConfig:
     return ServerConfig(routes=routes, **overrides)
 
 
-_TOP_KEYS = {"max_model_len", "max_num_seqs", "cache_budget_mb", "max_waiting", "graceful_shutdown_s", "drift", "routes"}
+_SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads")
+_TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "drift", "routes"}
 _ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}
 
 
@@ -211,7 +219,7 @@ def config_from_dict(data: dict[str, Any], **overrides: Any) -> ServerConfig:
     routes_table = data.get("routes")
     if not isinstance(routes_table, dict) or not routes_table:
         raise ConfigError("the server config needs a [routes.NAME] table for each served model name")
-    kwargs: dict[str, Any] = {k: data[k] for k in ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s") if k in data}
+    kwargs: dict[str, Any] = {k: data[k] for k in _SCALAR_KEYS if k in data}
     if "cache_budget_mb" in data:
         budget = data["cache_budget_mb"]
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:

@@ -63,7 +63,7 @@ def build_state(config: ServerConfig, model: str | None = None, *, loaded: Loade
     # The HTTP side encodes prompts with its own tokenizer copy: a fast tokenizer must not be
     # used from two threads at once, and the scheduler thread decodes with the original.
     encoder = LLM(loaded=dataclasses.replace(target, tokenizer=copy.deepcopy(target.tokenizer)))
-    scheduler = Scheduler(engine, drafters, metrics, max_waiting=config.max_waiting)
+    scheduler = Scheduler(engine, drafters, metrics, max_waiting=config.max_waiting, threads=config.threads)
     return ServerState(config, encoder, scheduler, metrics, memory, target.name, config.max_model_len, rows)
 
 

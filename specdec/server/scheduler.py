@@ -100,11 +100,13 @@ class Scheduler:
     """Runs the batched engine in a background thread; see the module docstring."""
 
     def __init__(self, engine: BatchEngine, drafters: dict[str, Drafter | None], metrics: ServerMetrics,
-                 max_waiting: int = 256) -> None:
+                 max_waiting: int = 256, threads: int | None = None) -> None:
         self.engine = engine
         self.drafters = drafters  # route name -> prototype drafter (never run), or None
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.threads = threads  # torch intra-op threads to set in the thread; None keeps torch's
+        self.torch_threads: int | None = None  # what the thread runs with, once started
         self._inbox: queue.Queue[ServerRequest] = queue.Queue()
         self._waiting: deque[ServerRequest] = deque()
         self._running: dict[int, ServerRequest] = {}  # sequence id -> request
@@ -148,6 +150,10 @@ class Scheduler:
     # --- the scheduler thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
+        # Set here, in the thread that runs the model: OpenMP keeps a thread count per thread.
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        self.torch_threads = torch.get_num_threads()
         while not self._stopping.is_set():
             self._drain(block=not self._running and not self._waiting)
             self._drop_cancelled()

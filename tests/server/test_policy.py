@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.errors import ConfigError
@@ -62,6 +63,12 @@ def test_toml_config(tmp_path: Path) -> None:
     assert batch.speculative is None and batch.k_cap == 0
     assert config.cache_budget_bytes == 64 << 20 and config.drift.window == 8
     assert load_config(path, max_num_seqs=5).max_num_seqs == 5
+    assert config.threads is None and load_config(path, threads=2).threads == 2
+    path.write_text("threads = 1\n" + CONFIG)
+    assert load_config(path).threads == 1
+    path.write_text("threads = 0\n" + CONFIG)
+    with pytest.raises(ConfigError, match="threads"):
+        load_config(path)
     path.write_text(CONFIG + "\n[routes.bad]\nspeculative = { method = 'magic' }\n")
     with pytest.raises(ConfigError, match="unknown speculative method"):
         load_config(path)
@@ -180,3 +187,20 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(tmp_path: P
         time.sleep(0.02)
     scheduler.stop()
     assert events[-1].kind == "done" and events[-1].stats.generated_tokens == 3
+
+
+def test_the_scheduler_thread_runs_with_the_configured_torch_threads(tmp_path: Path, tiny_model: LoadedModel) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text("threads = 1\n" + CONFIG)
+    state = build_state(load_config(path), loaded=tiny_model)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # what torch picks by itself on a two-core machine
+    try:
+        state.scheduler.start()
+        deadline = time.monotonic() + 30
+        while state.scheduler.torch_threads is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state.scheduler.torch_threads == 1
+    finally:
+        state.scheduler.stop()
+        torch.set_num_threads(before)
