@@ -106,7 +106,8 @@ class Scheduler:
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.threads = threads  # torch intra-op threads to set in the thread; None keeps torch's
-        self.torch_threads: int | None = None  # what the thread runs with, once started
+        self.torch_threads: int | None = None  # what the thread runs with now, once started
+        self._all_threads = torch.get_num_threads()  # torch's default in the scheduler thread
         self._inbox: queue.Queue[ServerRequest] = queue.Queue()
         self._waiting: deque[ServerRequest] = deque()
         self._running: dict[int, ServerRequest] = {}  # sequence id -> request
@@ -151,9 +152,8 @@ class Scheduler:
 
     def _loop(self) -> None:
         # Set here, in the thread that runs the model: OpenMP keeps a thread count per thread.
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
-        self.torch_threads = torch.get_num_threads()
+        self._all_threads = torch.get_num_threads()
+        self._set_threads(self.threads_for(0))
         while not self._stopping.is_set():
             self._drain(block=not self._running and not self._waiting)
             self._drop_cancelled()
@@ -214,8 +214,21 @@ class Scheduler:
             self.metrics.route_running.labels(request.route.name).inc()
             self._deliver(request, out, prefill=True)
 
+    def threads_for(self, running: int) -> int:
+        """torch threads for a step with `running` sequences: the configured count, or auto (see
+        `ServerConfig.threads`)."""
+        if self.threads is not None:
+            return self.threads
+        return max(1, self._all_threads - 1) if running <= 1 else self._all_threads
+
+    def _set_threads(self, threads: int) -> None:
+        if threads != self.torch_threads:
+            torch.set_num_threads(threads)
+            self.torch_threads = threads
+
     def _step(self) -> None:
         running = self.engine.running
+        self._set_threads(self.threads_for(running))
         for seq in self.engine.sequences:
             seq.k = self._running[seq.id].k_at(running)
         for route, schedule in {r.route.name: r.route for r in self._running.values()}.items():
