@@ -43,8 +43,10 @@ load_schedule = false
 
 
 def test_load_schedule_picks_the_last_threshold_reached() -> None:
-    schedule = LoadSchedule.from_mapping(DEFAULT_LOAD_SCHEDULE)
+    schedule = LoadSchedule.from_mapping({1: 4, 2: 4, 4: 2, 8: 0})
     assert [schedule.k_for(n) for n in (1, 2, 3, 4, 7, 8, 64)] == [4, 4, 4, 2, 2, 0, 0]
+    default = LoadSchedule.from_mapping(DEFAULT_LOAD_SCHEDULE)
+    assert [default.k_for(n) for n in (1, 2, 16)] == [4, 0, 0]
     assert LoadSchedule.from_mapping({"2": 3}).k_for(1) == 3
     with pytest.raises(ConfigError):
         LoadSchedule.from_mapping({0: 4})
