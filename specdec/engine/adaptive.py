@@ -17,7 +17,10 @@ when it does not pay, by measuring what a committed token costs:
   plain steps. k is set to the best k by that formula. If even the best k cannot pay,
   speculation goes off for `max_backoff` steps at once; otherwise it is off for `backoff`
   steps, after which it probes again, each failed probe doubling the backoff (up to
-  `max_backoff`). A probe that pays resets it.
+  `max_backoff`). A probe that pays resets it. A failed window's cost beyond plain decoding
+  (including a model draft's catch-up pass over the context it missed while off, which on a
+  long prompt is most of it) may be at most `probe_budget` (1%) of the time until the next
+  probe, so the pause is at least that cost over 1% of a plain step.
 
 What was learned (k, the backoff and how much of it is left, the plain step time, the draft's
 cost) lives in an `AdaptiveState` that the engine keeps across requests. A drafter whose
@@ -37,6 +40,8 @@ step's tokens follow the target's distribution whatever the draft length was.
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +49,10 @@ from specdec.bench.estimate import expected_speedup
 
 # Draft time per drafted token, over a plain step, under which drafting counts as free.
 CHEAP_DRAFT = 0.05
+# A failed probe may cost at most this fraction of the time spent off before the next one.
+PROBE_BUDGET = 0.01
+# The longest a probe's cost may keep speculation off, in steps.
+MAX_OFF_STEPS = 1 << 16
 
 
 @dataclass
@@ -54,7 +63,7 @@ class AdaptiveState:
     backoff: int
     off_steps_left: int = 0
     plain_step_s: float | None = None  # moving average of an undrafted target step
-    draft_cost: float | None = None  # moving average of draft time per drafted token / plain step
+    draft_cost: float | None = None  # typical draft time per drafted token / plain step (window medians)
     switched_off: int = 0  # how many times speculation went off
 
 
@@ -82,10 +91,11 @@ class AdaptiveK:
     the window being judged belongs to this request alone."""
 
     def __init__(
-        self, k_max: int, state: AdaptiveState | None = None, window: int = 6, backoff: int = 16, max_backoff: int = 512
+        self, k_max: int, state: AdaptiveState | None = None, window: int = 6, backoff: int = 16, max_backoff: int = 512,
+        probe_budget: float = PROBE_BUDGET,
     ) -> None:
-        if k_max < 1 or window < 1 or not 1 <= backoff <= max_backoff:
-            raise ValueError("need k_max >= 1, window >= 1 and 1 <= backoff <= max_backoff")
+        if k_max < 1 or window < 1 or not 1 <= backoff <= max_backoff or probe_budget <= 0:
+            raise ValueError("need k_max >= 1, window >= 1, 1 <= backoff <= max_backoff and probe_budget > 0")
         self.k_max = k_max
         self.state = state if state is not None else AdaptiveState(k=k_max, backoff=backoff)
         self.state.k = min(max(self.state.k, 1), k_max)
@@ -95,6 +105,7 @@ class AdaptiveK:
         self.window = window
         self.base_backoff = backoff
         self.max_backoff = max_backoff
+        self.probe_budget = probe_budget
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -104,6 +115,7 @@ class AdaptiveK:
         self._window_drafted = 0
         self._window_accepted = 0
         self._window_rejections = 0
+        self._window_costs: list[float] = []  # draft seconds per drafted token, step by step
 
     @property
     def free(self) -> bool:
@@ -135,9 +147,6 @@ class AdaptiveK:
             if state.off_steps_left > 0:
                 state.off_steps_left -= 1
         else:
-            if state.plain_step_s:
-                cost = draft_time_s / drafted / state.plain_step_s
-                state.draft_cost = cost if state.draft_cost is None else 0.7 * state.draft_cost + 0.3 * cost
             if accepted == drafted:
                 state.k = min(state.k + 1, self.k_max)
             elif accepted == 0:
@@ -146,6 +155,7 @@ class AdaptiveK:
             self._window_draft_s += draft_time_s
             self._window_verify_s += verify_time_s
             self._window_drafted += drafted
+            self._window_costs.append(draft_time_s / drafted)
             self._window_accepted += accepted
             self._window_rejections += accepted < drafted
         if self._window_steps >= self.window and state.plain_step_s is not None:
@@ -156,15 +166,17 @@ class AdaptiveK:
         plain = state.plain_step_s
         steps = self._window_steps
         tokens = self._window_accepted + steps
-        if state.draft_cost is None:
-            state.draft_cost = self._window_draft_s / self._window_drafted / plain
-        paid = self._window_accepted > 0 and (self._window_draft_s + self._window_verify_s) / tokens <= plain
+        spent = self._window_draft_s + self._window_verify_s
+        # The median step's draft cost: a drafter's first step may also catch up on the whole
+        # prompt (a draft model) or index it (prompt lookup), which is not what a step costs.
+        cost = statistics.median(self._window_costs) / plain
+        state.draft_cost = cost if state.draft_cost is None else 0.5 * state.draft_cost + 0.5 * cost
+        paid = self._window_accepted > 0 and spent / tokens <= plain
         if paid or self.free:
             state.backoff = self.base_backoff
         else:
             tested = self._window_accepted + self._window_rejections
             acceptance = self._window_accepted / tested if tested else 0.0
-            cost = self._window_draft_s / self._window_drafted / plain
             verify = max(self._window_verify_s / steps / plain, 1e-9)
             best_k, best = max(
                 ((k, expected_speedup(acceptance, k, cost, verify)) for k in range(1, self.k_max + 1)),
@@ -173,8 +185,11 @@ class AdaptiveK:
             state.k = best_k
             if best < 1.0:
                 state.backoff = self.max_backoff  # no k can pay: off for as long as it gets
-            state.off_steps_left = state.backoff
+            # What this window cost beyond plain decoding (catch-up pass included) may be at
+            # most probe_budget of the time until the next probe.
+            excess = spent - tokens * plain
+            floor = math.ceil(excess / (self.probe_budget * plain)) if excess > 0 else 0
+            state.off_steps_left = min(max(state.backoff, floor), MAX_OFF_STEPS)
             state.backoff = min(2 * state.backoff, self.max_backoff)
             state.switched_off += 1
         self._reset_window()
-

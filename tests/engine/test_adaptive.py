@@ -64,7 +64,7 @@ def test_measures_a_plain_step_before_judging() -> None:
 
 
 def test_a_draft_that_is_never_right_goes_off_for_the_longest_backoff() -> None:
-    policy = AdaptiveK(k_max=2, window=4, backoff=5, max_backoff=20)
+    policy = AdaptiveK(k_max=2, window=4, backoff=5, max_backoff=20, probe_budget=1.0)
     policy.observe(0, 0, 0.0, PLAIN_STEP)  # a plain step is known
     # Every draft rejected: no k can pay, so no short backoff is tried first.
     asked = run(policy, [(0, 0.045)] * 4)
@@ -85,7 +85,7 @@ def observe_window(policy: AdaptiveK, accepted: list[int], k: int, draft_cost: f
 
 
 def test_a_draft_that_could_pay_at_a_smaller_k_backs_off_briefly_and_returns_at_that_k() -> None:
-    policy = AdaptiveK(k_max=4, window=4, backoff=5, max_backoff=40)
+    policy = AdaptiveK(k_max=4, window=4, backoff=5, max_backoff=40, probe_budget=1.0)
     policy.observe(0, 0, 0.0, PLAIN_STEP)
     # k = 4 at 0.3 plain steps a drafted token: 2.3 plain steps for 2 tokens a step, slower than
     # plain. Tested acceptance 4 / (4 + 4) = 0.5: by the formula k = 1 pays (1.5 / 1.4 = 1.07x).
@@ -96,8 +96,21 @@ def test_a_draft_that_could_pay_at_a_smaller_k_backs_off_briefly_and_returns_at_
     assert asked == [0] * 5 and policy.next_k() == 1
 
 
+def test_a_costly_probe_pauses_speculation_long_enough_to_stay_within_its_budget() -> None:
+    policy = AdaptiveK(k_max=2, window=4, backoff=5, max_backoff=20, probe_budget=0.01)
+    policy.observe(0, 0, 0.0, PLAIN_STEP)
+    # The first step also catches the draft up on a long prompt: 0.4 s more than its tokens'
+    # worth of plain steps over the window, which 1% of a plain step repays in about 1,330 steps.
+    policy.observe(2, 0, 0.3 + 2 * 0.5 * PLAIN_STEP, 1.2 * PLAIN_STEP)
+    observe_window(policy, [0, 0, 0], k=1, draft_cost=0.5, verify_cost=1.2)
+    excess = 0.3 + 2 * 0.5 * PLAIN_STEP + 3 * 0.5 * PLAIN_STEP + 4 * 1.2 * PLAIN_STEP - 4 * PLAIN_STEP
+    assert policy.state.off_steps_left == pytest.approx(excess / (0.01 * PLAIN_STEP), abs=2)
+    # The formula took the median step's draft cost, not the catch-up's.
+    assert policy.state.draft_cost == pytest.approx(0.5)
+
+
 def test_a_paying_probe_keeps_speculating_and_resets_the_backoff() -> None:
-    policy = AdaptiveK(k_max=3, window=4, backoff=5, max_backoff=40)
+    policy = AdaptiveK(k_max=3, window=4, backoff=5, max_backoff=40, probe_budget=1.0)
     policy.observe(0, 0, 0.0, PLAIN_STEP)
     run(policy, [(0, 0.045)] * 4 + [(0, 0.0)] * 40)  # off for the longest backoff
     assert policy.state.backoff == 40 and policy.speculating
@@ -108,11 +121,11 @@ def test_a_paying_probe_keeps_speculating_and_resets_the_backoff() -> None:
 
 
 def test_what_was_learned_carries_over_to_the_next_request() -> None:
-    first = AdaptiveK(k_max=4, window=4, backoff=8, max_backoff=8)
+    first = AdaptiveK(k_max=4, window=4, backoff=8, max_backoff=8, probe_budget=1.0)
     first.observe(0, 0, 0.0, PLAIN_STEP)
     run(first, [(0, 0.045)] * 4 + [(0, 0.0)] * 3)  # off, 5 of 8 off steps left
     assert first.state.off_steps_left == 5
-    second = AdaptiveK(k_max=4, state=first.state, window=4, backoff=8, max_backoff=8)
+    second = AdaptiveK(k_max=4, state=first.state, window=4, backoff=8, max_backoff=8, probe_budget=1.0)
     assert run(second, [(0, 0.0)] * 5) == [0] * 5  # the new request starts switched off
     assert second.speculating
     fresh = AdaptiveK(k_max=4, state=AdaptiveState(k=9, backoff=8))
@@ -142,6 +155,8 @@ def test_invalid_settings() -> None:
         AdaptiveK(k_max=0)
     with pytest.raises(ValueError):
         AdaptiveK(k_max=2, backoff=50, max_backoff=10)
+    with pytest.raises(ValueError):
+        AdaptiveK(k_max=2, probe_budget=0)
 
 
 # --- through the engine, on the real default model -------------------------------------------
