@@ -4,6 +4,7 @@ healthy. Hand-picked cases, then a hypothesis fuzz of malformed bodies."""
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -94,7 +95,8 @@ def request_bodies(draw: st.DrawFn) -> dict:
     return body
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# SPECDEC_FUZZ_EXAMPLES=2000 for a long fuzz run; 80 keeps the suite fast.
+@settings(max_examples=int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "80")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from([CHAT, COMPLETIONS]), body=request_bodies() | JSON_VALUES)
 def test_fuzzed_bodies_never_get_a_5xx(tiny_server: ServerThread, path: str, body: object) -> None:
     response = _post(tiny_server, path, body)
