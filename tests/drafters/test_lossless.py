@@ -227,9 +227,7 @@ def test_registered_drafter(default_model, tiny_model_dir, plain, config: dict) 
             assert stats.acceptance_rate == 1.0
             assert stats.target_steps == math.ceil((MAX_TOKENS - 1) / (k + 1))
         elif config.get("quantization") == "int8" and config.get("adaptive"):
-            # Adaptive k may switch the draft off (it does not pay on this CPU) before a request
-            # drafts anything; where it drafted, the int8 copy mostly agrees.
-            assert stats.drafted_tokens == 0 or stats.acceptance_rate > 0.5
+            pass  # adaptive k may switch the draft off before a request drafts much: checked below
         elif config.get("quantization") == "int8":
             # The int8 copy of the target agrees with it most of the time, not always.
             assert 0.5 < stats.acceptance_rate < 1.0
@@ -237,6 +235,11 @@ def test_registered_drafter(default_model, tiny_model_dir, plain, config: dict) 
             # A random model hardly ever agrees; at most rarely by chance.
             assert stats.acceptance_rate < 0.2
             assert stats.drafted_tokens > 0
+    if config.get("quantization") == "int8" and config.get("adaptive"):
+        # Over all requests the int8 copy mostly agrees (a broken copy would be near 0); a single
+        # request's handful of drafts before the switch-off is too few to bound.
+        drafted = sum(o.stats.drafted_tokens for o in outputs)
+        assert sum(o.stats.accepted_tokens for o in outputs) > 0.4 * drafted
     if config["method"] == "ngram" or config.get("adaptive"):
         # The prompts repeat themselves enough for lookup to find something; an adaptive drafter
         # drafts at least until it has judged its first window.
