@@ -112,7 +112,6 @@ class AdaptiveK:
         self._window_steps = 0
         self._window_draft_s = 0.0
         self._window_verify_s = 0.0
-        self._window_drafted = 0
         self._window_accepted = 0
         self._window_rejections = 0
         self._window_costs: list[float] = []  # draft seconds per drafted token, step by step
@@ -154,7 +153,6 @@ class AdaptiveK:
             self._window_steps += 1
             self._window_draft_s += draft_time_s
             self._window_verify_s += verify_time_s
-            self._window_drafted += drafted
             self._window_costs.append(draft_time_s / drafted)
             self._window_accepted += accepted
             self._window_rejections += accepted < drafted

@@ -105,7 +105,7 @@ class Scheduler:
         self.drafters = drafters  # route name -> prototype drafter (never run), or None
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self.threads = threads  # torch intra-op threads to set in the thread; None keeps torch's
+        self.threads = threads  # torch intra-op threads of the model work; None: auto (threads_for)
         self.torch_threads: int | None = None  # what the thread runs with now, once started
         self._all_threads = torch.get_num_threads()  # torch's default in the scheduler thread
         self._inbox: queue.Queue[ServerRequest] = queue.Queue()
