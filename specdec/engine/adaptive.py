@@ -3,13 +3,18 @@
 `FixedK` always asks for k. `AdaptiveK` lets k follow acceptance and switches speculation off
 when it does not pay, by measuring what a committed token costs:
 
-- k grows by one after a step in which every drafted token was accepted, and shrinks by one
-  after a step whose first drafted token was rejected (an early rejection), within
-  [1, k_max]. A rejection further along leaves k alone: the draft was right for a while, and
-  drafters that size their own proposals (prompt lookup, by match length) keep doing so.
+- k starts at 1 (slow start: a draft not yet known to pay is tried at its cheapest) and grows
+  by one after a step in which every drafted token was accepted, and shrinks by one after a
+  step whose first drafted token was rejected (an early rejection), within [1, k_max]. A
+  rejection further along leaves k alone: the draft was right for a while, and drafters that
+  size their own proposals (prompt lookup, by match length) keep doing so.
 - Every `window` speculative steps, the time per committed token while speculating (draft
   plus verification) is compared with the time of a plain step (a target pass over one
   token, measured on undrafted steps; one is taken on purpose when none has been seen yet).
+  The draft time counted is the median step's per drafted token, times the tokens drafted:
+  what drafting costs from here on. A step that also caught the draft up on the context (a
+  new prompt, or what was committed while speculation was off) paid a cost that does not
+  recur, so it does not count against the draft; it does count in the probe budget below.
   When speculating was slower, or no drafted token at all was accepted in the window (then it
   cannot be faster, whatever the timer says), the window's own figures go into the speedup
   formula: expected tokens per step (1 - a^(k+1)) / (1 - a) over the step's cost k*c + v, with
@@ -17,10 +22,12 @@ when it does not pay, by measuring what a committed token costs:
   plain steps. k is set to the best k by that formula. If even the best k cannot pay,
   speculation goes off for `max_backoff` steps at once; otherwise it is off for `backoff`
   steps, after which it probes again, each failed probe doubling the backoff (up to
-  `max_backoff`). A probe that pays resets it. A failed window's cost beyond plain decoding
-  (including a model draft's catch-up pass over the context it missed while off, which on a
-  long prompt is most of it) may be at most `probe_budget` (1%) of the time until the next
-  probe, so the pause is at least that cost over 1% of a plain step.
+  `max_backoff`). A probe is judged after `probe_window` steps, fewer than a full window,
+  since the last window already did not pay; a probe that pays resets the backoff and
+  speculation goes on in full windows. A failed window's cost beyond plain decoding
+  (including a model draft's catch-up pass over the context: a resumed draft catches up on a
+  short recent window only, see `DraftModelDrafter`) may be at most `probe_budget` (1%) of the
+  time until the next probe, so the pause is at least that cost over 1% of a plain step.
 
 What was learned (k, the backoff and how much of it is left, the plain step time, the draft's
 cost) lives in an `AdaptiveState` that the engine keeps across requests. A drafter whose
@@ -65,6 +72,7 @@ class AdaptiveState:
     plain_step_s: float | None = None  # moving average of an undrafted target step
     draft_cost: float | None = None  # typical draft time per drafted token / plain step (window medians)
     switched_off: int = 0  # how many times speculation went off
+    probing: bool = False  # the last window did not pay: the next one is a probe
 
 
 class SpeculationPolicy(Protocol):
@@ -92,17 +100,20 @@ class AdaptiveK:
 
     def __init__(
         self, k_max: int, state: AdaptiveState | None = None, window: int = 6, backoff: int = 16, max_backoff: int = 512,
-        probe_budget: float = PROBE_BUDGET,
+        probe_budget: float = PROBE_BUDGET, probe_window: int = 3,
     ) -> None:
-        if k_max < 1 or window < 1 or not 1 <= backoff <= max_backoff or probe_budget <= 0:
-            raise ValueError("need k_max >= 1, window >= 1, 1 <= backoff <= max_backoff and probe_budget > 0")
+        if k_max < 1 or window < 1 or probe_window < 1 or not 1 <= backoff <= max_backoff or probe_budget <= 0:
+            raise ValueError(
+                "need k_max >= 1, window >= 1, probe_window >= 1, 1 <= backoff <= max_backoff and probe_budget > 0"
+            )
         self.k_max = k_max
-        self.state = state if state is not None else AdaptiveState(k=k_max, backoff=backoff)
+        self.state = state if state is not None else AdaptiveState(k=1, backoff=backoff)  # slow start
         self.state.k = min(max(self.state.k, 1), k_max)
         if self.free:
             self.state.off_steps_left = 0  # a free drafter is never off
             self.state.backoff = backoff
-        self.window = window
+        self.full_window = window
+        self.probe_window = min(probe_window, window)
         self.base_backoff = backoff
         self.max_backoff = max_backoff
         self.probe_budget = probe_budget
@@ -111,10 +122,16 @@ class AdaptiveK:
     def _reset_window(self) -> None:
         self._window_steps = 0
         self._window_draft_s = 0.0
+        self._window_drafted = 0
         self._window_verify_s = 0.0
         self._window_accepted = 0
         self._window_rejections = 0
         self._window_costs: list[float] = []  # draft seconds per drafted token, step by step
+
+    @property
+    def window(self) -> int:
+        """Speculative steps to the next judgement: fewer while probing."""
+        return self.probe_window if self.state.probing and not self.free else self.full_window
 
     @property
     def free(self) -> bool:
@@ -152,6 +169,7 @@ class AdaptiveK:
                 state.k = max(state.k - 1, 1)
             self._window_steps += 1
             self._window_draft_s += draft_time_s
+            self._window_drafted += drafted
             self._window_verify_s += verify_time_s
             self._window_costs.append(draft_time_s / drafted)
             self._window_accepted += accepted
@@ -167,11 +185,14 @@ class AdaptiveK:
         spent = self._window_draft_s + self._window_verify_s
         # The median step's draft cost: a drafter's first step may also catch up on the whole
         # prompt (a draft model) or index it (prompt lookup), which is not what a step costs.
-        cost = statistics.median(self._window_costs) / plain
+        step_cost_s = statistics.median(self._window_costs)
+        cost = step_cost_s / plain
         state.draft_cost = cost if state.draft_cost is None else 0.5 * state.draft_cost + 0.5 * cost
-        paid = self._window_accepted > 0 and spent / tokens <= plain
+        ongoing = step_cost_s * self._window_drafted + self._window_verify_s
+        paid = self._window_accepted > 0 and ongoing / tokens <= plain
         if paid or self.free:
             state.backoff = self.base_backoff
+            state.probing = False
         else:
             tested = self._window_accepted + self._window_rejections
             acceptance = self._window_accepted / tested if tested else 0.0
@@ -190,4 +211,5 @@ class AdaptiveK:
             state.off_steps_left = min(max(state.backoff, floor), MAX_OFF_STEPS)
             state.backoff = min(2 * state.backoff, self.max_backoff)
             state.switched_off += 1
+            state.probing = True
         self._reset_window()

@@ -98,3 +98,53 @@ def test_draft_model_from_a_directory_is_loaded(default_model: LoadedModel, tiny
     drafter = build_drafter(SpeculativeConfig(method="draft_model", model=str(tiny_model_dir)), default_model)
     assert drafter.runner.model is not default_model.model
     assert drafter.runner.model.config.num_hidden_layers == 2
+
+
+def test_a_resumed_draft_catches_up_on_the_sink_and_recent_window_only(tiny_model: LoadedModel) -> None:
+    """After the engine skipped it for several steps, the draft runs on the context's first
+    `sink` tokens and its last `resume_window`, not on everything it missed; later proposals
+    in the request follow that view as it grows."""
+    rng = random.Random(1)
+    drafter = DraftModelDrafter(tiny_model, sink=2, resume_window=8)
+    context = [rng.randrange(1000, 40000) for _ in range(12)]
+    drafter.begin(context, 200)
+    assert drafter.propose(context, 2, SamplingParams(), None).tokens == reference_greedy(tiny_model, context, 2)
+    context = context + [rng.randrange(1000, 40000)]
+    drafter.commit(context, 0)
+    for _ in range(30):  # switched off: steps committed without asking for a draft
+        context = context + [rng.randrange(1000, 40000)]
+        drafter.commit(context, 0)
+    proposal = drafter.propose(context, 3, SamplingParams(), None)
+    view = context[:2] + context[-8:]
+    assert proposal.tokens == reference_greedy(tiny_model, view, 3)
+    assert drafter.cached == view + proposal.tokens[:-1]  # nothing else was fed
+    # Speculating again, the draft keeps the sink and everything from the window on.
+    context = context + proposal.tokens[:1] + [77]
+    drafter.commit(context, 1)
+    view = context[:2] + context[-10:]
+    assert drafter.propose(context, 2, SamplingParams(), None).tokens == reference_greedy(tiny_model, view, 2)
+    # The next request, asked for from its start, is seen whole.
+    drafter.commit(context + [5], 0)
+    other = context[:3] + [rng.randrange(1000, 40000) for _ in range(20)]
+    drafter.begin(other, 200)
+    assert drafter.propose(other, 2, SamplingParams(), None).tokens == reference_greedy(tiny_model, other, 2)
+
+
+def test_one_skipped_step_does_not_shorten_the_view(tiny_model: LoadedModel) -> None:
+    # The last step of a request (no room left to draft) skips the draft; the next request
+    # must still be drafted from its whole prompt, however long.
+    drafter = DraftModelDrafter(tiny_model, sink=2, resume_window=4)
+    first = list(range(1000, 1010))
+    drafter.begin(first, 64)
+    drafter.propose(first, 2, SamplingParams(), None)
+    drafter.commit(first + [3], 0)
+    drafter.commit(first + [3, 4], 0)  # the request's last step, undrafted
+    second = list(range(2000, 2020))
+    drafter.begin(second, 64)
+    assert drafter.propose(second, 2, SamplingParams(), None).tokens == reference_greedy(tiny_model, second, 2)
+    assert drafter.offset == 0
+
+
+def test_resume_window_must_be_positive(tiny_model: LoadedModel) -> None:
+    with pytest.raises(ValueError):
+        DraftModelDrafter(tiny_model, resume_window=0)

@@ -9,6 +9,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.drafters import Proposal
+from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.engine.adaptive import AdaptiveK, AdaptiveState, FixedK
@@ -58,7 +59,7 @@ def test_k_grows_after_full_acceptance_and_shrinks_after_early_rejection() -> No
 def test_measures_a_plain_step_before_judging() -> None:
     policy = AdaptiveK(k_max=4, window=3)
     asked = run(policy, [(4, 0.04)] * 3 + [(4, 0.04)])
-    assert asked[:3] == [4, 4, 4]
+    assert asked[:3] == [1, 2, 3]  # slow start: from k = 1, one more after each full acceptance
     assert asked[3] == 0  # no plain step seen yet: take one to compare with
     assert policy.state.plain_step_s == pytest.approx(PLAIN_STEP)
 
@@ -68,13 +69,14 @@ def test_a_draft_that_is_never_right_goes_off_for_the_longest_backoff() -> None:
     policy.observe(0, 0, 0.0, PLAIN_STEP)  # a plain step is known
     # Every draft rejected: no k can pay, so no short backoff is tried first.
     asked = run(policy, [(0, 0.045)] * 4)
-    assert asked == [2, 1, 1, 1]
+    assert asked == [1, 1, 1, 1]
     assert policy.state.switched_off == 1 and not policy.speculating
     asked = run(policy, [(0, 0.045)] * 20)
     assert asked == [0] * 20  # off for max_backoff steps
     assert policy.speculating  # then it probes again
-    asked = run(policy, [(0, 0.045)] * 4 + [(0, 0.045)] * 20)
-    assert asked[:4] == [1, 1, 1, 1] and asked[4:] == [0] * 20
+    # The probe is judged after probe_window (3) steps, not a full window.
+    asked = run(policy, [(0, 0.045)] * 3 + [(0, 0.045)] * 20)
+    assert asked[:3] == [1, 1, 1] and asked[3:] == [0] * 20
     assert policy.state.switched_off == 2
 
 
@@ -107,6 +109,36 @@ def test_a_costly_probe_pauses_speculation_long_enough_to_stay_within_its_budget
     assert policy.state.off_steps_left == pytest.approx(excess / (0.01 * PLAIN_STEP), abs=2)
     # The formula took the median step's draft cost, not the catch-up's.
     assert policy.state.draft_cost == pytest.approx(0.5)
+
+
+def test_a_catch_up_pass_does_not_count_against_a_draft_that_pays_per_step() -> None:
+    policy = AdaptiveK(k_max=3, window=4, backoff=5, max_backoff=40, probe_budget=1.0)
+    policy.observe(0, 0, 0.0, PLAIN_STEP)
+    # Each step: 3 drafted tokens at 0.2 plain steps each, verified in 1.3 plain steps, all
+    # accepted: 4 tokens for 1.9 plain steps. The first step also caught the draft up on a
+    # long prompt (10 plain steps), which the window's total time cannot repay.
+    policy.observe(3, 3, (10 + 0.6) * PLAIN_STEP, 1.3 * PLAIN_STEP)
+    observe_window(policy, [3, 3, 3], k=3, draft_cost=0.2, verify_cost=1.3)
+    assert policy.speculating and policy.state.switched_off == 0
+    # The same steps without accepted tokens do not pay, catch-up or not.
+    observe_window(policy, [0, 0, 0, 0], k=3, draft_cost=0.2, verify_cost=1.3)
+    assert not policy.speculating
+
+
+def test_a_probe_that_pays_goes_back_to_full_windows() -> None:
+    policy = AdaptiveK(k_max=3, window=6, backoff=4, max_backoff=40, probe_budget=1.0, probe_window=2)
+    policy.observe(0, 0, 0.0, PLAIN_STEP)
+    observe_window(policy, [0] * 6, k=1, draft_cost=0.5, verify_cost=1.1)
+    assert not policy.speculating and policy.state.probing
+    run(policy, [(0, 0.0)] * policy.state.off_steps_left)
+    # The probe is judged after 2 steps: these pay (3 tokens for 2.2 plain steps a step).
+    observe_window(policy, [2, 2], k=2, draft_cost=0.5, verify_cost=1.2)
+    assert policy.speculating and not policy.state.probing and policy.window == 6
+    # Back in full windows: 5 failing steps are not yet judged, the 6th is.
+    observe_window(policy, [0] * 5, k=2, draft_cost=0.5, verify_cost=1.2)
+    assert policy.speculating
+    observe_window(policy, [0], k=2, draft_cost=0.5, verify_cost=1.2)
+    assert not policy.speculating
 
 
 def test_a_paying_probe_keeps_speculating_and_resets_the_backoff() -> None:
@@ -221,3 +253,21 @@ def test_adaptive_keeps_a_paying_drafter_on(default_model: LoadedModel) -> None:
     assert adaptive.stats.acceptance_rate > 0.8
     assert adaptive.stats.mean_accepted_length > 0.9 * fixed.stats.mean_accepted_length
     assert engine.adaptive_state is not None and engine.adaptive_state.switched_off == 0
+
+
+@pytest.mark.slow
+def test_a_draft_resumed_after_a_pause_keeps_output_identical(default_model: LoadedModel) -> None:
+    # The engine starts switched off (as after a draft that did not pay), so the probe resumes
+    # the draft mid-request on the recent window of the context only.
+    llm = LLM(loaded=default_model)
+    prompt = llm.encode([{"role": "user", "content": "Explain how a bicycle stays upright, step by step."}])
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    plain = Engine(default_model).generate(prompt, params)
+    drafter = DraftModelDrafter(default_model, layers=range(0, 30, 2), resume_window=16)
+    engine = Engine(default_model, drafter, 3, adaptive=True)
+    engine.adaptive_state = AdaptiveState(k=2, backoff=16, off_steps_left=30, switched_off=1)
+    resumed = engine.generate(prompt, params)
+    assert resumed.token_ids == plain.token_ids
+    assert resumed.stats.drafted_tokens > 0 and drafter.offset > 0
+    assert drafter.cached[: drafter.sink] == prompt[: drafter.sink]
+    assert drafter.offset > len(prompt)  # it saw none of the prompt past the sink
