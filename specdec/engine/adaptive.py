@@ -3,11 +3,12 @@
 `FixedK` always asks for k. `AdaptiveK` lets k follow acceptance and switches speculation off
 when it does not pay, by measuring what a committed token costs:
 
-- k starts at 1 (slow start: a draft not yet known to pay is tried at its cheapest) and grows
-  by one after a step in which every drafted token was accepted, and shrinks by one after a
-  step whose first drafted token was rejected (an early rejection), within [1, k_max]. A
-  rejection further along leaves k alone: the draft was right for a while, and drafters that
-  size their own proposals (prompt lookup, by match length) keep doing so.
+- k starts at 1 (slow start: a draft not yet known to pay is tried at its cheapest, and its
+  first window is a probe, below) and grows by one after a step in which every drafted token
+  was accepted, and shrinks by one after a step whose first drafted token was rejected (an
+  early rejection), within [1, k_max]. A rejection further along leaves k alone: the draft
+  was right for a while, and drafters that size their own proposals (prompt lookup, by match
+  length) keep doing so.
 - Every `window` speculative steps, the time per committed token while speculating (draft
   plus verification) is compared with the time of a plain step (a target pass over one
   token, measured on undrafted steps; one is taken on purpose when none has been seen yet).
@@ -107,7 +108,7 @@ class AdaptiveK:
                 "need k_max >= 1, window >= 1, probe_window >= 1, 1 <= backoff <= max_backoff and probe_budget > 0"
             )
         self.k_max = k_max
-        self.state = state if state is not None else AdaptiveState(k=1, backoff=backoff)  # slow start
+        self.state = state if state is not None else AdaptiveState(k=1, backoff=backoff, probing=True)
         self.state.k = min(max(self.state.k, 1), k_max)
         if self.free:
             self.state.off_steps_left = 0  # a free drafter is never off

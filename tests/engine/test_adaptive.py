@@ -67,14 +67,14 @@ def test_measures_a_plain_step_before_judging() -> None:
 def test_a_draft_that_is_never_right_goes_off_for_the_longest_backoff() -> None:
     policy = AdaptiveK(k_max=2, window=4, backoff=5, max_backoff=20, probe_budget=1.0)
     policy.observe(0, 0, 0.0, PLAIN_STEP)  # a plain step is known
-    # Every draft rejected: no k can pay, so no short backoff is tried first.
-    asked = run(policy, [(0, 0.045)] * 4)
-    assert asked == [1, 1, 1, 1]
+    # Every draft rejected: no k can pay, so no short backoff is tried first. A draft not yet
+    # known to pay is probed: judged after probe_window (3) steps, not a full window.
+    asked = run(policy, [(0, 0.045)] * 3)
+    assert asked == [1, 1, 1]
     assert policy.state.switched_off == 1 and not policy.speculating
     asked = run(policy, [(0, 0.045)] * 20)
     assert asked == [0] * 20  # off for max_backoff steps
     assert policy.speculating  # then it probes again
-    # The probe is judged after probe_window (3) steps, not a full window.
     asked = run(policy, [(0, 0.045)] * 3 + [(0, 0.045)] * 20)
     assert asked[:3] == [1, 1, 1] and asked[3:] == [0] * 20
     assert policy.state.switched_off == 2
@@ -87,7 +87,7 @@ def observe_window(policy: AdaptiveK, accepted: list[int], k: int, draft_cost: f
 
 
 def test_a_draft_that_could_pay_at_a_smaller_k_backs_off_briefly_and_returns_at_that_k() -> None:
-    policy = AdaptiveK(k_max=4, window=4, backoff=5, max_backoff=40, probe_budget=1.0)
+    policy = AdaptiveK(k_max=4, window=4, backoff=5, max_backoff=40, probe_budget=1.0, probe_window=4)
     policy.observe(0, 0, 0.0, PLAIN_STEP)
     # k = 4 at 0.3 plain steps a drafted token: 2.3 plain steps for 2 tokens a step, slower than
     # plain. Tested acceptance 4 / (4 + 4) = 0.5: by the formula k = 1 pays (1.5 / 1.4 = 1.07x).
@@ -99,7 +99,7 @@ def test_a_draft_that_could_pay_at_a_smaller_k_backs_off_briefly_and_returns_at_
 
 
 def test_a_costly_probe_pauses_speculation_long_enough_to_stay_within_its_budget() -> None:
-    policy = AdaptiveK(k_max=2, window=4, backoff=5, max_backoff=20, probe_budget=0.01)
+    policy = AdaptiveK(k_max=2, window=4, backoff=5, max_backoff=20, probe_budget=0.01, probe_window=4)
     policy.observe(0, 0, 0.0, PLAIN_STEP)
     # The first step also catches the draft up on a long prompt: 0.4 s more than its tokens'
     # worth of plain steps over the window, which 1% of a plain step repays in about 1,330 steps.
@@ -155,7 +155,7 @@ def test_a_paying_probe_keeps_speculating_and_resets_the_backoff() -> None:
 def test_what_was_learned_carries_over_to_the_next_request() -> None:
     first = AdaptiveK(k_max=4, window=4, backoff=8, max_backoff=8, probe_budget=1.0)
     first.observe(0, 0, 0.0, PLAIN_STEP)
-    run(first, [(0, 0.045)] * 4 + [(0, 0.0)] * 3)  # off, 5 of 8 off steps left
+    run(first, [(0, 0.045)] * 3 + [(0, 0.0)] * 3)  # a failed probe: off, 5 of 8 off steps left
     assert first.state.off_steps_left == 5
     second = AdaptiveK(k_max=4, state=first.state, window=4, backoff=8, max_backoff=8, probe_budget=1.0)
     assert run(second, [(0, 0.0)] * 5) == [0] * 5  # the new request starts switched off
