@@ -120,6 +120,13 @@ def engine_with_rule(target: LoadedModel, drafter, rule, monkeypatch: pytest.Mon
     return Engine(target, drafter, 2)
 
 
+def test_setup_a_resumed_draft_sees_a_window(target: LoadedModel, draft: LoadedModel) -> None:
+    drafter = make_engine("resumed", target, draft).drafter
+    drafter.begin(PROMPT, 16)
+    drafter.propose(PROMPT, 2, SAMPLED, torch.Generator().manual_seed(0))
+    assert drafter.cached[:6] == PROMPT[:2] + PROMPT[-4:]
+
+
 def test_setup_target_and_draft_disagree(target: LoadedModel, draft: LoadedModel) -> None:
     exact_target = exact_sequence_probs(target, SAMPLED)
     exact_draft = exact_sequence_probs(draft, SAMPLED)
@@ -133,9 +140,19 @@ def deep_target(small_model_factory) -> LoadedModel:
     return small_model_factory(seed=3, vocab_size=VOCAB, layers=3)
 
 
+class ResumedDrafter(DraftModelDrafter):
+    """A draft that every request finds resumed after a pause (as adaptive k resumes one): it
+    runs on the prompt's first 2 tokens and last 4 only."""
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        super().begin(prompt_ids, max_len)
+        self.skipped_steps = 2
+
+
 def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
     """Every drafter family on the tiny models: a separate draft, prompt lookup, a subset of
-    the target's layers (self-speculation), the target in int8, and a draft with adaptive k."""
+    the target's layers (self-speculation), the target in int8, a draft with adaptive k, and a
+    draft resumed on a window of the context."""
     if name == "draft_model":
         return Engine(target, DraftModelDrafter(draft), 2)
     if name == "ngram":
@@ -146,6 +163,8 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
         return Engine(target, DraftModelDrafter(quantize_int8(target)), 2)
     if name == "adaptive":
         return Engine(target, DraftModelDrafter(draft), 2, adaptive=True)
+    if name == "resumed":
+        return Engine(target, ResumedDrafter(draft, sink=2, resume_window=4), 2)
     raise ValueError(name)
 
 
@@ -159,7 +178,7 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
         assert 0 < sum(rates) / len(rates) < 0.98, name
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive"])
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str
 ) -> None:
