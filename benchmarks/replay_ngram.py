@@ -26,21 +26,22 @@ import numpy as np
 from specdec.api import LLM
 from specdec.bench.cost import step_costs
 from specdec.bench.data import load_records
-from specdec.config import SamplingParams
+from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.ngram import find_continuation
 from specdec.engine.adaptive import AdaptiveK, FixedK, SpeculationPolicy
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "norm" / "spec_bench.jsonl"
 
 
-def replay(prompt: list[int], output: list[int], policy: SpeculationPolicy, cost: dict[int, float], n_max: int) -> float:
+def replay(prompt: list[int], output: list[int], policy: SpeculationPolicy, cost: dict[int, float],
+           lookup: SpeculativeConfig) -> float:
     """Plain steps a generation of `output` costs under `policy` (the first token is prefill's)."""
     plain = cost[1]
     position, spent = 0, 0.0
     while position < len(output) - 1:
         context = np.asarray(prompt + output[: position + 1], dtype=np.int64)
         k = min(policy.next_k(), len(output) - position - 2)
-        draft = find_continuation(context, 1, n_max, k) if k > 0 else []
+        draft = find_continuation(context, lookup.prompt_lookup_min, lookup.prompt_lookup_max, k) if k > 0 else []
         truth = output[position + 1 :]
         accepted = 0
         while accepted < len(draft) and draft[accepted] == truth[accepted]:
@@ -68,27 +69,25 @@ def main() -> None:
         by_category[record.category].append(record)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     runs = []
-    for category, records in by_category.items():
+    for records in by_category.values():
         for record in records[args.skip : args.skip + args.per_category]:
             prompt = llm.encode([{"role": "user", "content": record.turns[0]}])
-            output = llm.plain_engine.generate(prompt, params).token_ids
-            runs.append((category, prompt, output))
-    print(f"{len(runs)} held-out prompts, {sum(len(o) for _, _, o in runs)} tokens")
+            runs.append((prompt, llm.plain_engine.generate(prompt, params).token_ids))
+    plain_steps = sum(len(output) - 1 for _, output in runs)
+    print(f"{len(runs)} held-out prompts, {sum(len(output) for _, output in runs)} tokens")
 
     sizes = list(range(1, args.k_max + 2))
-    seconds = step_costs(llm.target, sizes, context=300, repeats=21)
-    cost = {n: seconds[n] for n in sizes}
+    cost = step_costs(llm.target, sizes, context=300, repeats=21)
     print("pass cost / plain step:", {n: round(cost[n] / cost[1], 2) for n in sizes})
 
-    n_max = 6  # the config's default prompt_lookup_max
+    lookup = SpeculativeConfig(method="ngram")  # the default n-gram sizes
     policies = {f"fixed k={k}": (lambda k=k: FixedK(k)) for k in range(1, args.k_max + 1)}
     policies |= {f"adaptive k<={k}": (lambda k=k: AdaptiveK(k)) for k in range(2, args.k_max + 1)}
     results = {}
     for name, make in policies.items():
         # One policy object across prompts, as the engine keeps what adaptive k learned.
         policy = make()
-        spent = sum(replay(prompt, output, policy, cost, n_max) for _, prompt, output in runs)
-        plain_steps = sum(len(output) - 1 for _, _, output in runs)
+        spent = sum(replay(prompt, output, policy, cost, lookup) for prompt, output in runs)
         results[name] = round(plain_steps / spent, 4)
         print(f"{name:16s} speedup {results[name]:.4f}")
     if args.json:

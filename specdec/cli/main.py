@@ -25,6 +25,8 @@ app = typer.Typer(
     help="Lossless speculative decoding: generate text faster without changing what the model says.",
 )
 err = Console(stderr=True)
+# Reports piped to a file keep their full width instead of rich's default of 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 160)
 
 
 @contextmanager
@@ -47,8 +49,7 @@ def prompt_progress(label: str, total: int) -> Iterator[Callable[[object], None]
         err.print(f"{label}: {done}/{total} prompts, {minutes}m{seconds:02d}s")
 
     yield advance
-# Reports piped to a file keep their full width instead of rich's default of 80 columns.
-out = Console(width=None if sys.stdout.isatty() else 160)
+
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file, a Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct).")]
 SpecOpt = Annotated[Optional[str], typer.Option("--speculative-config", help="JSON, as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, ...}; or a JSON file, such as the recommended.json of specdec tune.")]
