@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -15,22 +16,28 @@ from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
 
 
-def step_costs(loaded: LoadedModel, sizes: list[int], context: int = 256, repeats: int = 15) -> dict[int, float]:
+def step_costs(
+    loaded: LoadedModel, sizes: list[int], context: int = 256, repeats: int = 15,
+    layers: Sequence[int] | None = None, last_only: bool = False,
+) -> dict[int, float]:
     """Median seconds of a target pass over n new tokens after `context` cached ones, per n.
+    With `layers`, a pass of only those layers (a layer_skip draft); with `last_only`, logits
+    for the last position alone (a draft's catch-up pass) instead of every one (verification).
 
     Sizes are measured round-robin so that machine noise falls on all of them alike.
     """
-    runner = ModelRunner(loaded)
+    runner = ModelRunner(loaded, layers)
     cache = runner.new_cache(context + max(sizes) + 1)
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, loaded.vocab_size, (context,), generator=generator).tolist()
-    runner.forward(cache, prompt, last_only=True)
+    tokens = torch.randint(0, loaded.vocab_size, (context + max(sizes),), generator=generator).tolist()
+    if context:
+        runner.forward(cache, tokens[:context], last_only=True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats):
         for n in sizes:
-            block = prompt[:n]
+            block = tokens[context : context + n]
             start = time.perf_counter()
-            runner.forward(cache, block)
+            runner.forward(cache, block, last_only=last_only)
             times[n].append(time.perf_counter() - start)
             cache.rollback(context)
     return {n: statistics.median(ts) for n, ts in times.items()}

@@ -34,7 +34,8 @@ from specdec.sampling.probs import logits_to_probs, sample
 
 
 # A resumed draft keeps this many of the context's first tokens and catches up on this many
-# of its last (a pass over 20 tokens costs about 2.5 plain steps of the default model on a CPU).
+# of its last (that pass costs about 2.7 plain steps of the default model on a CPU:
+# `python benchmarks/catch_up_cost.py`).
 SINK = 4
 RESUME_WINDOW = 16
 
