@@ -44,6 +44,8 @@ class LLM:
 
     model: None for the embedded default (SmolLM2-135M-Instruct), a .gguf path, or a Hugging
         Face model directory.
+    backend: `auto` (native where it runs the model), `native` or `hf`; dtype: the weight
+        format, `auto` (a GGUF file's own quantization on native), `float32`, `bfloat16`, `int8`, `int4`.
     speculative_config: None for plain decoding, or a SpeculativeConfig, a dict with its keys,
         or the same as a JSON string.
 
@@ -57,11 +59,12 @@ class LLM:
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        backend: str = "auto",
+        dtype: str | torch.dtype = "auto",
         loaded: LoadedModel | None = None,
     ) -> None:
         self.speculative_config = _as_config(speculative_config)
-        self.target = loaded if loaded is not None else load_model(model, device=device, dtype=dtype)
+        self.target = loaded if loaded is not None else load_model(model, device=device, backend=backend, dtype=dtype)
         self.plain_engine = Engine(self.target)
         if self.speculative_config is None:
             self.engine = self.plain_engine

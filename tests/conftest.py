@@ -30,8 +30,40 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
-    """SmolLM2-135M-Instruct, the embedded default (converted once under ~/.cache/specdec)."""
+    """SmolLM2-135M-Instruct, the embedded default, on the default backend (native, the GGUF
+    file's own int4/int8 weights)."""
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def default_model_hf() -> LoadedModel:
+    """The default model on the hf backend in float32 (converted once under ~/.cache/specdec)."""
+    return load_model(backend="hf")
+
+
+@pytest.fixture(scope="session")
+def default_model_native_f32() -> LoadedModel:
+    """The default model on the native backend with float32 weights (the same values as hf)."""
+    return load_model(backend="native", dtype="float32")
+
+
+# Every backend and weight format the lossless suite runs on.
+BACKEND_VARIANTS = ("hf-float32", "native-float32", "native-bfloat16", "native-int8", "native-auto")
+
+
+@pytest.fixture(scope="session")
+def default_model_variants(default_model: LoadedModel, default_model_hf: LoadedModel,
+                           default_model_native_f32: LoadedModel) -> Callable[[str], LoadedModel]:
+    """The default model on each of BACKEND_VARIANTS, loaded once each."""
+    loaded = {"native-auto": default_model, "hf-float32": default_model_hf, "native-float32": default_model_native_f32}
+
+    def get(variant: str) -> LoadedModel:
+        if variant not in loaded:
+            backend, dtype = variant.split("-")
+            loaded[variant] = load_model(backend=backend, dtype=dtype)
+        return loaded[variant]
+
+    return get
 
 
 def _tiny_llama(vocab_size: int, seed: int, *, hidden: int = 64, layers: int = 2, eos: int = 2) -> LlamaForCausalLM:
@@ -67,8 +99,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model: Load
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path) -> LoadedModel:
-    """The tiny random model, loaded through specdec's loader (thin kernels on)."""
-    return load_model(str(tiny_model_dir))
+    """The tiny random model on the hf backend, loaded through specdec's loader (thin kernels on)."""
+    return load_model(str(tiny_model_dir), backend="hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_native(tiny_model_dir: Path) -> LoadedModel:
+    """The tiny random model on the native backend (float32, from the same safetensors)."""
+    return load_model(str(tiny_model_dir), backend="native")
+
+
+@pytest.fixture(params=["hf", "native"])
+def tiny_any(request: pytest.FixtureRequest, tiny_model: LoadedModel, tiny_native: LoadedModel) -> LoadedModel:
+    """The tiny model on each backend."""
+    return tiny_model if request.param == "hf" else tiny_native
 
 
 def small_vocab_tokenizer(vocab_size: int, prefix: str = "t") -> PreTrainedTokenizerFast:
@@ -106,7 +150,7 @@ def small_model_factory() -> SmallModelFactory:
                 head = model.get_output_embeddings().weight
                 head.mul_(logit_scale / (head.std() * head.shape[1] ** 0.5))
             model.eval().requires_grad_(False)
-            built[key] = LoadedModel(model=model, tokenizer=tokenizer, name=f"small-{seed}", source=f"small-{seed}")
+            built[key] = LoadedModel.from_hf(model, tokenizer, name=f"small-{seed}", source=f"small-{seed}")
         return built[key]
 
     return make

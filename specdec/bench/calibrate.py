@@ -90,7 +90,7 @@ def calibrate_layer_skip(
 ) -> LayerSkipProfile:
     """Measure and choose the layers for `target`'s self-draft; see the module docstring."""
     say = progress or (lambda message: None)
-    num_layers = int(target.model.config.num_hidden_layers)
+    num_layers = target.num_layers
     check_layer_subset(target, range(num_layers))  # the model family must support subsets
     min_layers = max(2, min_layers if min_layers is not None else num_layers // 3)
     say(f"decoding {len(prompts)} reference answers")

@@ -57,6 +57,8 @@ MethodOpt = Annotated[Optional[str], typer.Option("--method", help="Drafter: ngr
 KOpt = Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Most tokens drafted per target step.")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for --method draft_model (same forms as --model).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda where a GPU exists.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="auto (native where it runs the model, else hf), native (Llama family, packed weights), or hf (transformers).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="Weight format: auto (a GGUF file's own quantization on native; float32 on hf), float32, bfloat16, int8, int4.")]
 
 
 def speculative_config(spec_json: str | None, method: str | None, k: int | None, draft_model: str | None) -> SpeculativeConfig | None:
@@ -122,11 +124,11 @@ def _gguf_file(model: str | None) -> str | None:
     return model if str(model).endswith(".gguf") else None
 
 
-def _load(model: str | None, spec: SpeculativeConfig | None, device: str):
+def _load(model: str | None, spec: SpeculativeConfig | None, device: str, backend: str = "auto", dtype: str = "auto"):
     from specdec.api import LLM
 
     with err.status(f"loading {model or 'the default model'} (the first load of a GGUF file converts it once)..."):
-        return LLM(model, spec, device=device)
+        return LLM(model, spec, device=device, backend=backend, dtype=dtype)
 
 
 @app.command()
@@ -149,13 +151,15 @@ def generate(
     stats: Annotated[bool, typer.Option("--stats", help="Print speculation statistics after the text.")] = False,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they are accepted.")] = True,
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Generate from a prompt with speculative decoding (ngram by default) and print the text."""
     if not prompt.strip():
         raise ConfigError("prompt is empty")
     spec = speculative_config(spec_json, method, k, draft_model)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop or ()))
-    llm = _load(model, spec, device)
+    llm = _load(model, spec, device, backend, dtype)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     request = prompt if raw else messages
     from specdec.engine import Generation
@@ -192,6 +196,8 @@ def bench(
     peers: Annotated[bool, typer.Option("--peers", help="Also run transformers' generate (plain and prompt lookup) on the same prompts.")] = False,
     compare: Annotated[Optional[list[str]], typer.Option("--compare", help="Another speculative config (JSON or file) to run side by side on the same target (repeatable).")] = None,
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Run each prompt with and without speculation, interleaved, and report speedup and identity."""
     from specdec.bench.data import load_records, select
@@ -204,7 +210,7 @@ def bench(
     if spec is None:
         raise ConfigError("bench compares speculation with plain decoding: give a method other than 'none'")
     params = SamplingParams(max_tokens=max_tokens)
-    llm = _load(model, spec, device)
+    llm = _load(model, spec, device, backend, dtype)
     systems = [System(PLAIN, specdec_runner(llm, params, False)), System(SPEC, specdec_runner(llm, params, True), PLAIN)]
     for text in compare or []:
         other = speculative_config(text, None, None, None)
@@ -215,7 +221,7 @@ def bench(
     if peers:
         from specdec.models.loader import load_model
 
-        stock = load_model(model, device=device, fast_kernels=False)
+        stock = load_model(model, device=device, backend="hf", fast_kernels=False)
         encode = llm.encode
         systems += [
             System("transformers generate", transformers_runner(stock, encode, params)),
@@ -302,6 +308,8 @@ def tune(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per turn.")] = 128,
     out_dir: Annotated[Path, typer.Option("--out", help="Folder for recommended.json, tune.json, report.md and plots.")] = Path("out/tune"),
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Measure drafters at several k (and adaptive k) against plain decoding on your prompts, set
     the measured speedup beside the acceptance model's prediction, and recommend a config."""
@@ -316,7 +324,7 @@ def tune(
     records = select(load_records(data), per_category, category)
     params = SamplingParams(max_tokens=max_tokens)
     with err.status(f"loading {model or 'the default model'}..."):
-        target = load_model(model, device=device)
+        target = load_model(model, device=device, backend=backend, dtype=dtype)
     candidates = t.pin_layers(candidates, target)
     turns = sum(len(r.turns) for r in records)
     err.print(f"{len(records)} prompts ({turns} turns) x {len(candidates) + 1} systems (plain decoding and "
@@ -364,6 +372,8 @@ def verify(
     alpha: Annotated[float, typer.Option(help="Significance level of the sampling test.")] = 0.01,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Check that speculation leaves the output unchanged: greedy identity, and (temperature > 0)
     a two-sample test of the sampled distribution with a self-check against a wrong rule."""
@@ -379,7 +389,7 @@ def verify(
         raise ConfigError("--alpha must be in (0, 1)")
     records = load_records(data) if data is not None else v.builtin_prompts()
     sampling_params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else None
-    llm = _load(model, spec, device)
+    llm = _load(model, spec, device, backend, dtype)
     label = spec.label
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err) as progress:
         task = progress.add_task(f"greedy ({label})", total=len(records))
@@ -428,6 +438,8 @@ def costs(
     context: Annotated[int, typer.Option(help="Tokens already in the cache.")] = 256,
     repeats: Annotated[int, typer.Option(help="Measurements per size (the median is reported).")] = 15,
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Measure what a target pass costs by the number of tokens it verifies, on this machine.
 
@@ -441,7 +453,7 @@ def costs(
     if max_verified < 1 or context < 1 or repeats < 1:
         raise ConfigError("--max-verified, --context and --repeats must be >= 1")
     with err.status("loading the model..."):
-        loaded = load_model(model, device=device)
+        loaded = load_model(model, device=device, backend=backend, dtype=dtype)
     with err.status(f"measuring passes over 1..{max_verified} tokens..."):
         measured = step_costs(loaded, list(range(1, max_verified + 1)), context=context, repeats=repeats)
     table = Table(title=f"{loaded.name}: target pass cost after {context} cached tokens ({device})")
@@ -462,6 +474,8 @@ def calibrate(
     min_layers: Annotated[Optional[int], typer.Option("--min-layers", help="Fewest layers to try. [default: a third of them]")] = None,
     output: Annotated[Path, typer.Option("--out", "-o", help="Where to write the profile.")] = Path("layer_skip_profile.json"),
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Choose the layers of the layer_skip self-draft for a model by measured acceptance and
     cost, and write them as a profile: --speculative-config '{"method": "layer_skip", "profile": "FILE"}'."""
@@ -474,7 +488,7 @@ def calibrate(
 
     records = select(load_records(data) if data is not None else v.builtin_prompts(), per_category)
     with err.status("loading the model..."):
-        llm = LLM(model, device=device)
+        llm = LLM(model, device=device, backend=backend, dtype=dtype)
     prompts = [ids for ids in (llm.encode([{"role": "user", "content": r.turns[0]}]) for r in records)
                if len(ids) <= max_prompt_tokens]
     if not prompts:
@@ -504,6 +518,8 @@ def serve(
     max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="Most sequences in the batch (overrides the config).")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads of the model work (overrides the config; default: auto, one core fewer than torch's default while one sequence runs, all of them for more).")] = None,
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics) with batched speculative decoding. Without --config: route `specdec`
@@ -515,7 +531,7 @@ def serve(
     overrides = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "threads": threads}
     server_config = load_config(config, **overrides) if config is not None else default_config(**{k: v for k, v in overrides.items() if v is not None})
     with err.status(f"loading {model or 'the default model'}..."):
-        state = build_state(server_config, model, device=device)
+        state = build_state(server_config, model, device=device, backend=backend, dtype=dtype)
     err.print(f"memory: {state.memory.describe()}", highlight=False, soft_wrap=True)
     err.print(f"routes: {', '.join(r.name for r in server_config.routes)}; up to {state.max_num_seqs} sequences; http://{host}:{port}/v1")
     uvicorn_server(state, host, port).run()

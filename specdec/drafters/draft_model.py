@@ -139,5 +139,5 @@ def _build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
     if config.quantization == "int8":
         # The int8 copy shares embeddings and norms with the model it was made from.
         draft = quantize_int8(draft)
-        added += quantized_bytes(draft.model)
+        added += quantized_bytes(draft)
     return DraftModelDrafter(draft, added_memory_bytes=added)

@@ -86,7 +86,7 @@ def default_layers(num_layers: int) -> tuple[int, ...]:
 
 def resolve_layers(config: SpeculativeConfig, target: LoadedModel) -> tuple[int, ...]:
     """The layers a layer_skip config means for this target."""
-    num_layers = int(target.model.config.num_hidden_layers)
+    num_layers = target.num_layers
     if config.layers is not None:
         return config.layers
     profile = LayerSkipProfile.load(config.profile) if config.profile else shipped_profile(target.name)

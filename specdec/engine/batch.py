@@ -96,7 +96,7 @@ class BatchEngine:
         self.max_draft = max_draft
         self.max_holes = max_holes
         # Slack past max_model_len lets a step's new slots land before a compaction is forced.
-        self.cache = BatchCache.for_model(target.model, max_rows, max_model_len + max_draft + 1 + max_holes)
+        self.cache = BatchCache.for_backend(target.backend, max_rows, max_model_len + max_draft + 1 + max_holes)
         self.sequences: list[Sequence] = []  # index == row
 
     @property
@@ -192,9 +192,7 @@ class BatchEngine:
         feed = [[seq.context[-1], *draft] + [seq.context[-1]] * (new - 1 - len(draft)) for seq, draft in zip(seqs, drafts)]
         input_ids = torch.tensor(feed, dtype=torch.long, device=self.runner.device)  # [rows, new]
         positions, mask = self.cache.step_inputs(new)  # [rows, new], [rows, 1, new, write + new]
-        out = self.target.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                cache=self.cache, use_cache=True)
-        logits = out.logits.float()  # [rows, new, vocab]
+        logits = self.target.backend.forward(self.cache, input_ids, positions, mask).logits  # [rows, new, vocab]
 
         # 3. Accept per row, with the row's own parameters and generator.
         results = [self._accept(seq, logits[i, : len(draft) + 1], draft, probs)

@@ -1,7 +1,8 @@
 """Models and caches: loading, the preallocated KV cache, and one forward interface."""
 
+from specdec.models.backend import Backend, ForwardOutput
 from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import LoadedModel, load_model
-from specdec.models.runner import ForwardOutput, ModelRunner
+from specdec.models.runner import ModelRunner
 
-__all__ = ["ForwardOutput", "LoadedModel", "ModelRunner", "PreallocatedCache", "load_model"]
+__all__ = ["Backend", "ForwardOutput", "LoadedModel", "ModelRunner", "PreallocatedCache", "load_model"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specdec.models.backend import Backend
 from specdec.models.cache import ContextOverflowError, PreallocatedCache
 
 
@@ -103,23 +104,9 @@ class BatchCache(Cache):
         self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)  # [max_rows]
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, max_rows: int, capacity: int) -> BatchCache:
-        config = model.config
-        heads = int(config.num_attention_heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        param = next(model.parameters())
-        return cls(int(config.num_hidden_layers), max_rows, capacity, kv_heads, head_dim, dtype=param.dtype, device=param.device)
-
-    @staticmethod
-    def bytes_per_token(model: torch.nn.Module) -> int:
-        """KV bytes one cached token costs across all layers (keys and values)."""
-        config = model.config
-        heads = int(config.num_attention_heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        element = next(model.parameters()).element_size()
-        return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * element
+    def for_backend(cls, backend: Backend, max_rows: int, capacity: int) -> BatchCache:
+        return cls(backend.num_layers, max_rows, capacity, backend.kv_heads, backend.head_dim,
+                   dtype=backend.kv_dtype, device=backend.device)
 
     @property
     def nbytes(self) -> int:

@@ -7,6 +7,11 @@ A model is named in one of three ways:
 - a path to a `.gguf` file;
 - a Hugging Face model directory (config.json plus safetensors weights and tokenizer files).
 
+It runs on a backend (:mod:`specdec.models.backend`): `native` for the Llama family on the CPU,
+with the weights in the format asked for (`auto`: a GGUF file's own quantization), or `hf`,
+transformers' modeling code, for everything (and as the reference). `backend="auto"` picks
+native where it runs the model.
+
 transformers dequantizes GGUF weights at every load (about 20 s for the default model on two
 cores), so the converted model is saved once as safetensors under the cache directory
 (`$SPECDEC_CACHE_DIR`, default `~/.cache/specdec`) and read from there afterwards.
@@ -14,6 +19,7 @@ cores), so the converted model is saved once as safetensors under the cache dire
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import logging
@@ -24,10 +30,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
+                          PreTrainedModel, PreTrainedTokenizerBase)
 
 from specdec.errors import ModelLoadError
+from specdec.models.backend import BACKENDS, DTYPES, Backend
+from specdec.models.weights import GGUFWeights, SafetensorsWeights, StateDictWeights
+from specdec.models.hf_backend import HFBackend
 from specdec.models.linear import use_thin_linear
+from specdec.models.native import NATIVE_MODEL_TYPES, NativeBackend
 
 log = logging.getLogger(__name__)
 
@@ -37,29 +48,53 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model ready for the engine: weights in eval mode, tokenizer, and a display name."""
+    """A model ready for the engine: the backend that runs it, its tokenizer and configs, and a
+    display name. `model` is the transformers model on the `hf` backend, None on `native`."""
 
-    model: PreTrainedModel
+    backend: Backend
     tokenizer: PreTrainedTokenizerBase
     name: str
     source: str
+    config: PretrainedConfig
+    generation_config: GenerationConfig | None = None
+
+    @classmethod
+    def from_hf(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, source: str) -> LoadedModel:
+        """An in-memory transformers model on the hf backend."""
+        return cls(HFBackend(model), tokenizer, name, source, model.config, getattr(model, "generation_config", None))
+
+    def native(self, dtype: str = "float32") -> LoadedModel:
+        """The same model on the native backend, from the hf backend's tensors, in `dtype`."""
+        model = self.model
+        if model is None:
+            raise ModelLoadError(f"{self.name} is not on the hf backend")
+        weights = StateDictWeights(dict(model.state_dict()), bool(getattr(self.config, "tie_word_embeddings", False)))
+        return dataclasses.replace(self, backend=NativeBackend(self.config, weights, dtype, device=self.device))
+
+    @property
+    def model(self) -> PreTrainedModel | None:
+        return getattr(self.backend, "model", None)
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self.backend.device
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return self.backend.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.backend.num_layers
 
     @property
     def max_positions(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 8192) or 8192)
+        return int(getattr(self.config, "max_position_embeddings", 8192) or 8192)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
-        config_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        config_eos = getattr(self.generation_config, "eos_token_id", None)
         for value in (config_eos, self.tokenizer.eos_token_id):
             if isinstance(value, int):
                 ids.add(value)
@@ -68,7 +103,11 @@ class LoadedModel:
         return frozenset(ids)
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.backend.weight_bytes()
+
+    def describe(self) -> str:
+        """Backend and weight format, e.g. `native int4 (LM head int8)`."""
+        return f"{self.backend.name} {self.backend.weight_format}"
 
 
 def default_model_path() -> Path:
@@ -96,16 +135,19 @@ def _converted_dir(gguf_path: Path) -> Path:
     return cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
 
 
-def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _convert_gguf(gguf_path: Path) -> Path:
+    """The GGUF model converted once to a Hugging Face directory (config, tokenizer, float32
+    safetensors) under the cache; returns it. The native backend reads its config and tokenizer
+    from there and its weights from the GGUF file itself."""
     converted = _converted_dir(gguf_path)
     if (converted / "config.json").exists():
-        return _load_hf_dir(converted, dtype)
+        return converted
     log.info("converting %s to safetensors (once) under %s", gguf_path.name, converted)
     kwargs = {"gguf_file": gguf_path.name}
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    partial = converted.with_name(converted.name + ".partial")
     try:
-        partial = converted.with_name(converted.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         # save_pretrained refuses a model loaded from GGUF; the weights are plain float32 by now.
@@ -116,31 +158,60 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Pr
         save_model(model, str(partial / "model.safetensors"))
         tokenizer.save_pretrained(partial)
         partial.replace(converted)
-    except OSError as exc:  # a read-only cache only costs the next load its time
-        log.warning("could not cache the converted model: %s", exc)
-        return model.to(dtype), tokenizer
-    # Load what was saved, so the first run computes exactly as every later one.
-    return _load_hf_dir(converted, dtype)
+    except OSError as exc:
+        raise ModelLoadError(f"could not write the converted model under {cache_dir()}: {exc} "
+                             "(set SPECDEC_CACHE_DIR to a writable directory)") from exc
+    return converted
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model, tokenizer
+def _hf_backend(path: Path, dtype: str, device: str | torch.device) -> HFBackend:
+    torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ModelLoadError(f"the hf backend runs float32 or bfloat16 weights, not {dtype}: use --backend native")
+    # SDPA applies a boolean mask; eager attention would add it (the batched engine passes one).
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    return HFBackend(model.to(device).eval().requires_grad_(False))
+
+
+def _native_backend(config: PretrainedConfig, weights_path: Path, dtype: str, device: str | torch.device) -> NativeBackend:
+    if weights_path.is_file():
+        source = GGUFWeights(weights_path, int(config.num_attention_heads),
+                             int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
+    else:
+        source = SafetensorsWeights(weights_path, bool(getattr(config, "tie_word_embeddings", False)))
+    return NativeBackend(config, source, dtype, device=device)
+
+
+def resolve_backend(backend: str, config: PretrainedConfig, device: str | torch.device) -> str:
+    """`auto` -> `native` where it runs the model (a Llama-family model on the CPU), else `hf`."""
+    if backend not in ("auto", *BACKENDS):
+        raise ModelLoadError(f"unknown backend {backend!r}; choose one of: auto, {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    native = getattr(config, "model_type", None) in NATIVE_MODEL_TYPES and torch.device(device).type == "cpu"
+    return "native" if native else "hf"
 
 
 def load_model(
     name: str | None = None,
     *,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = "auto",
+    backend: str = "auto",
     fast_kernels: bool = True,
 ) -> LoadedModel:
     """Load a model and its tokenizer; see the module docstring for the accepted names.
 
-    fast_kernels: use specdec's thin-matrix kernels (:mod:`specdec.models.linear`). Off gives
-    the model exactly as transformers builds it.
+    backend: `auto`, `native` or `hf`. dtype: the weight format, one of `auto`, `float32`,
+    `bfloat16`, `int8`, `int4` (or a torch dtype); `auto` runs a GGUF file in its own
+    quantization on `native`, and in float32 on `hf`.
+    fast_kernels: on `hf`, use specdec's thin-matrix kernels (:mod:`specdec.models.linear`).
+    Off gives the model exactly as transformers builds it.
     """
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     if name in (None, "", "default"):
         path = default_model_path()
         display = DEFAULT_MODEL_NAME
@@ -153,18 +224,28 @@ def load_model(
         if path.is_file():
             if path.suffix != ".gguf":
                 raise ModelLoadError(f"model file must be a .gguf file: {path}")
-            model, tokenizer = _load_gguf(path, dtype)
+            directory, weights_path = _convert_gguf(path), path
         elif (path / "config.json").exists():
-            model, tokenizer = _load_hf_dir(path, dtype)
+            directory = weights_path = path
         else:
             raise ModelLoadError(f"not a model: {path} is neither a .gguf file nor a directory with config.json")
+        config = AutoConfig.from_pretrained(directory)
+        chosen = resolve_backend(backend, config, device)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        try:
+            generation_config = GenerationConfig.from_pretrained(directory)
+        except OSError:
+            generation_config = None
+        if chosen == "native":
+            runtime: Backend = _native_backend(config, weights_path, dtype, device)
+        else:
+            runtime = _hf_backend(directory, dtype, device)
+            if fast_kernels:
+                use_thin_linear(runtime.model)
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"could not load model {path}: {first_line}") from exc
-    model = model.to(device).eval()
-    model.requires_grad_(False)
-    if fast_kernels:
-        use_thin_linear(model)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=display, source=str(path))
+    return LoadedModel(backend=runtime, tokenizer=tokenizer, name=display, source=str(path), config=config,
+                       generation_config=generation_config)

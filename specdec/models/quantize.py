@@ -29,8 +29,11 @@ import warnings
 import torch
 from torch import nn
 
+from specdec.errors import ConfigError
+from specdec.models.hf_backend import HFBackend
 from specdec.models.linear import thin_linear
 from specdec.models.loader import LoadedModel
+from specdec.models.native import NativeBackend
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -70,11 +73,24 @@ class Int8DraftLinear(nn.Module):
 
 
 def quantize_int8(loaded: LoadedModel, full_precision_rows: int = FULL_PRECISION_ROWS) -> LoadedModel:
-    """A copy of `loaded` whose linear layers are :class:`Int8DraftLinear`; nothing else is copied."""
+    """A copy of `loaded` whose linear layers run int8; nothing else is copied.
+
+    hf: :class:`Int8DraftLinear` layers. native: the backend's matrices repacked as int8
+    (:meth:`NativeBackend.requantized`), which only pays for a target in float32 or bfloat16.
+    """
+    backend = loaded.backend
+    if isinstance(backend, NativeBackend):
+        if any(fmt in backend.weight_format for fmt in ("int8", "int4")):
+            raise ConfigError(
+                f"the target already runs {backend.weight_format} weights: an int8 copy of it would cost as much as "
+                "the target; load the target with --dtype float32 or bfloat16, or draft with layer_skip"
+            )
+        return dataclasses.replace(loaded, backend=backend.requantized("int8"), name=f"{loaded.name} (int8)")
     if loaded.device.type != "cpu":
         raise ValueError("int8 dynamic quantization runs on the CPU only")
     # Copy the module tree but not the parameters: every tensor stays shared with the original.
     shared = {id(p): p for p in loaded.model.parameters()}
+    shared[id(backend)] = backend
     shared.update({id(b): b for b in loaded.model.buffers()})
     model = copy.deepcopy(loaded.model, shared)
     for name, module in list(model.named_modules()):
@@ -82,12 +98,15 @@ def quantize_int8(loaded: LoadedModel, full_precision_rows: int = FULL_PRECISION
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, Int8DraftLinear(module, full_precision_rows))
-    return dataclasses.replace(loaded, model=model, name=f"{loaded.name} (int8)")
+    return dataclasses.replace(loaded, backend=HFBackend(model), name=f"{loaded.name} (int8)")
 
 
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes held by the int8 linear layers of `model`: weights, per-channel scales and
-    zero points, and biases (what a quantized draft adds to the memory of its original)."""
+def quantized_bytes(loaded: LoadedModel) -> int:
+    """Bytes held by the int8 linear layers of a quantized copy: weights, per-channel scales
+    (and zero points, and biases on hf): what a quantized draft adds to the memory of its original."""
+    if isinstance(loaded.backend, NativeBackend):
+        return loaded.backend.matrix_bytes()
+    model = loaded.model
     total = 0
     for module in model.modules():
         if isinstance(module, DynamicInt8Linear):

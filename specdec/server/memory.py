@@ -78,12 +78,10 @@ def plan_memory(target: LoadedModel, drafters: list[Drafter], max_model_len: int
         if not isinstance(loaded, LoadedModel):
             continue  # no model, no KV (ngram)
         layers = getattr(runner, "layers", None)
-        key = (id(loaded.model), layers)
+        key = (id(loaded.backend), layers)
         if key in seen:
             continue
         seen.add(key)
         weights += drafter.added_memory_bytes
-        per_token = BatchCache.bytes_per_token(loaded.model)
-        num_layers = int(loaded.model.config.num_hidden_layers)
-        kv += per_token if layers is None else per_token * len(layers) // num_layers
-    return MemoryPlan(target.weight_bytes(), weights, BatchCache.bytes_per_token(target.model), kv, max_model_len, cache_budget_bytes)
+        kv += loaded.backend.kv_bytes_per_token(layers)
+    return MemoryPlan(target.weight_bytes(), weights, target.backend.kv_bytes_per_token(), kv, max_model_len, cache_budget_bytes)

@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def build_state(config: ServerConfig, model: str | None = None, *, loaded: LoadedModel | None = None,
-                device: str | torch.device = "cpu") -> ServerState:
+                device: str | torch.device = "cpu", backend: str = "auto", dtype: str = "auto") -> ServerState:
     """Everything the app needs, ready to serve (the scheduler thread starts with the app)."""
-    target = loaded if loaded is not None else load_model(model, device=device)
+    target = loaded if loaded is not None else load_model(model, device=device, backend=backend, dtype=dtype)
     if config.max_model_len > target.max_positions:
         raise ConfigError(f"max_model_len {config.max_model_len} exceeds {target.name}'s context of {target.max_positions}")
     # One prototype drafter per route: builds (and checks) its draft model once; sequences fork it.

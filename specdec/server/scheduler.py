@@ -83,7 +83,7 @@ def fork_drafter(prototype: Drafter) -> Drafter:
             if isinstance(value, (torch.nn.Module, torch.Tensor, LoadedModel)):
                 memo[id(value)] = value
                 if isinstance(value, LoadedModel):
-                    memo[id(value.model)] = value.model
+                    memo[id(value.backend)] = value.backend
                     memo[id(value.tokenizer)] = value.tokenizer
             elif depth > 0:
                 share(value, depth - 1)

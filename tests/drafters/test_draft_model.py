@@ -13,17 +13,16 @@ from specdec import SpeculativeConfig
 from specdec.config import SamplingParams
 from specdec.drafters import build_drafter
 from specdec.drafters.draft_model import DraftModelDrafter, common_prefix_length
-from specdec.models import LoadedModel
+from specdec.models import LoadedModel, ModelRunner
 from specdec.sampling import logits_to_probs
 
 
 def reference_greedy(loaded: LoadedModel, context: list[int], k: int) -> list[int]:
     """k greedy tokens after `context`, each from a full forward pass without a cache."""
     tokens = list(context)
-    with torch.inference_mode():
-        for _ in range(k):
-            logits = loaded.model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -1]
-            tokens.append(int(logits.argmax()))
+    for _ in range(k):
+        logits = ModelRunner(loaded).score(tokens)[-1]
+        tokens.append(int(logits.argmax()))
     return tokens[len(context) :]
 
 
@@ -76,8 +75,7 @@ def test_sampled_proposals_carry_their_distributions(tiny_model: LoadedModel) ->
     assert len(proposal.tokens) == 3
     assert proposal.probs is not None and proposal.probs.shape == (3, tiny_model.vocab_size)
     # Each row is the filtered distribution after the context and the tokens drafted before it.
-    with torch.inference_mode():
-        logits = tiny_model.model(input_ids=torch.tensor([context + proposal.tokens[:-1]])).logits[0, -3:]
+    logits = ModelRunner(tiny_model).score(context + proposal.tokens[:-1])[-3:]
     torch.testing.assert_close(proposal.probs, logits_to_probs(logits, params), atol=1e-5, rtol=1e-4)
     for row, token in zip(proposal.probs, proposal.tokens):
         assert row[token] > 0
@@ -91,13 +89,13 @@ def test_sampled_proposals_carry_their_distributions(tiny_model: LoadedModel) ->
 def test_target_drafting_for_itself_shares_weights(default_model: LoadedModel) -> None:
     drafter = build_drafter(SpeculativeConfig(method="draft_model", model="default"), default_model)
     assert isinstance(drafter, DraftModelDrafter)
-    assert drafter.runner.model is default_model.model
+    assert drafter.runner.backend is default_model.backend
 
 
 def test_draft_model_from_a_directory_is_loaded(default_model: LoadedModel, tiny_model_dir) -> None:
     drafter = build_drafter(SpeculativeConfig(method="draft_model", model=str(tiny_model_dir)), default_model)
-    assert drafter.runner.model is not default_model.model
-    assert drafter.runner.model.config.num_hidden_layers == 2
+    assert drafter.runner.backend is not default_model.backend
+    assert drafter.runner.loaded.num_layers == 2
 
 
 def test_a_resumed_draft_catches_up_on_the_sink_and_recent_window_only(tiny_model: LoadedModel) -> None:

@@ -64,7 +64,7 @@ def test_other_architectures_are_refused_with_a_clear_message(tiny_model: Loaded
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2))
-    other = LoadedModel(model=gpt2, tokenizer=tiny_model.tokenizer, name="tiny-gpt2", source="memory")
+    other = LoadedModel.from_hf(gpt2, tiny_model.tokenizer, name="tiny-gpt2", source="memory")
     with pytest.raises(ConfigError, match="tiny-gpt2 is a 'gpt2' model"):
         ModelRunner(other, layers=[0, 1])
 
@@ -120,7 +120,8 @@ def test_shipped_profile_is_used_for_the_default_model(default_model: LoadedMode
 
 
 @pytest.mark.slow
-def test_int8_self_draft_shares_embeddings_and_leaves_the_target_alone(default_model: LoadedModel) -> None:
+def test_int8_self_draft_shares_embeddings_and_leaves_the_target_alone(default_model_hf: LoadedModel) -> None:
+    default_model = default_model_hf
     target_types = [type(m) for m in default_model.model.modules()]
     draft = quantize_int8(default_model)
     assert [type(m) for m in default_model.model.modules()] == target_types
@@ -128,7 +129,7 @@ def test_int8_self_draft_shares_embeddings_and_leaves_the_target_alone(default_m
     assert draft.model.get_input_embeddings().weight.data_ptr() == embed.data_ptr()
     # What it adds: about one byte per linear weight (the tied LM head included), no more.
     linear = sum(m.weight.numel() for m in default_model.model.modules() if isinstance(m, torch.nn.Linear))
-    added = quantized_bytes(draft.model)
+    added = quantized_bytes(draft)
     assert linear <= added < 1.05 * linear
     # On the target's own greedy path, fed a token at a time as when drafting, the draft's
     # greedy choices mostly agree with the target's, not always.
@@ -144,3 +145,27 @@ def test_int8_self_draft_shares_embeddings_and_leaves_the_target_alone(default_m
     target_logits = ModelRunner(default_model).forward(ModelRunner(default_model).new_cache(64), prompt).logits
     draft_logits = runner.forward(runner.new_cache(64), prompt).logits
     torch.testing.assert_close(draft_logits, target_logits)
+
+
+@pytest.mark.slow
+def test_native_int8_self_draft_shares_the_rest_and_mostly_agrees(default_model_native_f32: LoadedModel) -> None:
+    target = default_model_native_f32
+    draft = quantize_int8(target)
+    assert draft.backend.weight_format == "int8" and target.backend.weight_format == "float32"
+    assert draft.backend.embed.data_ptr() == target.backend.embed.data_ptr()
+    # What it adds: one byte per matrix weight plus a bfloat16 scale per output channel.
+    linear = target.backend.matrix_bytes() // 4
+    assert linear <= quantized_bytes(draft) < 1.01 * linear
+    prompt = ids(target)
+    answer = Engine(target).generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids
+    runner = ModelRunner(draft)
+    cache = runner.new_cache(len(prompt) + len(answer))
+    logits = [runner.forward(cache, prompt, last_only=True).logits[0]]
+    logits += [runner.forward(cache, [token]).logits[0] for token in answer[:-1]]
+    agree = (torch.stack(logits).argmax(-1) == torch.tensor(answer)).float().mean().item()
+    assert 0.7 < agree <= 1.0
+
+
+def test_int8_self_draft_of_a_quantized_target_is_refused(default_model: LoadedModel) -> None:
+    with pytest.raises(ConfigError, match="already runs int4"):
+        quantize_int8(default_model)

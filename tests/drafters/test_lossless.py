@@ -1,6 +1,7 @@
 """The lossless suite (STYLE habit 8): with greedy decoding, every drafter gives exactly the
 tokens of plain decoding, whether it always agrees with the target, never agrees, or agrees
-partly. Runs on the real default model."""
+partly. Runs on the real default model, on every backend and weight format: lossless means
+identical to the same backend's own plain decoding."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.api import RequestOutput
 from specdec.drafters import Proposal
 from specdec.engine import Engine, Generation
+from specdec.errors import ConfigError
+from specdec.errors import ConfigError
 from specdec.models import LoadedModel
 
 MAX_TOKENS = 32
@@ -24,9 +27,22 @@ PROMPTS = [
 ]
 
 
+# native-bfloat16 is left out: oneDNN's bfloat16 matrix product rounds a row differently with the
+# number of rows at some shapes (K = 1536 here), and bfloat16 activations turn that last-bit
+# difference into a visible one, so a verification pass is not bitwise a plain step and greedy
+# outputs can part at near-ties. int8 and int4 kernels are row-invariant (tests/models/test_native.py).
+VARIANTS = ["hf-float32", "native-float32", "native-int8", "native-auto"]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def target(request: pytest.FixtureRequest, default_model_variants) -> LoadedModel:
+    """The default model on one backend and weight format."""
+    return default_model_variants(request.param)
+
+
 @pytest.fixture(scope="module")
-def plain_llm(default_model: LoadedModel) -> LLM:
-    return LLM(loaded=default_model)
+def plain_llm(target: LoadedModel) -> LLM:
+    return LLM(loaded=target)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +122,8 @@ class RandomMixDrafter(OracleDrafter):
         return Proposal([t if self.rng.random() < 0.6 else (t + 3) % 49152 for t in self.right(context, k)])
 
 
-def run_drafter(default_model: LoadedModel, plain_llm: LLM, drafter, k: int) -> list[Generation]:
-    engine = Engine(default_model, drafter, k)
+def run_drafter(target: LoadedModel, plain_llm: LLM, drafter, k: int) -> list[Generation]:
+    engine = Engine(target, drafter, k)
     return [engine.generate(plain_llm.encode(prompt), PARAMS) for prompt in PROMPTS]
 
 
@@ -139,9 +155,9 @@ def test_plain_stats(plain: list[RequestOutput]) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_oracle(default_model, plain_llm, references, plain, k: int) -> None:
+def test_oracle(target, plain_llm, references, plain, k: int) -> None:
     drafter = OracleDrafter(references)
-    outputs = run_drafter(default_model, plain_llm, drafter, k)
+    outputs = run_drafter(target, plain_llm, drafter, k)
     assert_same_as_plain(outputs, plain)
     steps = math.ceil((MAX_TOKENS - 1) / (k + 1))
     for output in outputs:
@@ -158,8 +174,8 @@ def test_oracle(default_model, plain_llm, references, plain, k: int) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_adversary(default_model, plain_llm, references, plain, k: int) -> None:
-    outputs = run_drafter(default_model, plain_llm, AdversaryDrafter(references), k)
+def test_adversary(target, plain_llm, references, plain, k: int) -> None:
+    outputs = run_drafter(target, plain_llm, AdversaryDrafter(references), k)
     assert_same_as_plain(outputs, plain)
     for output in outputs:
         stats = output.stats
@@ -171,9 +187,9 @@ def test_adversary(default_model, plain_llm, references, plain, k: int) -> None:
         assert stats.per_position_acceptance == [0.0] * k
 
 
-def test_partial(default_model, plain_llm, references, plain) -> None:
+def test_partial(target, plain_llm, references, plain) -> None:
     k, agree = 4, 2
-    outputs = run_drafter(default_model, plain_llm, PartialDrafter(references, agree), k)
+    outputs = run_drafter(target, plain_llm, PartialDrafter(references, agree), k)
     assert_same_as_plain(outputs, plain)
     for output in outputs:
         stats = output.stats
@@ -182,8 +198,8 @@ def test_partial(default_model, plain_llm, references, plain) -> None:
         assert stats.mean_accepted_length == pytest.approx(agree + 1, abs=0.35)
 
 
-def test_random_mix(default_model, plain_llm, references, plain) -> None:
-    outputs = run_drafter(default_model, plain_llm, RandomMixDrafter(references, seed=5), 5)
+def test_random_mix(target, plain_llm, references, plain) -> None:
+    outputs = run_drafter(target, plain_llm, RandomMixDrafter(references, seed=5), 5)
     assert_same_as_plain(outputs, plain)
     for output in outputs:
         assert 0.0 < output.stats.acceptance_rate < 1.0
@@ -210,10 +226,14 @@ REAL_DRAFTERS = [
 
 
 @pytest.mark.parametrize("config", REAL_DRAFTERS)
-def test_registered_drafter(default_model, tiny_model_dir, plain, config: dict) -> None:
+def test_registered_drafter(target, tiny_model_dir, plain, config: dict) -> None:
     if config.get("model") == "TINY":
         config = config | {"model": str(tiny_model_dir)}
-    llm = LLM(loaded=default_model, speculative_config=SpeculativeConfig.from_dict(config))
+    if config.get("quantization") == "int8" and target.backend.weight_format.startswith(("int8", "int4")):
+        with pytest.raises(ConfigError, match="would cost as much as the target"):
+            LLM(loaded=target, speculative_config=SpeculativeConfig.from_dict(config))
+        return
+    llm = LLM(loaded=target, speculative_config=SpeculativeConfig.from_dict(config))
     outputs = llm.generate(PROMPTS, PARAMS)
     assert_same_as_plain(outputs, plain)
     k = config["num_speculative_tokens"]
@@ -229,8 +249,9 @@ def test_registered_drafter(default_model, tiny_model_dir, plain, config: dict) 
         elif config.get("quantization") == "int8" and config.get("adaptive"):
             pass  # adaptive k may switch the draft off before a request drafts much: checked below
         elif config.get("quantization") == "int8":
-            # The int8 copy of the target agrees with it most of the time, not always.
-            assert 0.5 < stats.acceptance_rate < 1.0
+            # The int8 copy of the target agrees with it most of the time (hf's, whose activations
+            # are int8 too, not always).
+            assert 0.5 < stats.acceptance_rate <= (1.0 if target.model is None else 0.99)
         elif config["method"] == "draft_model":
             # A random model hardly ever agrees; at most rarely by chance.
             assert stats.acceptance_rate < 0.2

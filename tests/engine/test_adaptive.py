@@ -238,7 +238,9 @@ def test_adaptive_switches_a_useless_drafter_off_without_changing_output(default
 
 
 @pytest.mark.slow
-def test_adaptive_keeps_a_paying_drafter_on(default_model: LoadedModel) -> None:
+def test_adaptive_keeps_a_paying_drafter_on(default_model_native_f32: LoadedModel) -> None:
+    # In float32 the model copies the list exactly (the int4 model paraphrases part of it).
+    default_model = default_model_native_f32
     llm = LLM(loaded=default_model)
     fruit = "apples, pears, plums, cherries, grapes, lemons, limes, oranges, peaches, figs, dates, kiwis"
     prompt = llm.encode([{"role": "user", "content": f"Copy this list exactly: {fruit}."}])

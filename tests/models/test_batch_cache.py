@@ -22,73 +22,73 @@ def _prefilled(tiny_model: LoadedModel, prompt: list[int]):
     return runner, cache
 
 
-def _batch_forward(model, cache: BatchCache, tokens: list[list[int]]) -> torch.Tensor:
+def _batch_forward(loaded: LoadedModel, cache: BatchCache, tokens: list[list[int]]) -> torch.Tensor:
     new = len(tokens[0])
     positions, mask = cache.step_inputs(new)
-    out = model(input_ids=torch.tensor(tokens), attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-    return out.logits.float()  # [rows, new, vocab]
+    return loaded.backend.forward(cache, torch.tensor(tokens), positions, mask).logits  # [rows, new, vocab]
 
 
-def test_rows_with_holes_match_single_sequences(tiny_model: LoadedModel) -> None:
+def test_rows_with_holes_match_single_sequences(tiny_any: LoadedModel) -> None:
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    cache = BatchCache.for_model(tiny_model.model, max_rows=4, capacity=64)
+    cache = BatchCache.for_backend(tiny_any.backend, max_rows=4, capacity=64)
     singles = []
     for prompt in prompts:
-        runner, single = _prefilled(tiny_model, prompt)
+        runner, single = _prefilled(tiny_any, prompt)
         cache.insert_row(single)
         singles.append((runner, single))
     assert cache.write == 5 and cache.lengths[:2].tolist() == [5, 3]
     # Step 1: row 0 keeps 1 of 3 new slots, row 1 keeps all 3; the single caches do the same.
     with torch.inference_mode():
-        _batch_forward(tiny_model.model, cache, [[20, 21, 22], [30, 31, 32]])
+        _batch_forward(tiny_any, cache, [[20, 21, 22], [30, 31, 32]])
         cache.commit(3, torch.tensor([1, 3]))
         singles[0][0].forward(singles[0][1], [20])
         singles[1][0].forward(singles[1][1], [30, 31, 32])
         assert cache.holes == 2 * 8 - (6 + 6)
         # Step 2: both rows continue; logits must match each sequence run alone.
-        batch_logits = _batch_forward(tiny_model.model, cache, [[40, 41], [50, 51]])
+        batch_logits = _batch_forward(tiny_any, cache, [[40, 41], [50, 51]])
         alone = [singles[0][0].forward(singles[0][1], [40, 41]).logits, singles[1][0].forward(singles[1][1], [50, 51]).logits]
     for row in range(2):
         torch.testing.assert_close(batch_logits[row], alone[row], atol=ATOL, rtol=0)
 
 
-def test_compact_and_remove_keep_what_rows_attend_to(tiny_model: LoadedModel) -> None:
-    cache = BatchCache.for_model(tiny_model.model, max_rows=3, capacity=64)
+def test_compact_and_remove_keep_what_rows_attend_to(tiny_any: LoadedModel) -> None:
+    cache = BatchCache.for_backend(tiny_any.backend, max_rows=3, capacity=64)
     for prompt in ([1, 2, 3, 4], [5, 6], [7, 8, 9]):
-        cache.insert_row(_prefilled(tiny_model, prompt)[1])
+        cache.insert_row(_prefilled(tiny_any, prompt)[1])
     with torch.inference_mode():
-        _batch_forward(tiny_model.model, cache, [[11, 12], [13, 14], [15, 16]])
+        _batch_forward(tiny_any, cache, [[11, 12], [13, 14], [15, 16]])
         cache.commit(2, torch.tensor([1, 2, 0]))
         probe = [[21], [22], [23]]
-        before = _batch_forward(tiny_model.model, cache, probe)
+        before = _batch_forward(tiny_any, cache, probe)
         cache.commit(1, torch.tensor([0, 0, 0]))  # forget the probe
         lengths = cache.lengths[:3].clone()
         cache.compact()
         assert cache.write == int(lengths.max()) and cache.holes == int(3 * cache.write - lengths.sum())
         assert cache.lengths[:3].tolist() == lengths.tolist()
-        after = _batch_forward(tiny_model.model, cache, probe)
+        after = _batch_forward(tiny_any, cache, probe)
         cache.commit(1, torch.tensor([0, 0, 0]))
         torch.testing.assert_close(after, before, atol=ATOL, rtol=0)
         # Removing row 0 moves row 2 into its place; row 2's logits follow it.
         assert cache.remove_row(0) == 2
-        moved = _batch_forward(tiny_model.model, cache, [[23], [22]])
+        moved = _batch_forward(tiny_any, cache, [[23], [22]])
     torch.testing.assert_close(moved[0], before[2], atol=ATOL, rtol=0)
     torch.testing.assert_close(moved[1], before[1], atol=ATOL, rtol=0)
 
 
-def test_commit_and_insert_check_their_arguments(tiny_model: LoadedModel) -> None:
-    cache = BatchCache.for_model(tiny_model.model, max_rows=1, capacity=8)
-    cache.insert_row(_prefilled(tiny_model, [1, 2])[1])
+def test_commit_and_insert_check_their_arguments(tiny_any: LoadedModel) -> None:
+    cache = BatchCache.for_backend(tiny_any.backend, max_rows=1, capacity=8)
+    cache.insert_row(_prefilled(tiny_any, [1, 2])[1])
     with pytest.raises(ValueError, match="batch cache is full"):
-        cache.insert_row(_prefilled(tiny_model, [3])[1])
+        cache.insert_row(_prefilled(tiny_any, [3])[1])
     with pytest.raises(ValueError, match="keep must be"):
         cache.commit(2, torch.tensor([3]))
     with pytest.raises(ValueError, match="no active row"):
         cache.remove_row(1)
 
 
-def test_bytes_per_token_counts_keys_and_values_of_every_layer(tiny_model: LoadedModel) -> None:
-    config = tiny_model.model.config
+def test_bytes_per_token_counts_keys_and_values_of_every_layer(tiny_any: LoadedModel) -> None:
+    config = tiny_any.config
     head_dim = config.hidden_size // config.num_attention_heads
     expected = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
-    assert BatchCache.bytes_per_token(tiny_model.model) == expected
+    assert tiny_any.backend.kv_bytes_per_token() == expected
+    assert tiny_any.backend.kv_bytes_per_token([0]) == expected // config.num_hidden_layers

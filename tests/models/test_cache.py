@@ -14,6 +14,8 @@ TOKENS = [17, 905, 3301, 42, 42, 7, 12000, 49151, 256, 9, 88, 4096, 31, 5, 6000]
 
 def reference_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
     """[len(tokens), vocab]: the model without any cache, over the whole sequence at once."""
+    if loaded.model is None:  # native: one pass into a fresh cache
+        return ModelRunner(loaded).forward(PreallocatedCache(loaded.num_layers, len(tokens)), tokens).logits
     with torch.inference_mode():
         return loaded.model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
 
@@ -26,7 +28,7 @@ def test_new_cache_is_empty_and_sized(tiny_model: LoadedModel) -> None:
     runner = ModelRunner(tiny_model)
     cache = runner.new_cache(40)
     assert cache.length == 0
-    assert len(cache.layers) == tiny_model.model.config.num_hidden_layers
+    assert len(cache.layers) == tiny_model.num_layers
     runner.forward(cache, TOKENS[:5])
     assert cache.length == 5
     assert cache.get_seq_length() == 5

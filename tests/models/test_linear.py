@@ -66,8 +66,8 @@ def test_use_thin_linear_converts_in_place_and_keeps_parameters() -> None:
 def test_loaded_models_use_thin_linear_unless_asked_not_to(tiny_model_dir) -> None:
     from specdec.models import load_model
 
-    fast = load_model(str(tiny_model_dir))
-    plain = load_model(str(tiny_model_dir), fast_kernels=False)
+    fast = load_model(str(tiny_model_dir), backend="hf")
+    plain = load_model(str(tiny_model_dir), backend="hf", fast_kernels=False)
     assert any(isinstance(m, ThinLinear) for m in fast.model.modules())
     assert not any(isinstance(m, ThinLinear) for m in plain.model.modules())
     tokens = torch.tensor([[5, 17, 300, 9000]])

@@ -71,7 +71,7 @@ def test_hugging_face_directory_loads(
 
 
 def test_hugging_face_directory_loads_in_another_dtype(tiny_model_dir: Path) -> None:
-    loaded = load_model(str(tiny_model_dir), dtype=torch.bfloat16)
+    loaded = load_model(str(tiny_model_dir), backend="hf", dtype=torch.bfloat16)
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
 
 
@@ -128,7 +128,7 @@ def test_different_eos_is_named(small_model_factory) -> None:
     assert vocabulary_differences(target, draft) == []
     model = copy.copy(draft.model)  # shares the weights; its own generation config
     model.generation_config = GenerationConfig(eos_token_id=3)
-    other_eos = LoadedModel(model=model, tokenizer=draft.tokenizer, name="other-eos", source="x")
+    other_eos = LoadedModel.from_hf(model, draft.tokenizer, name="other-eos", source="x")
     assert vocabulary_differences(target, other_eos) == ["end-of-sequence ids differ: target [7], draft [3, 7]"]
 
 

@@ -42,18 +42,22 @@ def test_hidden_states_are_returned_only_when_asked(tiny_model: LoadedModel) -> 
     assert runner.forward(runner.new_cache(16), TOKENS).hidden is None
 
 
-def test_hidden_states_are_the_lm_head_input(default_model: LoadedModel) -> None:
+def test_hidden_states_are_the_lm_head_input(default_model_hf: LoadedModel, default_model: LoadedModel) -> None:
     # ForwardOutput documents `hidden` as the last layer's output after the final norm, the LM
     # head's input: what a drafter head fed by the target's hidden states reads. The real model,
     # because a random model's norm weights are all one.
-    runner = ModelRunner(default_model)
+    runner = ModelRunner(default_model_hf)
     out = runner.forward(runner.new_cache(16), TOKENS, hidden=True)
-    head = default_model.model.get_output_embeddings()
-    final_norm = default_model.model.model.norm
+    head = default_model_hf.model.get_output_embeddings()
+    final_norm = default_model_hf.model.model.norm
     with torch.inference_mode():
         torch.testing.assert_close(head(out.hidden), out.logits, atol=1e-4, rtol=1e-4)
         # and it is not the pre-norm residual stream: normalising again changes the logits
         assert not torch.allclose(head(final_norm(out.hidden)), out.logits, atol=1e-2)
+    # The native backend's hidden states are its LM head's input too.
+    runner = ModelRunner(default_model)
+    out = runner.forward(runner.new_cache(16), TOKENS, hidden=True)
+    torch.testing.assert_close(default_model.backend.lm_head(out.hidden).float(), out.logits, atol=1e-4, rtol=1e-4)
 
 
 def test_empty_forward_raises(tiny_model: LoadedModel) -> None:

@@ -127,7 +127,7 @@ def test_fork_drafter_shares_weights_not_state(tiny_model: LoadedModel) -> None:
 
     prototype = build_drafter(SpeculativeConfig("draft_model", 2, model=str(tiny_model.source)), tiny_model)
     fork = fork_drafter(prototype)
-    assert fork is not prototype and fork.runner.model is prototype.runner.model
+    assert fork is not prototype and fork.runner.backend is prototype.runner.backend
     fork.begin([1, 2, 3], 16)
     assert fork.cache is not None and prototype.cache is None
 

@@ -1,0 +1,82 @@
+"""The backend protocol: what the engines and model drafters see of a model.
+
+A backend runs a block of new tokens for one or more rows against a KV cache, with explicit
+positions and an explicit attention mask, and returns their logits (and, when asked, hidden
+states). Two implement it: `hf` (:mod:`specdec.models.hf_backend`, transformers' modeling code,
+any architecture it loads; the reference) and `native` (:mod:`specdec.models.native`, a Llama-
+family model written for decoding, with packed integer weights).
+
+Caches are :class:`~specdec.models.cache.PreallocatedCache` (one row) and
+:class:`~specdec.models.batch_cache.BatchCache` (many rows); both hand each layer's new keys
+and values to `cache.layers[i].update(keys, values)` and get the filled view back, so either
+backend writes either cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+BACKENDS = ("hf", "native")
+DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """logits: [rows, new, vocab] float32 (new = 1 with last_only);
+    hidden: [rows, new, hidden_size], the last layer's output after the final norm (the LM
+    head's input), when asked for; layer_states: for each requested layer index, that layer's
+    output [rows, new, hidden_size] (before the final norm)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+    layer_states: dict[int, torch.Tensor] | None = None
+
+
+class Backend(Protocol):
+    name: str  # "hf" or "native"
+    weight_format: str  # what the weights run in: "float32", "bfloat16", "int8", "int4", or "mixed: ..."
+    num_layers: int
+    hidden_size: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: torch.dtype
+    device: torch.device
+    model_type: str
+
+    def forward(
+        self,
+        cache,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        last_only: bool = False,
+        hidden: bool = False,
+        hidden_layers: Sequence[int] = (),
+    ) -> ForwardOutput:
+        """Append `input_ids` [rows, new] at `positions` [rows, new] to `cache` and return the
+        new tokens' outputs.
+
+        mask: [rows, 1, new, cached + new] bool, True = attend; None means causal over
+        everything cached (a single row whose cache holds no holes).
+        layers: run only these decoder layers (ascending), then the final norm and LM head.
+        """
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the backend holds."""
+
+    def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
+        """KV cache bytes one token costs across `layers` (all by default), keys and values."""
+
+
+def causal_mask(cached: int, new: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, new, cached + new] bool: each new token sees the cache and the new tokens up to itself."""
+    query = torch.arange(new, device=device)[:, None] + cached  # [new, 1]
+    key = torch.arange(cached + new, device=device)[None, :]  # [1, cached + new]
+    return (key <= query)[None, None]

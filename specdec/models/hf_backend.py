@@ -1,0 +1,101 @@
+"""The `hf` backend: transformers' own modeling code, for any architecture it loads.
+
+It is the reference the native backend is tested against, and the path for models the native
+backend does not run. A layer subset (self-speculation) runs the decoder stack's own modules
+for Llama-style models; batched steps pass the cache's boolean mask, which the model is loaded
+to apply with SDPA (eager attention would add a boolean mask instead of applying it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+from transformers.masking_utils import create_causal_mask
+
+from specdec.models.backend import ForwardOutput
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        config = model.config
+        self.config = config
+        self.model_type = str(getattr(config, "model_type", "?"))
+        self.num_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        heads = int(config.num_attention_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        param = next(model.parameters())
+        self.kv_dtype = param.dtype
+        self.device = param.device
+        self.weight_format = str(param.dtype).removeprefix("torch.")
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
+        count = self.num_layers if layers is None else len(layers)
+        return 2 * count * self.kv_heads * self.head_dim * torch.finfo(self.kv_dtype).bits // 8
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        last_only: bool = False,
+        hidden: bool = False,
+        hidden_layers: Sequence[int] = (),
+    ) -> ForwardOutput:
+        if layers is not None:
+            return self._forward_layers(cache, input_ids, positions, mask, layers, last_only, hidden, hidden_layers)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+            output_hidden_states=hidden or bool(hidden_layers),
+        )
+        states = {i: out.hidden_states[i + 1] for i in hidden_layers} if hidden_layers else None
+        normed = None
+        if hidden:
+            normed = out.hidden_states[-1][:, -1:] if last_only else out.hidden_states[-1]
+        return ForwardOutput(logits=out.logits.float(), hidden=normed, layer_states=states)
+
+    def _forward_layers(self, cache, input_ids, positions, mask, layers, last_only, hidden, hidden_layers) -> ForwardOutput:
+        """The decoder stack over `layers` only; the same modules and arithmetic as the full
+        model, so keeping every layer reproduces it."""
+        base = self.model.model
+        embeds = base.embed_tokens(input_ids)  # [rows, new, hidden]
+        if mask is None:
+            # The mask's size comes from the first layer run: skipped layers hold nothing.
+            mask = create_causal_mask(
+                config=base.config, inputs_embeds=embeds, attention_mask=None, cache=cache,
+                position_ids=positions, layer_idx=layers[0],
+            )
+        position_embeddings = base.rotary_emb(embeds, position_ids=positions)
+        x = embeds
+        states = {}
+        for index in layers:
+            x = base.layers[index](
+                x, attention_mask=mask, position_embeddings=position_embeddings,
+                position_ids=positions, cache=cache, use_cache=True,
+            )
+            if index in hidden_layers:
+                states[index] = x
+        if last_only:
+            x = x[:, -1:]
+        normed = base.norm(x)  # [rows, new, hidden]
+        logits = self.model.lm_head(normed).float()  # [rows, new or 1, vocab]
+        return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)

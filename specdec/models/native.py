@@ -1,0 +1,241 @@
+"""The native backend: a Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM) written for decoding.
+
+In the spirit of gpt-fast's `model.py`: the query, key and value projections are one matrix, so
+are the MLP's gate and up projections; rotary tables are computed once at load and indexed per
+step; the mask is built once per step and shared by every layer; the KV cache is preallocated
+(the same cache objects as the `hf` backend). Weights are :class:`~specdec.models.qlinear.PackedLinear`
+in one of four formats, so a step costs about the bytes of its weights instead of float32's.
+
+The residual stream, norms, rotary embedding and attention run in float32 whatever the weight
+format; only the matrix products run in the format's kernel (int4 and bfloat16 take bfloat16
+activations). The embedding table is kept dequantized in float32: a lookup reads one row.
+
+Weights come from a GGUF file (:mod:`specdec.models.weights`: Q4_0/Q4_1 repacked into int4
+exactly, other types dequantized) or from a Hugging Face directory's safetensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from specdec.errors import ModelLoadError
+from specdec.models.backend import ForwardOutput
+from specdec.models.qlinear import FORMATS, Int4Groups, PackedLinear, RawWeight
+
+NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+class WeightSource(Protocol):
+    """Tensors by Hugging Face name (e.g. "model.layers.0.self_attn.q_proj.weight")."""
+
+    def raw(self, name: str) -> RawWeight:
+        """The tensor as stored: int4 groups, or float32."""
+
+    def auto_format(self, name: str) -> str:
+        """The format the tensor runs in under `auto`: its own, where a kernel takes it."""
+
+
+@dataclass
+class NativeLayer:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: PackedLinear  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # Qwen2
+    o: PackedLinear  # [hidden, heads * head_dim]
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm over head_dim
+    k_norm: torch.Tensor | None
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: PackedLinear  # [2 * intermediate, hidden]
+    down: PackedLinear  # [hidden, intermediate]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [..., dim] float32
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [rows, heads, new, head_dim]; cos, sin: [rows, 1, new, head_dim] (halves repeated, as HF)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class NativeBackend:
+    """A Llama-family model for decoding; see the module docstring.
+
+    weight_format: the format of every matrix (`float32`, `bfloat16`, `int8`, `int4`), or `auto`:
+    each in the format it is stored in where a kernel takes it (GGUF Q4_0/Q4_1 in int4, Q8_0 in
+    int8), else float32.
+    """
+
+    name = "native"
+
+    def __init__(self, config: PretrainedConfig, weights: WeightSource, weight_format: str = "auto",
+                 device: torch.device | str = "cpu") -> None:
+        if weight_format not in ("auto", *FORMATS):
+            raise ModelLoadError(f"unknown weight format {weight_format!r}; choose one of: auto, {', '.join(FORMATS)}")
+        model_type = getattr(config, "model_type", "?")
+        if model_type not in NATIVE_MODEL_TYPES:
+            raise ModelLoadError(
+                f"the native backend runs {', '.join(sorted(NATIVE_MODEL_TYPES))} models; this is a {model_type!r} "
+                "model: use --backend hf"
+            )
+        if torch.device(device).type != "cpu":
+            raise ModelLoadError("the native backend's packed kernels run on the CPU; use --backend hf on other devices")
+        self.config = config
+        self.model_type = model_type
+        self.device = torch.device(device)
+        self.num_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // self.heads)
+        self.vocab_size = int(config.vocab_size)
+        self.eps = float(config.rms_norm_eps)
+        self.kv_dtype = torch.float32
+        self._weights, self._format = weights, weight_format
+
+        self.embed = self._tensor("model.embed_tokens.weight")  # [vocab, hidden] float32
+        self.layers = [self._load_layer(i) for i in range(self.num_layers)]
+        self.norm = self._tensor("model.norm.weight")
+        self.lm_head = self._linear("lm_head.weight")
+        decoder = sorted({lin.fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)})
+        self.weight_format = "+".join(decoder)
+        if self.lm_head.fmt != self.weight_format:
+            self.weight_format += f" (LM head {self.lm_head.fmt})"
+        del self._weights
+
+        # Rotary tables for every position, computed once (HF's inverse frequencies and scaling).
+        rotary = LlamaRotaryEmbedding(config)
+        positions = torch.arange(int(config.max_position_embeddings), dtype=torch.float32)
+        freqs = positions[:, None] * rotary.inv_freq.float()[None, :]  # [max_pos, head_dim / 2]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        self.cos = angles.cos() * rotary.attention_scaling  # [max_pos, head_dim]
+        self.sin = angles.sin() * rotary.attention_scaling
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        raw = self._weights.raw(name)
+        return raw.dequantize() if isinstance(raw, Int4Groups) else raw
+
+    def _linear(self, *names: str) -> PackedLinear:
+        """One matrix, or several fused over their outputs, in the backend's format."""
+        fmt = self._weights.auto_format(names[0]) if self._format == "auto" else self._format
+        return PackedLinear.pack([self._weights.raw(name) for name in names], fmt)
+
+    def _load_layer(self, i: int) -> NativeLayer:
+        prefix = f"model.layers.{i}."
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        qwen2, qwen3 = self.model_type == "qwen2", self.model_type == "qwen3"
+        return NativeLayer(
+            attn_norm=self._tensor(prefix + "input_layernorm.weight"),
+            qkv=self._linear(*(attn + f"{p}_proj.weight" for p in "qkv")),
+            qkv_bias=torch.cat([self._tensor(attn + f"{p}_proj.bias") for p in "qkv"]) if qwen2 else None,
+            o=self._linear(attn + "o_proj.weight"),
+            q_norm=self._tensor(attn + "q_norm.weight") if qwen3 else None,
+            k_norm=self._tensor(attn + "k_norm.weight") if qwen3 else None,
+            mlp_norm=self._tensor(prefix + "post_attention_layernorm.weight"),
+            gate_up=self._linear(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+            down=self._linear(mlp + "down_proj.weight"),
+        )
+
+    def requantized(self, fmt: str) -> NativeBackend:
+        """A copy whose matrices run in `fmt`, quantized from this backend's own; the embedding,
+        norms and rotary tables are shared, not copied (the quantized self-draft)."""
+        copy = object.__new__(NativeBackend)
+        copy.__dict__.update(self.__dict__)
+        repack = lambda linear: PackedLinear.pack(linear.dequantized(), fmt)  # noqa: E731
+        copy.layers = [
+            NativeLayer(layer.attn_norm, repack(layer.qkv), layer.qkv_bias, repack(layer.o), layer.q_norm,
+                        layer.k_norm, layer.mlp_norm, repack(layer.gate_up), repack(layer.down))
+            for layer in self.layers
+        ]
+        copy.lm_head = repack(self.lm_head)
+        copy.weight_format = fmt
+        return copy
+
+    def matrix_bytes(self) -> int:
+        """Bytes of the packed matrices alone (what a requantized copy adds)."""
+        return self.lm_head.nbytes + sum(
+            layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes for layer in self.layers)
+
+    # --- the protocol ------------------------------------------------------------------------
+
+    def weight_bytes(self) -> int:
+        total = self.embed.numel() * self.embed.element_size() + self.norm.numel() * 4 + self.lm_head.nbytes
+        for layer in self.layers:
+            total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+            total += 4 * (layer.attn_norm.numel() + layer.mlp_norm.numel())
+        return total
+
+    def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
+        count = self.num_layers if layers is None else len(layers)
+        return 2 * count * self.kv_heads * self.head_dim * torch.finfo(self.kv_dtype).bits // 8
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        last_only: bool = False,
+        hidden: bool = False,
+        hidden_layers: Sequence[int] = (),
+    ) -> ForwardOutput:
+        rows, new = input_ids.shape
+        x = self.embed[input_ids]  # [rows, new, hidden] float32
+        cos = self.cos[positions][:, None]  # [rows, 1, new, head_dim]
+        sin = self.sin[positions][:, None]
+        states: dict[int, torch.Tensor] = {}
+        for index in range(self.num_layers) if layers is None else layers:
+            layer = self.layers[index]
+            x = x + self._attention(layer, cache.layers[index], _rms_norm(x, layer.attn_norm, self.eps), cos, sin, mask)
+            h = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps).view(rows * new, -1))  # [rows * new, 2 * inter]
+            gate, up = h.chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up).view(rows, new, -1)
+            if index in hidden_layers:
+                states[index] = x
+        if last_only:
+            x = x[:, -1:]
+        normed = _rms_norm(x, self.norm, self.eps)  # [rows, new or 1, hidden]
+        logits = self.lm_head(normed.view(-1, self.hidden_size)).float().view(rows, -1, self.vocab_size)
+        return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)
+
+    def _attention(self, layer: NativeLayer, cache_layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        # x: [rows, new, hidden] float32 (normed) -> [rows, new, hidden] float32
+        rows, new, _ = x.shape
+        qkv = layer.qkv(x.view(rows * new, -1)).float()  # [rows * new, (heads + 2 kv_heads) * head_dim]
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        qkv = qkv.view(rows, new, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)  # [rows, h, new, head_dim]
+        if layer.q_norm is not None:
+            q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        keys, values = cache_layer.update(k, v)  # [rows, kv_heads, cached + new, head_dim]
+        gqa = self.heads != self.kv_heads
+        if mask is None and new > 1:
+            # One row, no holes: query i sees the cache up to and including itself. Each query runs
+            # alone, exactly as a one-token step would, so a verified token's attention (and so its
+            # bfloat16-rounded activations) are bitwise those of plain decoding.
+            cached = keys.shape[2] - new
+            out = torch.cat([
+                F.scaled_dot_product_attention(q[:, :, i : i + 1], keys[:, :, : cached + i + 1],
+                                               values[:, :, : cached + i + 1], enable_gqa=gqa)
+                for i in range(new)
+            ], dim=2)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(rows * new, self.heads * self.head_dim)  # [rows * new, heads * head_dim]
+        return layer.o(out).float().view(rows, new, -1)
+

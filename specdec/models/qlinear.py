@@ -1,0 +1,171 @@
+"""Weight formats for the native backend's matrix products: float32, bfloat16, int8 and int4.
+
+Decoding multiplies every weight matrix by a handful of rows, so a step costs about the bytes
+of its weights; packed integer weights are the cheapest way to read them. Each format is one
+:class:`PackedLinear` holding `[out_features, in_features]` weights as PyTorch's CPU kernels
+want them:
+
+- `float32`: the matrix as is, multiplied as `weight @ x.T` (:func:`~specdec.models.linear.thin_linear`);
+- `bfloat16`: the matrix in bfloat16, activations cast to it;
+- `int8`: weight-only int8, one scale per output channel (`aten._weight_int8pack_mm`, bfloat16
+  activations: its float32 path is many times slower);
+- `int4`: weight-only int4 in groups of 32 along the input, a bfloat16 scale and zero per group,
+  w = (q - 8) * scale + zero (`aten._weight_int4pack_mm_for_cpu`, bfloat16 activations).
+
+GGUF's Q4_0 and Q4_1 blocks are groups of 32 as well (Q4_0: w = d * (q - 8); Q4_1: w = d * q + m),
+so they repack into int4 without a float round trip: scale = d, zero = m + 8d (Q4_1) or 0 (Q4_0).
+The only rounding is of d and m, stored as float16 in the file and as bfloat16 by the kernel.
+
+Matrices arrive as :data:`RawWeight`: a float tensor or :class:`Int4Groups`. Fused projections
+(query/key/value, gate/up) are concatenated raw, then packed once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec.models.linear import thin_linear
+
+FORMATS = ("float32", "bfloat16", "int8", "int4")
+INT4_GROUP = 32
+INT4_OUT_MULTIPLE = 16  # the int4 kernel's packing needs out_features divisible by this
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """A matrix in groups of 32 along the input: w = d * q + m (GGUF's Q4_1; Q4_0 is m = -8d).
+
+    q: [out, in] integers 0..15; d, m: [out, in / 32] float32."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], computed as d * q + m (the order GGUF's own dequantization uses)."""
+        d = self.d.repeat_interleave(INT4_GROUP, dim=1)
+        m = self.m.repeat_interleave(INT4_GROUP, dim=1)
+        return d * self.q.float() + m
+
+    @staticmethod
+    def cat(parts: list[Int4Groups]) -> Int4Groups:
+        return Int4Groups(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), torch.cat([p.m for p in parts]))
+
+
+RawWeight = torch.Tensor | Int4Groups
+
+
+class PackedLinear:
+    """A bias-free linear map `x @ W.T` with W `[out_features, in_features]` in one of :data:`FORMATS`.
+
+    Built with :meth:`pack`; call it on `[rows, in_features]` activations to get
+    `[rows, out_features]` in the format's compute dtype.
+    """
+
+    def __init__(self, fmt: str, out_features: int, in_features: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.fmt = fmt
+        self.out_features = out_features
+        self.in_features = in_features
+        self.tensors = tensors
+
+    @classmethod
+    def pack(cls, parts: RawWeight | list[RawWeight], fmt: str) -> PackedLinear:
+        """Pack one matrix, or several stacked over their outputs, into `fmt`.
+
+        int4 groups go to int4 as they are; anything else is quantized from float: int8 per
+        output channel (symmetric), int4 per group of 32 (asymmetric, min to max).
+        """
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+        parts = parts if isinstance(parts, list) else [parts]
+        if fmt == "int4" and all(isinstance(p, Int4Groups) for p in parts):
+            return cls._pack_int4(Int4Groups.cat(parts))
+        weight = torch.cat([p.dequantize() if isinstance(p, Int4Groups) else p.detach().float() for p in parts])
+        weight = weight.contiguous()  # [out, in]
+        out_features, in_features = weight.shape
+        if fmt == "float32":
+            return cls(fmt, out_features, in_features, {"weight": weight})
+        if fmt == "bfloat16":
+            return cls(fmt, out_features, in_features, {"weight": weight.to(torch.bfloat16)})
+        if fmt == "int8":
+            scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+            q = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            return cls(fmt, out_features, in_features, {"weight": q, "scales": scales.to(torch.bfloat16)})
+        if in_features % INT4_GROUP:
+            raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {in_features}")
+        groups = weight.reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=2), groups.amax(dim=2)  # [out, groups]
+        d = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / d[..., None]).clamp(0, 15).to(torch.int32)
+        return cls._pack_int4(Int4Groups(q.reshape(out_features, in_features), d, low))
+
+    @classmethod
+    def _pack_int4(cls, groups: Int4Groups) -> PackedLinear:
+        # The kernel computes w = (q - 8) * scale + zero: scale = d, zero = m + 8d, in bfloat16.
+        out_features, in_features = groups.shape
+        q, d, zero = groups.q, groups.d, groups.m + 8 * groups.d
+        pad = -out_features % INT4_OUT_MULTIPLE  # the kernel packs outputs in blocks; padding rows are sliced off
+        if pad:
+            q = torch.cat([q, torch.full((pad, in_features), 8, dtype=q.dtype)])
+            d, zero = (torch.cat([t, torch.zeros(pad, t.shape[1])]) for t in (d, zero))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        scales_and_zeros = torch.stack([d.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [groups, out, 2]
+        return cls("int4", out_features, in_features, {"weight": packed, "scales_and_zeros": scales_and_zeros})
+
+    # --- use ---------------------------------------------------------------------------------
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activation dtype the kernel runs in (and returns)."""
+        return torch.float32 if self.fmt == "float32" else torch.bfloat16
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in_features] -> [rows, out_features]
+        x = x.to(self.compute_dtype)
+        t = self.tensors
+        if self.fmt == "float32":
+            return thin_linear(x, t["weight"])
+        if self.fmt == "bfloat16":
+            return x @ t["weight"].t()
+        if self.fmt == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, t["weight"], t["scales"])
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, t["weight"], INT4_GROUP, t["scales_and_zeros"])
+        return out if out.shape[-1] == self.out_features else out[:, : self.out_features]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 matrix `[out, in]` this layer computes with (a reference for tests)."""
+        t = self.tensors
+        if self.fmt in ("float32", "bfloat16"):
+            return t["weight"].float()
+        if self.fmt == "int8":
+            return t["weight"].float() * t["scales"].float()[:, None]
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return self(eye).float().t().contiguous()  # the kernel applied to the identity
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.tensors.values())
+
+
+def unpack_q4_blocks(raw: np.ndarray, out_features: int, in_features: int, with_min: bool) -> Int4Groups:
+    """GGUF Q4_0 / Q4_1 blocks of one matrix as :class:`Int4Groups`.
+
+    raw: the tensor's bytes, [out, blocks * block_bytes] uint8. A Q4_1 block is d (f16), m (f16)
+    and 16 bytes whose low nibbles are elements 0..15 and high nibbles elements 16..31; a Q4_0
+    block has no m and means w = d * (q - 8).
+    """
+    groups = in_features // INT4_GROUP
+    header = 4 if with_min else 2
+    blocks = np.ascontiguousarray(raw).reshape(out_features, groups, header + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, groups]
+    nibbles = blocks[..., header:]  # [out, groups, 16]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(out_features, in_features)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else -8 * d
+    return Int4Groups(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m))

@@ -1,0 +1,150 @@
+"""Weight sources for the native backend: a GGUF file, a safetensors directory, or a state dict.
+
+A GGUF file names tensors its own way (`blk.0.attn_q.weight`) and, for Llama models, stores the
+query and key projections with their rows permuted for llama.cpp's interleaved rotary layout;
+:class:`GGUFWeights` maps the names back to Hugging Face's and undoes the permutation (a row
+permutation, so quantized rows move whole). Q4_0 and Q4_1 matrices come back as
+:class:`~specdec.models.qlinear.Int4Groups`, exactly as stored; every other type is dequantized
+by the `gguf` package to float32, the same values transformers loads.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from safetensors import safe_open
+
+from specdec.errors import ModelLoadError
+from specdec.models.qlinear import Int4Groups, RawWeight, unpack_q4_blocks
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+# The format each GGUF type runs in under `--dtype auto`: its own where a kernel takes it.
+_AUTO_FORMAT = {GGMLQuantizationType.Q4_0: "int4", GGMLQuantizationType.Q4_1: "int4",
+                GGMLQuantizationType.Q8_0: "int8", GGMLQuantizationType.BF16: "bfloat16"}
+
+
+def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's rotary permutation of a [heads * head_dim, in] matrix."""
+    half = rows // heads // 2
+    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+class GGUFWeights:
+    """Tensors of a GGUF file by Hugging Face name (a native backend's `WeightSource`)."""
+
+    def __init__(self, path: str | Path, heads: int, kv_heads: int) -> None:
+        self.path = Path(path)
+        self.reader = GGUFReader(str(self.path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        field = self.reader.fields.get("general.architecture")
+        self.architecture = bytes(field.parts[field.data[0]]).decode() if field else "?"
+        self.heads, self.kv_heads = heads, kv_heads
+
+    def gguf_name(self, name: str) -> str:
+        if name in _TOP_NAMES:
+            gguf = _TOP_NAMES[name]
+            if gguf == "output.weight" and gguf not in self.tensors:
+                return "token_embd.weight"  # tied embeddings
+            return gguf
+        match = _LAYER.match(name)
+        if match and match.group(2) in _LAYER_NAMES:
+            return f"blk.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+        raise KeyError(name)
+
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        return GGMLQuantizationType(int(self.tensors[self.gguf_name(name)].tensor_type))
+
+    def auto_format(self, name: str) -> str:
+        return _AUTO_FORMAT.get(self.tensor_type(name), "float32")
+
+    def raw(self, name: str) -> RawWeight:
+        """The tensor as stored: int4 groups for Q4_0/Q4_1, else float32."""
+        gguf_name = self.gguf_name(name)
+        if gguf_name not in self.tensors:
+            raise ModelLoadError(f"{self.path.name} has no tensor {gguf_name} ({name})")
+        tensor = self.tensors[gguf_name]
+        kind = GGMLQuantizationType(int(tensor.tensor_type))
+        shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
+        if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) and len(shape) == 2:
+            value: RawWeight = unpack_q4_blocks(tensor.data, shape[0], shape[1], kind == GGMLQuantizationType.Q4_1)
+        else:
+            value = torch.from_numpy(np.asarray(dequantize(tensor.data, kind), dtype=np.float32).reshape(shape).copy())
+        if self.architecture == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            heads = self.heads if ".attn_q." in gguf_name else self.kv_heads
+            order = _unpermute_rows(shape[0], heads)
+            value = (Int4Groups(value.q[order], value.d[order], value.m[order]) if isinstance(value, Int4Groups)
+                     else value[order])
+        return value
+
+
+class SafetensorsWeights:
+    """Tensors of a Hugging Face model directory's safetensors files (a `WeightSource`)."""
+
+    def __init__(self, path: str | Path, tie_word_embeddings: bool) -> None:
+        self.path = Path(path)
+        self.files = sorted(self.path.glob("*.safetensors"))
+        if not self.files:
+            raise ModelLoadError(f"{self.path} has no .safetensors weights")
+        self.where: dict[str, Path] = {}
+        for file in self.files:
+            with safe_open(file, "pt") as handle:
+                for key in handle.keys():
+                    self.where[key] = file
+        self.tied = tie_word_embeddings
+        self.dtypes: dict[str, torch.dtype] = {}
+
+    def raw(self, name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and name not in self.where and self.tied:
+            name = "model.embed_tokens.weight"
+        if name not in self.where:
+            raise ModelLoadError(f"{self.path} has no tensor {name}")
+        with safe_open(self.where[name], "pt") as handle:
+            tensor = handle.get_tensor(name)
+        self.dtypes[name] = tensor.dtype
+        return tensor.float()
+
+    def auto_format(self, name: str) -> str:
+        return "bfloat16" if self.dtypes.get(name) == torch.bfloat16 else "float32"
+
+
+
+class StateDictWeights:
+    """Tensors of an in-memory transformers model (a `WeightSource`): tests and tools that
+    build a model in memory run it natively from the same tensors."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor], tie_word_embeddings: bool) -> None:
+        self.state_dict = state_dict
+        self.tied = tie_word_embeddings
+
+    def raw(self, name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and name not in self.state_dict and self.tied:
+            name = "model.embed_tokens.weight"
+        if name not in self.state_dict:
+            raise ModelLoadError(f"the model has no tensor {name}")
+        return self.state_dict[name].detach().float()
+
+    def auto_format(self, name: str) -> str:
+        return "bfloat16" if self.state_dict.get(name, torch.empty(0)).dtype == torch.bfloat16 else "float32"
