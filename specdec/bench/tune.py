@@ -66,6 +66,13 @@ DEFAULT_METHODS: tuple[dict[str, Any], ...] = (
     {"method": "draft_model", "model": "target", "quantization": "int8"},
 )
 DEFAULT_KS = {"ngram": (1, 2, 3, 4, 6)}
+
+
+def default_methods(target) -> list[dict[str, Any]]:
+    """DEFAULT_METHODS for this target: without the int8 self-draft when the target's own weights
+    are int8 or int4 already (such a copy costs as much as the target)."""
+    quantized = target.backend.weight_format.startswith(("int8", "int4"))
+    return [dict(m) for m in DEFAULT_METHODS if not (quantized and m.get("quantization") == "int8")]
 DEFAULT_MODEL_KS = (1, 2, 3, 4)
 
 

@@ -300,7 +300,7 @@ def estimate(
 def tune(
     data: Annotated[Path, typer.Option("--data", help="JSONL of {id, category, turns}: your own prompts.")],
     model: ModelOpt = None,
-    methods: Annotated[Optional[list[str]], typer.Option("--methods", help="A drafter to tune (repeatable): a method name, or a JSON speculative config without k (default: ngram, layer_skip, and the int8 self-draft {\"method\": \"draft_model\", \"model\": \"target\", \"quantization\": \"int8\"}).")] = None,
+    methods: Annotated[Optional[list[str]], typer.Option("--methods", help="A drafter to tune (repeatable): a method name, or a JSON speculative config without k (default: ngram, layer_skip, and, for a float32 or bfloat16 target, the int8 self-draft {\"method\": \"draft_model\", \"model\": \"target\", \"quantization\": \"int8\"}).")] = None,
     ks: Annotated[Optional[str], typer.Option("--k", help="k values for every method, comma-separated (default: 1,2,3,4,6 for ngram; 1,2,3,4 for the others).")] = None,
     adaptive: Annotated[bool, typer.Option("--adaptive/--no-adaptive", help="Also measure each method with adaptive k, at its largest k.")] = True,
     per_category: Annotated[Optional[int], typer.Option("--per-category", help="The first N prompts of each category.")] = None,
@@ -319,12 +319,13 @@ def tune(
     from specdec.bench.data import load_records, select
     from specdec.models.loader import load_model
 
-    method_specs = [t.parse_method(m) for m in methods] if methods else [dict(m) for m in t.DEFAULT_METHODS]
-    candidates = t.build_candidates(method_specs, t.parse_ks(ks) if ks is not None else None, adaptive)
+    method_specs = [t.parse_method(m) for m in methods] if methods else None
     records = select(load_records(data), per_category, category)
     params = SamplingParams(max_tokens=max_tokens)
     with err.status(f"loading {model or 'the default model'}..."):
         target = load_model(model, device=device, backend=backend, dtype=dtype)
+    method_specs = method_specs if method_specs is not None else t.default_methods(target)
+    candidates = t.build_candidates(method_specs, t.parse_ks(ks) if ks is not None else None, adaptive)
     candidates = t.pin_layers(candidates, target)
     turns = sum(len(r.turns) for r in records)
     err.print(f"{len(records)} prompts ({turns} turns) x {len(candidates) + 1} systems (plain decoding and "
@@ -336,7 +337,8 @@ def tune(
         )
     meta = {
         "model": target.name, "data": str(data), "max_tokens": max_tokens, "per_category": per_category,
-        "category": category, "device": device, "prompts": len(records), "adaptive": adaptive,
+        "category": category, "device": device, "backend": target.describe(), "prompts": len(records),
+        "adaptive": adaptive,
     }
     result = t.analyse(candidates, raw, stats, meta)
     table = Table(title=f"specdec tune: {target.name}, {len(records)} prompts, overall (predicted: acceptance model from measured a, k_eff, c, v)")

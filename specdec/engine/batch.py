@@ -8,9 +8,9 @@ generator, and its own cache length. One step:
    rows are padded, and padding is never kept;
 3. each row accepts a prefix of its draft with the same pure functions as the single-request
    :class:`~specdec.engine.engine.Engine`, with its own generator;
-4. each row keeps the fed token plus its accepted drafts in the cache; everything else becomes
-   a masked-out hole (:class:`~specdec.models.batch_cache.BatchCache`), so a rejection in one row
-   does not touch the others.
+4. each row keeps the fed token plus its accepted drafts in the cache; its length forgets the
+   rest (:class:`~specdec.models.batch_cache.BatchCache`), so a rejection in one row does not
+   touch the others.
 
 With speculation off for every row the step is one batched forward pass over [rows, 1]: batched
 plain decoding. Sequences join (:meth:`BatchEngine.add`, which prefills the prompt alone, exactly
@@ -82,11 +82,9 @@ class BatchEngine:
     """Advances up to `max_rows` sequences together against one :class:`BatchCache`.
 
     max_model_len: the longest sequence (prompt + output) a row may hold.
-    max_holes: compact the cache when the write pointer runs this far past the longest row.
     """
 
-    def __init__(self, target: LoadedModel, max_rows: int, max_model_len: int, max_draft: int = 16,
-                 max_holes: int = 128) -> None:
+    def __init__(self, target: LoadedModel, max_rows: int, max_model_len: int, max_draft: int = 16) -> None:
         if max_model_len > target.max_positions:
             raise PromptError(f"max_model_len {max_model_len} exceeds {target.name}'s context of {target.max_positions}")
         self.target = target
@@ -94,9 +92,8 @@ class BatchEngine:
         self.max_rows = max_rows
         self.max_model_len = max_model_len
         self.max_draft = max_draft
-        self.max_holes = max_holes
-        # Slack past max_model_len lets a step's new slots land before a compaction is forced.
-        self.cache = BatchCache.for_backend(target.backend, max_rows, max_model_len + max_draft + 1 + max_holes)
+        # A row's last step may write a draft and padding past its last kept token.
+        self.cache = BatchCache.for_backend(target.backend, max_rows, max_model_len + max_draft + 1)
         self.sequences: list[Sequence] = []  # index == row
 
     @property
@@ -188,10 +185,9 @@ class BatchEngine:
         # 2. Verify: one target pass over [rows, new]; each row feeds its last committed token and
         #    its draft, padded at the end (padding sits after every real token, so causality hides it).
         new = 1 + max(len(d) for d in drafts)
-        self.cache.ensure_room(new, self.max_holes)
         feed = [[seq.context[-1], *draft] + [seq.context[-1]] * (new - 1 - len(draft)) for seq, draft in zip(seqs, drafts)]
         input_ids = torch.tensor(feed, dtype=torch.long, device=self.runner.device)  # [rows, new]
-        positions, mask = self.cache.step_inputs(new)  # [rows, new], [rows, 1, new, write + new]
+        positions, mask = self.cache.step_inputs(new)  # [rows, new], [rows, 1, new, longest + new]
         logits = self.target.backend.forward(self.cache, input_ids, positions, mask).logits  # [rows, new, vocab]
 
         # 3. Accept per row, with the row's own parameters and generator.
@@ -199,7 +195,7 @@ class BatchEngine:
                    for i, (seq, draft, probs) in enumerate(zip(seqs, drafts, draft_probs))]
         num_accepted = [int(r.num_accepted[0]) for r in results]
 
-        # 4. Commit: a row keeps its fed token and accepted drafts; the rest become holes.
+        # 4. Commit: a row keeps its fed token and accepted drafts; its length forgets the rest.
         keep = torch.tensor([1 + a for a in num_accepted], dtype=torch.long, device=self.cache.device)  # [rows]
         self.cache.commit(new, keep)
         outputs = []

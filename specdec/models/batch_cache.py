@@ -1,20 +1,17 @@
 """A KV cache for many sequences that advance together, each at its own length.
 
 Layout, per layer: keys and values `[max_rows, kv_heads, capacity, head_dim]`. The active
-sequences occupy rows 0 .. rows - 1. Every step writes the same number of new slots into every
-active row at a shared write pointer `write`, so the forward pass reads one contiguous view
-`[rows, kv_heads, write + new, head_dim]` and copies nothing.
+sequences occupy rows 0 .. rows - 1, and row r holds its sequence's keys and values in slots
+0 .. lengths[r] - 1, in order, exactly as the single-sequence
+:class:`~specdec.models.cache.PreallocatedCache` would: a step writes each row's new tokens at
+that row's own length, and rejecting drafts moves the row's length back, as a single cache's
+rollback does. There are no holes, so a backend can attend over a row's prefix as a view and get
+bitwise what the row's own sequence would get alone (the native backend does).
 
-Rows differ in how much of what they wrote they keep: a rejected draft token, or the padding of
-a row that drafted fewer tokens than another, leaves a *hole*: its slot stays in the buffer but
-`valid[row, slot]` is False, and the attention mask hides it. A row's logical length (the
-position of its next token, for RoPE) is the number of its valid slots, `lengths[row]`.
-
-So a rejection moves nothing but a mask bit and a length. Three operations copy KV, each a named,
-tested method: :meth:`BatchCache.insert_row` (a prefilled prompt joins), :meth:`BatchCache.remove_row`
-(the last row moves into the slot of one that left, keeping rows contiguous) and
-:meth:`BatchCache.compact` (packs each row's valid slots to the front when holes pile up or the
-write pointer reaches the end of the buffer).
+A forward pass reads `[rows, kv_heads, longest + new, head_dim]` with a mask that hides, for each
+row, the slots past its own tokens. Two operations copy KV, each a named, tested method:
+:meth:`BatchCache.insert_row` (a prefilled prompt joins) and :meth:`BatchCache.remove_row` (the
+last row moves into the slot of one that left, keeping rows contiguous).
 """
 
 from __future__ import annotations
@@ -45,23 +42,23 @@ class BatchCacheLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states, value_states: [rows, kv_heads, new, head_dim]
+        # key_states, value_states: [rows, kv_heads, new, head_dim], row r written at slots
+        # lengths[r] .. lengths[r] + new - 1.
+        owner = self.owner
         rows, new = key_states.shape[0], key_states.shape[-2]
-        if rows != self.owner.rows:
-            raise ValueError(f"forward over {rows} rows but the cache has {self.owner.rows} active")
-        start = self.owner.write
-        end = start + new
-        if end > self.owner.capacity:
-            raise ContextOverflowError(f"write to slot {end} exceeds the batch cache's {self.owner.capacity}")
-        self.key_buf[:rows, :, start:end] = key_states
-        self.value_buf[:rows, :, start:end] = value_states
-        return self.key_buf[:rows, :, :end], self.value_buf[:rows, :, :end]
+        if rows != owner.rows:
+            raise ValueError(f"forward over {rows} rows but the cache has {owner.rows} active")
+        row_index, slot_index = owner.write_index(new)  # [rows, new] each
+        self.key_buf[row_index, :, slot_index] = key_states.transpose(1, 2)  # [rows, new, kv_heads, head_dim]
+        self.value_buf[row_index, :, slot_index] = value_states.transpose(1, 2)
+        span = owner.span(new)
+        return self.key_buf[:rows, :, :span], self.value_buf[:rows, :, :span]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.owner.write + query_length, 0
+        return self.owner.span(query_length), 0
 
     def get_seq_length(self) -> int:
-        return self.owner.write
+        return self.owner.longest
 
     def get_max_length(self) -> int:
         return self.owner.capacity
@@ -99,9 +96,8 @@ class BatchCache(Cache):
         self.capacity = capacity
         self.device = torch.device(device)
         self.rows = 0
-        self.write = 0  # slots 0 .. write - 1 of every active row have been written
-        self.valid = torch.zeros((max_rows, capacity), dtype=torch.bool, device=device)  # [max_rows, capacity]
         self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)  # [max_rows]
+        self._index: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # write_index, per step
 
     @classmethod
     def for_backend(cls, backend: Backend, max_rows: int, capacity: int) -> BatchCache:
@@ -114,40 +110,46 @@ class BatchCache(Cache):
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._buffers)
 
     @property
-    def holes(self) -> int:
-        """Written slots of active rows that are not valid (rejected drafts, padding, alignment)."""
-        return int(self.rows * self.write - self.lengths[: self.rows].sum())
+    def longest(self) -> int:
+        return int(self.lengths[: self.rows].max()) if self.rows else 0
+
+    def span(self, new: int) -> int:
+        """Slots a forward pass over `new` tokens per row reads: the longest row's, plus new."""
+        return self.longest + new
+
+    def write_index(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, slot) index tensors [rows, new] of the slots a forward pass over `new` tokens
+        writes: row r's at lengths[r] .. lengths[r] + new - 1. Built once per step."""
+        if self._index is None or self._index[0] != new:
+            rows = self.rows
+            slots = self.lengths[:rows, None] + torch.arange(new, device=self.device)  # [rows, new]
+            if rows and int(slots.max()) >= self.capacity:
+                raise ContextOverflowError(f"write to slot {int(slots.max()) + 1} exceeds the batch cache's {self.capacity}")
+            row_index = torch.arange(rows, device=self.device)[:, None].expand(rows, new)
+            self._index = (new, (row_index, slots))
+        return self._index[1]
 
     def clear(self) -> None:
         self.rows = 0
-        self.write = 0
-        self.valid.zero_()
         self.lengths.zero_()
+        self._index = None
 
     # --- rows join and leave -------------------------------------------------------------
 
     def insert_row(self, prefilled: PreallocatedCache) -> int:
-        """Copy a single sequence's cache (a prefilled prompt) into a new row; returns its index.
-
-        The prompt lands in slots 0 .. n - 1 of the new row. The shared write pointer moves to at
-        least n; the other rows' slots between their own writes and there are holes.
-        """
+        """Copy a single sequence's cache (a prefilled prompt) into a new row; returns its index."""
         n = prefilled.length
         if self.rows >= self.max_rows:
             raise ValueError(f"batch cache is full ({self.max_rows} rows)")
         if n > self.capacity:
             raise ContextOverflowError(f"a prompt of {n} tokens exceeds the batch cache's {self.capacity} slots")
-        if n > self.write:
-            self.valid[: self.rows, self.write : n] = False
-            self.write = n
         row = self.rows
         for (key_buf, value_buf), layer in zip(self._buffers, prefilled.layers):
             key_buf[row, :, :n] = layer.keys[0, :, :n]
             value_buf[row, :, :n] = layer.values[0, :, :n]
-        self.valid[row] = False
-        self.valid[row, :n] = True
         self.lengths[row] = n
         self.rows += 1
+        self._index = None
         return row
 
     def remove_row(self, row: int) -> int | None:
@@ -158,69 +160,38 @@ class BatchCache(Cache):
         last = self.rows - 1
         moved = None
         if row != last:
+            n = int(self.lengths[last])
             for key_buf, value_buf in self._buffers:
-                key_buf[row, :, : self.write] = key_buf[last, :, : self.write]
-                value_buf[row, :, : self.write] = value_buf[last, :, : self.write]
-            self.valid[row] = self.valid[last]
-            self.lengths[row] = self.lengths[last]
+                key_buf[row, :, :n] = key_buf[last, :, :n]
+                value_buf[row, :, :n] = value_buf[last, :, :n]
+            self.lengths[row] = n
             moved = last
-        self.valid[last] = False
         self.lengths[last] = 0
         self.rows = last
-        if self.rows == 0:
-            self.write = 0
+        self._index = None
         return moved
 
-    def compact(self) -> None:
-        """Pack every active row's valid slots to the front, in order; the write pointer becomes
-        the longest row's length. Attention results are unchanged (holes were masked out)."""
-        rows, write = self.rows, self.write
-        if rows == 0:
-            self.write = 0
-            return
-        # Valid slots first, each group in slot order (a stable sort of the "is a hole" flag).
-        order = torch.sort((~self.valid[:rows, :write]).to(torch.int8), dim=1, stable=True).indices  # [rows, write]
-        new_write = int(self.lengths[:rows].max())
-        for key_buf, value_buf in self._buffers:
-            for buf in (key_buf, value_buf):
-                index = order[:, None, :new_write, None].expand(rows, buf.shape[1], new_write, buf.shape[3])
-                buf[:rows, :, :new_write] = buf[:rows, :, :write].gather(2, index)
-        slots = torch.arange(self.capacity, device=self.valid.device)
-        self.valid[:rows] = slots[None, :] < self.lengths[:rows, None]
-        self.write = new_write
-
     # --- one step --------------------------------------------------------------------------
-
-    def ensure_room(self, new: int, max_holes: int) -> None:
-        """Compact when `new` slots per row would not fit, or when the write pointer runs more
-        than `max_holes` slots past the longest row."""
-        longest = int(self.lengths[: self.rows].max()) if self.rows else 0
-        if self.write + new > self.capacity or self.write - longest > max_holes:
-            self.compact()
-        if self.write + new > self.capacity:
-            raise ContextOverflowError(f"{new} new slots do not fit: longest row {longest}, capacity {self.capacity}")
 
     def step_inputs(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and attention mask for `new` tokens per active row.
 
         Returns position_ids [rows, new] (each row continues from its own length) and a boolean
-        mask [rows, 1, new, write + new]: a query sees its row's valid cached slots and, among
-        the new tokens, itself and the ones before it. True means attend.
+        mask [rows, 1, new, longest + new]: query i of row r sees slots 0 .. lengths[r] + i, its
+        row's cached tokens, the new tokens before it, and itself. True means attend.
         """
-        rows, write = self.rows, self.write
+        rows = self.rows
         positions = self.lengths[:rows, None] + torch.arange(new, device=self.device)  # [rows, new]
-        cached = self.valid[:rows, None, :write].expand(rows, new, write)  # [rows, new, write]
-        causal = torch.ones((new, new), dtype=torch.bool, device=self.device).tril()  # [new, new]
-        mask = torch.cat([cached, causal.expand(rows, new, new)], dim=2)  # [rows, new, write + new]
+        slots = torch.arange(self.span(new), device=self.device)  # [span]
+        mask = slots[None, None, :] <= positions[:, :, None]  # [rows, new, span]
+        self.write_index(new)
         return positions, mask[:, None]
 
     def commit(self, new: int, keep: torch.Tensor) -> None:
-        """After a forward pass over `new` tokens per row: row i keeps the first keep[i] of its
-        new slots (the fed token and its accepted drafts); the rest become holes. keep: [rows]."""
-        rows, write = self.rows, self.write
+        """After a forward pass over `new` tokens per row: row i keeps the first keep[i] of them
+        (the fed token and its accepted drafts); the rest are forgotten by its length. keep: [rows]."""
+        rows = self.rows
         if keep.shape != (rows,) or bool((keep < 0).any()) or bool((keep > new).any()):
             raise ValueError(f"keep must be [{rows}] with values in 0..{new}, got {keep.tolist()}")
-        slots = torch.arange(new, device=self.device)
-        self.valid[:rows, write : write + new] = slots[None, :] < keep[:, None]
-        self.lengths[:rows] += keep
-        self.write = write + new
+        self.lengths[:rows] += keep.to(self.lengths.device)
+        self._index = None

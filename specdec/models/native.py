@@ -55,6 +55,27 @@ class NativeLayer:
     down: PackedLinear  # [hidden, intermediate]
 
 
+# Blocks of at most this many tokens per row (a plain step, a verification) attend per query; a
+# longer block (a prompt) attends in one masked pass, which is faster and rounds differently.
+PER_QUERY_MAX = 32
+
+
+def _prefix_lengths(mask: torch.Tensor | None, cache_layer, rows: int, new: int) -> list[list[int]] | None:
+    """How many leading slots each query of each row sees, when every query sees a prefix of its
+    row (a plain step, a chain verification, a batch without holes); None otherwise (a long
+    block, or a mask that is not a prefix, such as a tree's)."""
+    if new > PER_QUERY_MAX:
+        return None
+    if mask is None:  # one row: the new tokens follow everything cached
+        cached = cache_layer.get_seq_length() if hasattr(cache_layer, "get_seq_length") else 0
+        return [[cached + i + 1 for i in range(new)]]
+    counts = mask.sum(dim=-1)  # [rows, 1, new]
+    slots = torch.arange(mask.shape[-1], device=mask.device)
+    if not bool((mask == (slots < counts[..., None])).all()):
+        return None
+    return counts[:, 0].tolist()
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [..., dim] float32
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -192,13 +213,17 @@ class NativeBackend:
         hidden_layers: Sequence[int] = (),
     ) -> ForwardOutput:
         rows, new = input_ids.shape
+        visible = _prefix_lengths(mask, cache.layers[(layers or [0])[0]], rows, new)
+        if visible is not None:
+            mask = None
         x = self.embed[input_ids]  # [rows, new, hidden] float32
         cos = self.cos[positions][:, None]  # [rows, 1, new, head_dim]
         sin = self.sin[positions][:, None]
         states: dict[int, torch.Tensor] = {}
         for index in range(self.num_layers) if layers is None else layers:
             layer = self.layers[index]
-            x = x + self._attention(layer, cache.layers[index], _rms_norm(x, layer.attn_norm, self.eps), cos, sin, mask)
+            x = x + self._attention(layer, cache.layers[index], _rms_norm(x, layer.attn_norm, self.eps), cos, sin,
+                                    mask, visible)
             h = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps).view(rows * new, -1))  # [rows * new, 2 * inter]
             gate, up = h.chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up).view(rows, new, -1)
@@ -211,7 +236,7 @@ class NativeBackend:
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)
 
     def _attention(self, layer: NativeLayer, cache_layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor | None) -> torch.Tensor:
+                   mask: torch.Tensor | None, visible: list[list[int]] | None) -> torch.Tensor:
         # x: [rows, new, hidden] float32 (normed) -> [rows, new, hidden] float32
         rows, new, _ = x.shape
         qkv = layer.qkv(x.view(rows * new, -1)).float()  # [rows * new, (heads + 2 kv_heads) * head_dim]
@@ -224,17 +249,22 @@ class NativeBackend:
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = cache_layer.update(k, v)  # [rows, kv_heads, cached + new, head_dim]
         gqa = self.heads != self.kv_heads
-        if mask is None and new > 1:
-            # One row, no holes: query i sees the cache up to and including itself. Each query runs
-            # alone, exactly as a one-token step would, so a verified token's attention (and so its
-            # bfloat16-rounded activations) are bitwise those of plain decoding.
-            cached = keys.shape[2] - new
+        if visible is not None:
+            # Each query of each row attends alone over its row's prefix, exactly as a one-token
+            # step of that sequence alone would, so its attention (and so its bfloat16-rounded
+            # activations) are bitwise those of plain decoding, whatever else is in the pass.
             out = torch.cat([
-                F.scaled_dot_product_attention(q[:, :, i : i + 1], keys[:, :, : cached + i + 1],
-                                               values[:, :, : cached + i + 1], enable_gqa=gqa)
-                for i in range(new)
-            ], dim=2)
+                torch.cat([
+                    F.scaled_dot_product_attention(q[r : r + 1, :, i : i + 1], keys[r : r + 1, :, :seen],
+                                                   values[r : r + 1, :, :seen], enable_gqa=gqa)
+                    for i, seen in enumerate(row)
+                ], dim=2)
+                for r, row in enumerate(visible)
+            ])
         else:
+            if mask is None and new > 1:  # a long block (prefill): causal over the cache
+                cached = keys.shape[2] - new
+                mask = torch.ones(new, cached + new, dtype=torch.bool, device=x.device).tril(cached)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(rows * new, self.heads * self.head_dim)  # [rows * new, heads * head_dim]
         return layer.o(out).float().view(rows, new, -1)

@@ -212,7 +212,7 @@ def tuned(mini_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     out = tmp_path_factory.mktemp("tune-out")
     result = subprocess.run(
         [sys.executable, "-m", "specdec.cli.main", "tune", "--data", str(mini_data), "--per-category", "1",
-         "--max-tokens", "8", "--methods", "ngram", "--methods", json.dumps(INT8_SELF), "--k", "2", "--out", str(out)],
+         "--max-tokens", "8", "--methods", "ngram", "--methods", json.dumps(INT8_SELF), "--k", "2", "--dtype", "float32", "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     return out, result

@@ -67,13 +67,13 @@ def _drafter(kind: str, model: LoadedModel, prompt: list[int]):
 
 
 @pytest.mark.parametrize("join_every", [0, 3])
-def test_greedy_matches_single_engine_per_sequence(tiny_model: LoadedModel, join_every: int) -> None:
+def test_greedy_matches_single_engine_per_sequence(tiny_any: LoadedModel, join_every: int) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     kinds = ["none", "ngram", "noisy", "noisy"]
     ks = [0, 4, 3, 6]
-    expected = [Engine(tiny_model, _drafter(kind, tiny_model, p), k).generate(p, params).token_ids for p, kind, k in zip(PROMPTS, kinds, ks)]
-    engine = BatchEngine(tiny_model, max_rows=4, max_model_len=128, max_holes=8)
-    seqs = [Sequence(p, params, _drafter(kind, tiny_model, p), k=k) for p, kind, k in zip(PROMPTS, kinds, ks)]
+    expected = [Engine(tiny_any, _drafter(kind, tiny_any, p), k).generate(p, params).token_ids for p, kind, k in zip(PROMPTS, kinds, ks)]
+    engine = BatchEngine(tiny_any, max_rows=4, max_model_len=128)
+    seqs = [Sequence(p, params, _drafter(kind, tiny_any, p), k=k) for p, kind, k in zip(PROMPTS, kinds, ks)]
     _run(engine, seqs, join_every)
     assert [s.result.token_ids for s in seqs] == expected
     assert all(s.result.finish_reason == "length" for s in seqs)
@@ -82,11 +82,11 @@ def test_greedy_matches_single_engine_per_sequence(tiny_model: LoadedModel, join
     assert engine.running == 0 and engine.cache.rows == 0
 
 
-def test_k_can_change_between_steps(tiny_model: LoadedModel) -> None:
+def test_k_can_change_between_steps(tiny_any: LoadedModel) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    expected = Engine(tiny_model).generate(PROMPTS[0], params).token_ids
-    engine = BatchEngine(tiny_model, max_rows=2, max_model_len=128)
-    seq = Sequence(PROMPTS[0], params, NoisyDrafter(_plain(tiny_model, PROMPTS[0])), k=4)
+    expected = Engine(tiny_any).generate(PROMPTS[0], params).token_ids
+    engine = BatchEngine(tiny_any, max_rows=2, max_model_len=128)
+    seq = Sequence(PROMPTS[0], params, NoisyDrafter(_plain(tiny_any, PROMPTS[0])), k=4)
     engine.add(seq)
     step = 0
     while not seq.finished:
@@ -98,13 +98,13 @@ def test_k_can_change_between_steps(tiny_model: LoadedModel) -> None:
     assert len(stats.drafted_at) == 4 and stats.drafted_at[1] > stats.drafted_at[2] > 0  # k=2 and k=4 steps
 
 
-def test_seeded_sampling_matches_single_engine(tiny_model: LoadedModel) -> None:
+def test_seeded_sampling_matches_single_engine(tiny_any: LoadedModel) -> None:
     expected, seqs = [], []
     for i, prompt in enumerate(PROMPTS):
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
-        expected.append(Engine(tiny_model, NgramDrafter(1, 4), 3).generate(prompt, params).token_ids)
+        expected.append(Engine(tiny_any, NgramDrafter(1, 4), 3).generate(prompt, params).token_ids)
         seqs.append(Sequence(prompt, params, NgramDrafter(1, 4), k=3))
-    _run(BatchEngine(tiny_model, max_rows=4, max_model_len=128), seqs)
+    _run(BatchEngine(tiny_any, max_rows=4, max_model_len=128), seqs)
     assert [s.result.token_ids for s in seqs] == expected
     assert len({tuple(s.result.token_ids) for s in seqs}) == len(seqs)
 
@@ -124,37 +124,37 @@ def test_plain_decoding_is_one_batched_pass_per_step(tiny_model: LoadedModel) ->
     assert shapes == [(4, 1)]
 
 
-def test_stop_conditions_match_single_engine(tiny_model: LoadedModel) -> None:
-    reference = Engine(tiny_model).generate(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+def test_stop_conditions_match_single_engine(tiny_any: LoadedModel) -> None:
+    reference = Engine(tiny_any).generate(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     stop = reference.text[len(reference.text) // 2 : len(reference.text) // 2 + 3]
     assert stop.strip()
     params = SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,), ignore_eos=True)
-    expected = Engine(tiny_model, NgramDrafter(1, 4), 4).generate(PROMPTS[1], params)
+    expected = Engine(tiny_any, NgramDrafter(1, 4), 4).generate(PROMPTS[1], params)
     seq = Sequence(PROMPTS[1], params, NgramDrafter(1, 4), k=4)
-    _run(BatchEngine(tiny_model, max_rows=2, max_model_len=128), [seq])
+    _run(BatchEngine(tiny_any, max_rows=2, max_model_len=128), [seq])
     assert (seq.result.token_ids, seq.result.text, seq.result.finish_reason) == (expected.token_ids, expected.text, "stop")
 
 
-def test_prompt_over_the_context_is_refused(tiny_model: LoadedModel) -> None:
-    engine = BatchEngine(tiny_model, max_rows=1, max_model_len=16)
+def test_prompt_over_the_context_is_refused(tiny_any: LoadedModel) -> None:
+    engine = BatchEngine(tiny_any, max_rows=1, max_model_len=16)
     with pytest.raises(ValueError, match="at most 15"):
         engine.add(Sequence(list(range(1, 17)), SamplingParams()))
     assert engine.running == 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_draft_model_forks_match_single_engine(tiny_model: LoadedModel, temperature: float) -> None:
+def test_draft_model_forks_match_single_engine(tiny_any: LoadedModel, temperature: float) -> None:
     """A stateful drafter (its own KV cache): one fork per sequence, as the server does."""
     from specdec.config import SpeculativeConfig
     from specdec.drafters import build_drafter
     from specdec.server.scheduler import fork_drafter
 
-    config = SpeculativeConfig("draft_model", 3, model=tiny_model.source)
-    prototype = build_drafter(config, tiny_model)
+    config = SpeculativeConfig("draft_model", 3, model=tiny_any.source)
+    prototype = build_drafter(config, tiny_any)
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=5 + i, ignore_eos=True) for i in range(3)]
-    expected = [Engine(tiny_model, build_drafter(config, tiny_model), 3).generate(p, sp).token_ids
+    expected = [Engine(tiny_any, build_drafter(config, tiny_any), 3).generate(p, sp).token_ids
                 for p, sp in zip(PROMPTS, params)]
     seqs = [Sequence(p, sp, fork_drafter(prototype), k=3) for p, sp in zip(PROMPTS, params)]
-    _run(BatchEngine(tiny_model, max_rows=3, max_model_len=128), seqs, join_every=2)
+    _run(BatchEngine(tiny_any, max_rows=3, max_model_len=128), seqs, join_every=2)
     assert [s.result.token_ids for s in seqs] == expected
     assert all(s.result.stats.accepted_tokens > 0 for s in seqs)
