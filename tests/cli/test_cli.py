@@ -76,6 +76,14 @@ def test_generate_plain_and_speculative_print_the_same_text() -> None:
     assert plain.stdout.strip()
 
 
+def test_generate_at_a_tiny_temperature_is_greedy() -> None:
+    prompt = "Name three colours."
+    greedy = run("generate", prompt, "--max-tokens", "12", "--no-stream")
+    tiny = run("generate", prompt, "--max-tokens", "12", "--no-stream", "--temperature", "1e-38", "--seed", "3")
+    assert tiny.returncode == 0 and "Traceback" not in tiny.stderr, tiny.stderr
+    assert tiny.stdout == greedy.stdout and tiny.stdout.strip()
+
+
 def test_costs_prints_a_ratio_per_size() -> None:
     result = run("costs", "--max-verified", "3", "--repeats", "2", "--context", "16")
     assert result.returncode == 0, result.stderr
