@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdec.server.runtime import ServerThread
+from specdec.models import LoadedModel
+from specdec.server.config import ServerConfig
+from specdec.server.runtime import ServerThread, build_state
+from tests.server.conftest import ROUTES
+from tests.server.test_api import metrics
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -111,3 +117,170 @@ def test_server_is_healthy_after_the_fuzz(tiny_server: ServerThread) -> None:
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
     scheduler = tiny_server.server.config.app.state.specdec.scheduler
     assert scheduler.alive and scheduler.running == 0
+
+
+# --- robustness: the cases of issue 13 -----------------------------------------------------------
+
+
+def _metric(server: ServerThread, route: str, reason: str) -> float:
+    key = ("specdec_requests_total", (("finish_reason", reason), ("route", route)))
+    return metrics(server).get(key, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        (COMPLETIONS, '{"model": "plain", "prompt": "a \\ud800 b"}', "prompt"),
+        (COMPLETIONS, '{"model": "plain", "prompt": ["ok", "\\udfff"]}', "prompt.1"),
+        (COMPLETIONS, '{"model": "plain", "prompt": "hi", "stop": ["\\ud800"]}', "stop.0"),
+        (COMPLETIONS, '{"model": "pl\\ud800ain", "prompt": "hi"}', "model"),
+        (CHAT, '{"model": "plain", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+        (CHAT, '{"model": "plain", "messages": [{"role": "user", "content": [{"type": "text", "text": "x\\udc00"}]}]}',
+         "messages.0.content.0.text"),
+        (CHAT, '{"model": "plain", "messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', "\\ud800"),
+    ],
+)
+def test_lone_surrogates_get_a_400(tiny_server: ServerThread, path: str, raw: str, param: str) -> None:
+    response = _post(tiny_server, path, raw=raw.encode())
+    _assert_openai_error(response, 400, param)
+    assert "surrogate" in response.json()["error"]["message"]
+
+
+def test_invalid_json_names_no_param(tiny_server: ServerThread) -> None:
+    response = _post(tiny_server, CHAT, raw=b'{"model": "plain", "messages": [}')
+    _assert_openai_error(response, 400)
+    assert response.json()["error"]["param"] is None and response.json()["error"]["code"] == "json_invalid"
+
+
+@pytest.mark.parametrize(
+    ("speculative", "param", "message"),
+    [
+        ({"num_speculative_tokens": -1}, "speculative.num_speculative_tokens", "must be an integer in 0..64"),
+        ({"num_speculative_tokens": 65}, "speculative.num_speculative_tokens", "must be an integer in 0..64"),
+        ({"num_speculative_tokens": "2"}, "speculative.num_speculative_tokens", "must be an integer in 0..64"),
+        ({"num_speculative_tokens": True}, "speculative.num_speculative_tokens", "must be an integer in 0..64"),
+        ({"num_speculative_tokens": 2.5}, "speculative.num_speculative_tokens", "must be an integer in 0..64"),
+        ({}, "speculative.num_speculative_tokens", "is required"),
+        ({"num_speculative_tokens": 2, "k": 1}, "speculative.k", "unknown field"),
+        ("on", "speculative", "must be true, false or"),
+        (3, "speculative", "must be true, false or"),
+    ],
+)
+def test_bad_speculative_fields_name_the_field(tiny_server: ServerThread, speculative: object, param: str, message: str) -> None:
+    response = _post(tiny_server, COMPLETIONS, {"model": "spec", "prompt": "hi", "speculative": speculative})
+    _assert_openai_error(response, 400, param)
+    assert response.json()["error"]["message"] == f"{param}: {message}" or message in response.json()["error"]["message"]
+    assert ".bool" not in response.json()["error"]["message"]
+
+
+def test_a_prompt_exactly_at_the_context_limit_is_refused(tiny_server: ServerThread) -> None:
+    # max_model_len is 256: a 256-token prompt leaves no room for output; 255 leaves one token.
+    at_limit = _post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": [5] * 256, "max_tokens": 1})
+    _assert_openai_error(at_limit, 400, "prompt")
+    assert at_limit.json()["error"]["code"] == "context_length_exceeded"
+    below = _post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": [5] * 255, "max_tokens": 1})
+    assert below.status_code == 200, below.text
+    assert below.json()["usage"] == {"prompt_tokens": 255, "completion_tokens": 1, "total_tokens": 256}
+
+
+def test_a_tiny_temperature_samples_the_greedy_token(tiny_server: ServerThread) -> None:
+    body = {"model": "spec", "prompt": "one two three one two", "max_tokens": 12, "ignore_eos": True}
+    greedy = _post(tiny_server, COMPLETIONS, body | {"temperature": 0})
+    for temperature in (1e-38, 5e-324):
+        tiny = _post(tiny_server, COMPLETIONS, body | {"temperature": temperature, "seed": 1})
+        assert tiny.status_code == 200, tiny.text
+        assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+def test_a_body_over_the_limit_gets_a_413(tiny_server: ServerThread) -> None:
+    limit = tiny_server.server.config.app.state.specdec.config.max_request_bytes
+    assert limit == 4 << 20  # the default
+    big = json.dumps({"model": "plain", "prompt": "x" * limit}).encode()
+    response = _post(tiny_server, COMPLETIONS, raw=big)  # Content-Length: refused before reading
+    _assert_openai_error(response, 413)
+    assert response.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: refused once the bytes read pass the limit
+        for start in range(0, len(big), 1 << 16):
+            yield big[start:start + (1 << 16)]
+
+    response = httpx.post(f"{tiny_server.url}{COMPLETIONS}", content=chunks(), headers={"content-type": "application/json"}, timeout=60)
+    _assert_openai_error(response, 413)
+    assert httpx.get(f"{tiny_server.url}/health").status_code == 200
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(tiny_server: ServerThread) -> None:
+    # Just under the body limit: about 1.5 s of tokenizing (then a 400: far over the context).
+    prompt = "word " * ((4 << 20) // 5 - 20)
+    result: dict[str, object] = {}
+
+    def send() -> None:
+        start = time.monotonic()
+        result["response"] = _post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": prompt})
+        result["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    worst = 0.0
+    while thread.is_alive():
+        start = time.monotonic()
+        assert httpx.get(f"{tiny_server.url}/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - start)
+        time.sleep(0.02)
+    thread.join()
+    _assert_openai_error(result["response"], 400, "prompt")  # type: ignore[arg-type]
+    assert result["seconds"] > 1.0 and worst < 0.5, (result["seconds"], worst)
+
+
+def test_refusals_and_failures_are_counted(tiny_server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = {(route, reason): _metric(tiny_server, route, reason)
+              for route in ("plain", "") for reason in ("rejected", "error", "abort")}
+    _assert_openai_error(_post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": "hi", "top_p": 0}), 400)
+    _assert_openai_error(_post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": [5] * 256}), 400)
+    _assert_openai_error(_post(tiny_server, COMPLETIONS, {"model": "nope", "prompt": "hi"}), 404)
+    _assert_openai_error(_post(tiny_server, CHAT, raw=b"{"), 400)
+    _assert_openai_error(_post(tiny_server, CHAT, raw=b" " * ((4 << 20) + 1)), 413)
+    # A prefill that fails: the request gets a 503, and the failure is counted once.
+    engine = tiny_server.server.config.app.state.specdec.scheduler.engine
+
+    def broken_add(seq: object) -> None:
+        raise RuntimeError("injected prefill failure")
+
+    monkeypatch.setattr(engine, "add", broken_add)
+    failed = _post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": "hi", "max_tokens": 2})
+    monkeypatch.undo()
+    _assert_openai_error(failed, 503)
+    after = {key: _metric(tiny_server, *key) for key in before}
+    assert after[("plain", "rejected")] - before[("plain", "rejected")] == 2
+    assert after[("", "rejected")] - before[("", "rejected")] == 3
+    assert after[("plain", "error")] - before[("plain", "error")] == 1
+    assert after[("plain", "abort")] == before[("plain", "abort")] and after[("", "error")] == before[("", "error")]
+
+
+def test_a_full_queue_refuses_whole_requests_and_aborts_nothing(tiny_model: LoadedModel) -> None:
+    config = ServerConfig(routes=ROUTES, max_model_len=256, max_num_seqs=1, max_waiting=4, graceful_shutdown_s=1)
+    server = ServerThread(build_state(config, loaded=tiny_model)).start()
+    scheduler = server.server.config.app.state.specdec.scheduler
+    long = {"model": "plain", "prompt": "hi", "max_tokens": 250, "ignore_eos": True}
+    try:
+        held = [threading.Thread(target=_post, args=(server, COMPLETIONS, long)) for _ in range(4)]
+        for thread in held:  # one runs, three wait
+            thread.start()
+        deadline = time.monotonic() + 10
+        while scheduler.waiting < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert scheduler.waiting == 3
+        # Two sequences do not fit beside three waiting: the whole request is refused, none queued.
+        full = _post(server, COMPLETIONS, {"model": "plain", "prompt": ["a", "b"], "max_tokens": 1})
+        _assert_openai_error(full, 429)
+        assert full.json()["error"]["code"] == "queue_full"
+        # More sequences than the queue holds at all: never servable, so a 400 rather than a 429.
+        many = _post(server, COMPLETIONS, {"model": "plain", "prompt": [[5]] * 10, "max_tokens": 1})
+        _assert_openai_error(many, 400, "n")
+        for thread in held:
+            thread.join()
+        counts = {reason: _metric(server, "plain", reason) for reason in ("length", "abort", "rejected")}
+        assert counts == {"length": 4, "abort": 0, "rejected": 2}
+        assert scheduler.running == 0 and scheduler.waiting == 0
+    finally:
+        server.stop()
