@@ -37,6 +37,8 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
         (["generate", "hi", "--speculative-config", "{method: ngram"], "not valid JSON"),
         (["generate", "hi", "--method", "draft_model"], "needs a draft model"),
         (["bench", "--data", "/no/such/file.jsonl"], "data file not found"),
+        (["bench", "--data", str(Path(__file__).parent)], "is a directory, not a data file"),
+        (["serve", "--config", str(Path(__file__).parent / "no_routes.toml")], "needs a [routes.NAME] table for each served model name"),
     ],
 )
 def test_bad_input_is_one_line_error(args: list[str], message: str) -> None:
