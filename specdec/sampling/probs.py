@@ -45,6 +45,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # so the set is the smallest prefix reaching top_p, and the top token is always kept.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        # The top token's mass before is 0, and a top_p below float32's smallest (1e-300)
+        # rounds to 0 too: keep it explicitly, or nothing would be left.
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0:
