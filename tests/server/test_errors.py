@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import threading
 import time
 
 import httpx
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -284,3 +286,137 @@ def test_a_full_queue_refuses_whole_requests_and_aborts_nothing(tiny_model: Load
         assert scheduler.running == 0 and scheduler.waiting == 0
     finally:
         server.stop()
+
+
+# --- a seeded fuzz of hostile requests, with a greedy stream running through it ------------------
+
+HOSTILE_EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "160"))
+WRONG_VALUES = [None, True, False, 0, -1, 1.5, 2**70, "x", "", [], {}, [1, "a"], {"a": 1}, [[]]]
+OVER_LIMIT = (4 << 20) + 1
+
+
+def _base(rng: random.Random) -> tuple[str, dict]:
+    """A valid request that generates at most 3 tokens."""
+    body: dict = {"model": rng.choice(["plain", "spec", "fixed"]), "max_tokens": rng.randint(1, 3)}
+    if rng.random() < 0.5:
+        return COMPLETIONS, body | {"prompt": rng.choice(["hi", "one two three", [5, 6, 7], ["a", "b"]])}
+    return CHAT, body | {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _hostile(rng: random.Random, category: int) -> tuple[str, bytes, bool]:
+    """One hostile request: (path, raw body, send it chunked)."""
+    path, body = _base(rng)
+    raw: bytes | None = None
+    chunked = False
+    if category == 0:  # malformed JSON
+        valid = json.dumps(body).encode()
+        raw = rng.choice([valid[: rng.randrange(len(valid))], rng.randbytes(rng.randint(1, 64)), b"", b"null", b"[]",
+                          valid + b" trailing", b"[" * 100_000, valid.replace(b"}", b', "temperature": NaN}'),
+                          valid.replace(b"}", b', "temperature": Infinity}'), b'{"model": "plain", "prompt": "\xff\xfe"}'])
+    elif category == 1:  # a field of the wrong type
+        body[rng.choice(FIELDS + ["messages", "max_completion_tokens", "user", "logit_bias"])] = rng.choice(WRONG_VALUES)
+    elif category == 2:  # unknown fields
+        body[rng.choice(["bogus", "tools", "functions", "response_format", "echo", "best_of", "", "\u00e9"])] = rng.choice(WRONG_VALUES + [1])
+    elif category == 3:  # max_tokens out of range
+        body["max_tokens"] = rng.choice([-5, 0, -(2**63), 2**63, 10**30, 1.5, "10", True])
+    elif category == 4:  # lone surrogates (json.dumps writes them as \\ud800 escapes)
+        lone = rng.choice(["\ud800", "\udfff", "a\udc00b"])
+        if "prompt" in body:
+            body[rng.choice(["prompt", "stop", "model", "user"])] = lone
+        else:
+            body["messages"] = [{"role": "user", "content": rng.choice([lone, [{"type": "text", "text": lone}]])}]
+    elif category == 5:  # a body over the limit, with and without Content-Length
+        raw = json.dumps(body | {"user": "x" * OVER_LIMIT}).encode()
+        chunked = rng.random() < 0.5
+    elif category == 6:  # an unknown model
+        body["model"] = rng.choice(["nope", "", "SPEC", "plain ", "gpt-4o"])
+    elif category == 7:  # bad speculative fields
+        body["speculative"] = rng.choice([{"num_speculative_tokens": -1}, {"num_speculative_tokens": 65},
+                                          {"num_speculative_tokens": 2**70}, {"num_speculative_tokens": "2"},
+                                          {"num_speculative_tokens": 7}, {"k": 2}, {}, "on", 1, [4], None])
+        if rng.random() < 0.3:
+            body["model"], body["speculative"] = "plain", {"num_speculative_tokens": 2}
+    elif category == 8:  # tiny, huge and out-of-range temperatures
+        body["temperature"] = rng.choice([1e-38, 5e-324, 1e-300, 1e-7, 100.0, 100.0001, 1e308, -1e-38, -0.0])
+    elif category == 9:  # empty or odd messages
+        path = CHAT
+        body.pop("prompt", None)
+        body["messages"] = rng.choice([[], [{"role": "user", "content": ""}], [{"role": "user", "content": "   "}],
+                                       [{"role": "user", "content": []}], [{"role": "tool", "content": "hi"}],
+                                       [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+                                       [{"role": "assistant", "content": "hi"}]])
+    elif category == 10:  # n too large, or too many sequences
+        body["n"] = rng.choice([17, 0, -1, 10**9, 16])
+        if body["n"] == 16 and "prompt" in body:
+            body["prompt"] = [[5]] * 20  # 320 sequences: more than the queue holds
+    elif category == 11:  # stop of the wrong type
+        body["stop"] = rng.choice([5, [1], {"a": "b"}, ["a"] * 17, [""], "", [None]])
+    elif category == 12:  # odd prompts
+        path = COMPLETIONS
+        body.pop("messages", None)
+        body["prompt"] = rng.choice([[], [[]], [[5, -1]], [2**40], [["a"]], [5, "a"], [5] * 256, "word " * 300, [1.5]])
+    elif category == 13:  # sampling parameters at and past their bounds
+        name, value = rng.choice([("top_p", 0), ("top_p", 1e-300), ("top_k", -5), ("top_k", 2**40), ("min_p", 1),
+                                  ("min_p", 0.999), ("seed", -1), ("seed", 2**64), ("seed", 2**63 - 1), ("ignore_eos", "yes")])
+        body[name] = value
+    else:  # a valid request, streamed or not, now and then with a small temperature
+        body["stream"] = rng.random() < 0.5
+        if rng.random() < 0.5:
+            body["temperature"] = rng.choice([0, 1e-30, 0.7])
+    return path, raw if raw is not None else json.dumps(body).encode(), chunked
+
+
+def _send(server: ServerThread, path: str, raw: bytes, chunked: bool) -> httpx.Response:
+    content = (raw[i:i + (1 << 16)] for i in range(0, len(raw), 1 << 16)) if chunked else raw
+    return httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=60)
+
+
+def test_hostile_requests_never_get_a_5xx_nor_disturb_a_stream(tiny_server: ServerThread) -> None:
+    client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream_kwargs = dict(model="spec", prompt="one two three one two three", max_tokens=40, temperature=0,
+                         extra_body={"ignore_eos": True})
+
+    def streamed() -> tuple[str, str | None]:
+        text, finish = [], None
+        for chunk in client.completions.create(stream=True, **stream_kwargs):
+            text.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(text), finish
+
+    alone = streamed()
+    assert alone[1] == "length" and alone[0]
+    done = threading.Event()
+    during: list[tuple[str, str | None]] = []
+    failures: list[BaseException] = []
+
+    def keep_streaming() -> None:
+        try:
+            while not done.is_set():
+                during.append(streamed())
+        except BaseException as exc:  # noqa: BLE001  reported by the test thread
+            failures.append(exc)
+
+    streamer = threading.Thread(target=keep_streaming)
+    streamer.start()
+    rng = random.Random(13)
+    statuses: dict[int, int] = {}
+    try:
+        for i in range(HOSTILE_EXAMPLES):
+            path, raw, chunked = _hostile(rng, i % 15)
+            response = _send(tiny_server, path, raw, chunked)
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            assert response.status_code < 500, (i, raw[:300], response.text)
+            if response.status_code >= 400:
+                _assert_openai_error(response, response.status_code)
+            assert httpx.get(f"{tiny_server.url}/health").json()["status"] == "ok", (i, raw[:300])
+    finally:
+        done.set()
+        streamer.join(60)
+    assert not failures, failures
+    assert len(during) >= 2 and all(result == alone for result in during), (alone, during)
+    assert statuses.get(200, 0) >= 10 and statuses.get(413, 0) >= 5 and statuses.get(400, 0) >= HOSTILE_EXAMPLES // 2, statuses
+    scheduler = tiny_server.server.config.app.state.specdec.scheduler
+    deadline = time.monotonic() + 5
+    while (scheduler.running or scheduler.waiting) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert scheduler.running == 0 and scheduler.waiting == 0
