@@ -23,6 +23,8 @@ class Record:
 
 def load_records(path: str | Path) -> list[Record]:
     path = Path(path)
+    if path.is_dir():
+        raise BenchDataError(f"{path} is a directory, not a data file: give the JSONL file itself")
     if not path.is_file():
         raise BenchDataError(f"data file not found: {path}")
     records = []

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from specdec.config import SamplingParams, SpeculativeConfig
@@ -263,12 +264,12 @@ def bench(
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
-        err.print(f"report written to {json_path}")
+        err.print(f"report written to {escape(str(json_path))}")
     if report_dir is not None:
         from specdec.bench.plots import write_report_files
 
         for path in write_report_files(report, report_dir):
-            err.print(f"wrote {path}")
+            err.print(f"wrote {escape(str(path))}")
 
 
 @app.command()
@@ -354,7 +355,7 @@ def tune(
         best.add_row(*(cell.strip("*") for cell in row))
     out.print(best)
     for path in t.write_outputs(result, out_dir):
-        err.print(f"wrote {path}")
+        err.print(f"wrote {escape(str(path))}")
 
 
 @app.command()
@@ -535,7 +536,7 @@ def serve(
     with err.status(f"loading {model or 'the default model'}..."):
         state = build_state(server_config, model, device=device, backend=backend, dtype=dtype)
     err.print(f"memory: {state.memory.describe()}", highlight=False, soft_wrap=True)
-    err.print(f"routes: {', '.join(r.name for r in server_config.routes)}; up to {state.max_num_seqs} sequences; http://{host}:{port}/v1")
+    err.print(f"routes: {escape(', '.join(r.name for r in server_config.routes))}; up to {state.max_num_seqs} sequences; http://{host}:{port}/v1")
     uvicorn_server(state, host, port).run()
 
 
@@ -545,7 +546,8 @@ def main() -> None:
     try:
         app()  # click reports its own usage errors and exits 2
     except SpecDecError as exc:
-        err.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+        # The message is plain text: "[routes.NAME]" in it is not rich markup.
+        err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 

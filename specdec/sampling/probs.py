@@ -15,13 +15,25 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     the smallest set of most likely tokens whose mass reaches top_p; min-p drops tokens below
     min_p times the most likely token's probability. The most likely token always survives.
     Greedy (temperature 0) is a one-hot at the argmax.
+
+    Any positive temperature is safe: logits are shifted so that the largest is 0 before
+    dividing, so every scaled logit is <= 0 and the softmax never overflows. A temperature so
+    small that the division underflows or divides by a float32 zero gives the limit, a one-hot
+    at the argmax (uniform over exact ties), never NaN.
     """
     if logits.dim() < 1:
         raise ValueError(f"logits must have a vocab dimension, got shape {tuple(logits.shape)}")
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # Shift by the row maximum, then scale: (logits - max) / T <= 0 (softmax is shift-invariant).
+    # With a tiny T, `shifted / T` is -inf below the maximum and 0 / 0 = NaN at it (T rounds to 0
+    # in float32 below 1.4e-45); an infinite T gives -inf / inf = NaN at masked tokens. Both are
+    # put back to their limits: 0 at the maximum, -inf where the logit was -inf.
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # [..., vocab], <= 0
+    logits = shifted / params.temperature
+    logits = torch.where(shifted == 0, 0.0, logits)
+    logits = torch.where(shifted == float("-inf"), float("-inf"), logits)
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -33,6 +45,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # so the set is the smallest prefix reaching top_p, and the top token is always kept.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        # The top token's mass before is 0, and a top_p below float32's smallest (1e-300)
+        # rounds to 0 too: keep it explicitly, or nothing would be left.
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0:

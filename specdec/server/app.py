@@ -2,7 +2,9 @@
 not), `/v1/models`, `/health` and `/metrics`, over the scheduler thread.
 
 Each choice of a request is one sequence in the batch. Its events arrive from the scheduler
-thread on an asyncio queue; a client that goes away cancels its sequences.
+thread on an asyncio queue; a client that goes away cancels its sequences. Prompts are
+tokenized on a thread of their own, so a long one does not hold up the event loop. A guard
+around the app refuses bodies over `max_request_bytes` (413) and counts refused requests.
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.api import LLM
 from specdec.config import SamplingParams
@@ -37,15 +41,23 @@ from specdec.server.protocol import (
     SpeculativeOverride,
     error_body,
 )
-from specdec.server.scheduler import Event, QueueFullError, Scheduler, ServerRequest
+from specdec.server.scheduler import Event, QueueFullError, Scheduler, ServerRequest, StoppedError
 
 log = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+T = TypeVar("T")
+
+
+def _one_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-encode")
 
 
 @dataclass
 class ServerState:
-    """What the app serves: the config, an encoder (own tokenizer copy, used only on the event
-    loop), the scheduler thread, metrics and the memory plan."""
+    """What the app serves: the config, an encoder (own tokenizer copy, used only by the one
+    thread of `encode_pool`), the scheduler thread, metrics and the memory plan."""
 
     config: ServerConfig
     encoder: LLM
@@ -56,6 +68,12 @@ class ServerState:
     max_model_len: int
     max_num_seqs: int
     shutting_down: bool = False
+    # One thread: a fast tokenizer must not be used from two threads at once.
+    encode_pool: ThreadPoolExecutor = field(default_factory=_one_thread)
+
+    async def encode(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a tokenizing function off the event loop, on the encoder's own thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.encode_pool, fn, *args)
 
 
 # --- request -> sequences ------------------------------------------------------------------------
@@ -153,8 +171,11 @@ class _Job:
             self.scheduler.cancel(request)
 
 
-def _submit(state: ServerState, route: RouteConfig, prompts: list[list[int]], params: list[SamplingParams], k: int,
-            arrival: float) -> _Job:
+def _submit(state: ServerState, http: Request, route: RouteConfig, prompts: list[list[int]], params: list[SamplingParams],
+            k: int, arrival: float) -> _Job:
+    if len(prompts) > state.config.max_waiting:
+        raise APIError(400, f"a request may start at most {state.config.max_waiting} sequences (prompts x n); this one "
+                            f"starts {len(prompts)}", param="n", code="too_many_sequences")
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -165,14 +186,14 @@ def _submit(state: ServerState, route: RouteConfig, prompts: list[list[int]], pa
             pass
 
     requests = [ServerRequest(route, ids, p, k, sink, index=i, arrival=arrival) for i, (ids, p) in enumerate(zip(prompts, params))]
-    job = _Job(requests, events, state.scheduler)
     try:
-        for request in requests:
-            state.scheduler.submit(request)
+        state.scheduler.submit_all(requests)  # all or none
     except QueueFullError as exc:
-        job.cancel()
         raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
-    return job
+    except StoppedError as exc:
+        raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
+    http.state.submitted = True  # from here on the scheduler counts its sequences in the metrics
+    return _Job(requests, events, state.scheduler)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -192,9 +213,11 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.shutting_down = True
         await asyncio.to_thread(state.scheduler.stop)
+        state.encode_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.specdec = state
+    app.add_middleware(RequestGuard, state=state)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -204,10 +227,14 @@ def create_app(state: ServerState) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "invalid"}
+        body = exc.body
+        if isinstance(body, dict) and isinstance(body.get("model"), str) and state.config.route(body["model"]):
+            request.state.route = body["model"]  # for the metrics: a refusal on this route
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
+        param = (first.get("ctx") or {}).get("param") or ".".join(loc) or None  # field_error names its own
         if first.get("type") == "json_invalid":
-            message, code = "We could not parse the JSON body of your request.", "json_invalid"
+            # Its location is a character offset into the body, not a parameter.
+            message, code, param = "We could not parse the JSON body of your request.", "json_invalid", None
         else:
             message, code = f"{param or 'body'}: {first.get('msg', 'invalid value')}", first.get("type")
         return JSONResponse(error_body(message, param=param, code=code), status_code=400)
@@ -254,12 +281,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         route = _route(state, body.model)
+        request.state.route = route.name
         k = _k(route, body.speculative)
-        prompts = _encode_completion(state, body)
+        prompts = await state.encode(_encode_completion, state, body)
         max_tokens = body.max_tokens or 16
         expanded = [ids for ids in prompts for _ in range(body.n)]
         params = [_params(body, max_tokens, i % body.n) for i in range(len(expanded))]
-        job = _submit(state, route, expanded, params, k, arrival)
+        job = _submit(state, request, route, expanded, params, k, arrival)
         prompt_tokens = sum(len(ids) for ids in prompts)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
         if body.stream:
@@ -274,12 +302,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         route = _route(state, body.model)
+        request.state.route = route.name
         k = _k(route, body.speculative)
-        ids = _encode_chat(state, body)
+        ids = await state.encode(_encode_chat, state, body)
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
         prompts = [ids] * body.n
         params = [_params(body, max_tokens, i) for i in range(body.n)]
-        job = _submit(state, route, prompts, params, k, arrival)
+        job = _submit(state, request, route, prompts, params, k, arrival)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -290,6 +319,95 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(meta | {"object": "chat.completion", "choices": choices, **_totals(len(ids), results)})
 
     return app
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class RequestGuard:
+    """ASGI middleware around the app.
+
+    1. Refuses a body over `max_request_bytes` with 413 and the JSON error body: at once when
+       Content-Length says so, else once the bytes read pass it. The body is read here (the
+       handlers read all of it anyway) and handed on unchanged.
+    2. Counts a request to a generation endpoint that ends before any of its sequences was
+       queued in `specdec_requests_total`: "rejected" (a 4xx), "error" (a 5xx or an exception)
+       or "abort" (the client left first). Once sequences are queued, the scheduler counts
+       each of them instead, so nothing is counted twice.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_state = scope.setdefault("state", {})
+        status = 0
+        failed = False
+
+        async def observed(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            try:
+                replay = await self._read_body(scope, receive)
+            except _BodyTooLarge:
+                limit = self.state.config.max_request_bytes
+                body = error_body(f"the request body exceeds the server's limit of {limit} bytes", code="request_too_large")
+                await JSONResponse(body, status_code=413)(scope, receive, observed)
+                return
+            await self.app(scope, replay, observed)
+        except Exception:
+            failed = True
+            raise
+        finally:
+            if scope["path"] in GENERATION_PATHS and not request_state.get("submitted"):
+                reason = None
+                if failed or status >= 500:
+                    reason = "error"
+                elif status >= 400:
+                    reason = "rejected"
+                elif status == 0:  # cancelled before it answered: the client went away
+                    reason = "abort"
+                if reason is not None:
+                    self.state.metrics.requests.labels(request_state.get("route", ""), reason).inc()
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
+        """Read the whole body (at most the limit), and return a `receive` that replays it and
+        then passes on to the client's (for disconnects)."""
+        limit = self.state.config.max_request_bytes
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"").decode("latin-1")
+        if length.isdigit() and int(length) > limit:
+            raise _BodyTooLarge
+        chunks: list[bytes] = []
+        size = 0
+        first: Message | None = None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                first = message
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        pending: list[Message] = [first] if first is not None else [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        return replay
 
 
 @dataclass

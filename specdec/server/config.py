@@ -7,6 +7,8 @@ Example (`specdec serve --config server.toml`)::
     max_num_seqs = 16             # most sequences in the batch (also bounded by the cache budget)
     cache_budget_mb = 2048        # KV cache budget; a draft model's weights are taken from it
     threads = 2                   # torch intra-op threads of the model work (default: auto, see ServerConfig)
+    max_request_bytes = 4194304   # largest request body; a larger one gets a 413 (default 4 MiB)
+    graceful_shutdown_s = 30      # on SIGTERM, time for requests in flight to finish; then they abort
 
     [drift]                       # acceptance drift warning, per route
     window = 256                  # drafted tokens in the rolling window
@@ -146,7 +148,12 @@ class ServerConfig:
     max_num_seqs: int = 16
     cache_budget_bytes: int = 2 << 30
     max_waiting: int = 256
+    # On SIGTERM, requests in flight get this long to finish; then every one still running or
+    # waiting ends with finish_reason "abort" (a final chunk and [DONE] when streamed).
     graceful_shutdown_s: float = 30.0
+    # The largest request body; a larger one is refused with 413 before it is parsed. 4 MiB
+    # holds a prompt far longer than any context (about 1M tokens of English).
+    max_request_bytes: int = 4 << 20
     drift: DriftConfig = field(default_factory=DriftConfig)
     # torch intra-op threads of the scheduler thread, which does all the model work. None is
     # auto: with one sequence running, one core fewer than torch's default (one per core), so
@@ -161,12 +168,13 @@ class ServerConfig:
         names = [r.name for r in self.routes]
         if len(set(names)) != len(names):
             raise ConfigError(f"route names must be distinct, got {names}")
-        for name in ("max_model_len", "max_num_seqs", "cache_budget_bytes", "max_waiting"):
+        for name in ("max_model_len", "max_num_seqs", "cache_budget_bytes", "max_waiting", "max_request_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.graceful_shutdown_s < 0:
-            raise ConfigError("graceful_shutdown_s must be >= 0")
+        grace = self.graceful_shutdown_s
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
+            raise ConfigError(f"graceful_shutdown_s must be a number >= 0, got {grace!r}")
         threads = self.threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
@@ -189,7 +197,7 @@ def default_config(**overrides: Any) -> ServerConfig:
     return ServerConfig(routes=routes, **overrides)
 
 
-_SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads")
+_SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads", "max_request_bytes")
 _TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "drift", "routes"}
 _ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}
 

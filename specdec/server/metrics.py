@@ -22,8 +22,11 @@ machine. Definitions (the same names and meanings as :mod:`specdec.engine.stats`
 - `specdec_speculative_tokens`: the k the route's load schedule gives at the current load.
 - `specdec_window_acceptance_rate`, `specdec_baseline_acceptance_rate`,
   `specdec_acceptance_drift`: drift (see :class:`AcceptanceDrift`); the last is 1 while drifting.
-- `specdec_requests_total{route, finish_reason}`: finished requests by reason (stop, length,
-  abort, error).
+- `specdec_requests_total{route, finish_reason}`: finished sequences (one per choice of each
+  prompt) by reason: stop, length, abort (client gone, or cut by shutdown), error (failed
+  while generating). A request refused before any of its sequences was queued counts once,
+  as `rejected` (a 4xx: bad input, body too large, queue full) or `error` (a 5xx); its route
+  is the one it named, or "" when it named none that is served (or could not be read).
 - machine-wide: `specdec_queue_length` (requests waiting for a row), `specdec_running_sequences`
   (rows in the batch; also per route as `specdec_route_running_sequences`), and the memory plan
   gauges `specdec_memory_bytes{part}` and `specdec_max_concurrent_sequences{with_draft}`.
@@ -109,7 +112,8 @@ class ServerMetrics:
         self.generated = Counter("specdec_generated_tokens", "Output tokens returned to clients", route, registry=r)
         self.drafted_at = Counter("specdec_drafted_at_position", "Steps that drafted a token at this position", ["route", "position"], registry=r)
         self.accepted_at = Counter("specdec_accepted_at_position", "Steps whose token at this position was accepted", ["route", "position"], registry=r)
-        self.requests = Counter("specdec_requests", "Finished requests by finish reason", ["route", "finish_reason"], registry=r)
+        self.requests = Counter("specdec_requests", "Finished sequences by finish reason; refused requests as rejected (4xx) or error (5xx)",
+                                ["route", "finish_reason"], registry=r)
         self.acceptance_rate = Gauge("specdec_acceptance_rate", "Accepted / drafted tokens since start", route, registry=r)
         self.mean_accepted_length = Gauge("specdec_mean_accepted_length", "Committed tokens per target step since start, the target's own token counted", route, registry=r)
         self.position_acceptance = Gauge("specdec_position_acceptance", "Accepted / drafted at each draft position since start", ["route", "position"], registry=r)

@@ -3,14 +3,16 @@
 Fields follow OpenAI's API; specdec adds `top_k`, `min_p`, `ignore_eos` and `speculative`
 (`false`, or `{"num_speculative_tokens": k}` with 0 <= k <= the route's cap). Unknown fields
 are refused, as are OpenAI features specdec does not implement when set to anything but
-their neutral value (penalties, logprobs, echo, best_of > 1).
+their neutral value (penalties, logprobs, echo, best_of > 1), and text that is not valid
+Unicode (JSON's `\ud800` escapes decode to lone surrogates, which no tokenizer takes).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class APIError(Exception):
@@ -30,7 +32,41 @@ class APIError(Exception):
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    # Messages and params can quote the client's text (a field name); a lone surrogate in it
+    # would make the response itself unencodable, so such characters are written as escapes.
+    return {"error": {"message": printable(message), "type": type, "param": None if param is None else printable(param),
+                      "code": code}}
+
+
+def printable(text: str) -> str:
+    """`text` with any lone surrogate written as a backslash escape, so it encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def field_error(param: str, message: str) -> PydanticCustomError:
+    """A validation error that names its field (`param`, dotted) itself; the app reports it with
+    that param instead of the location pydantic would give."""
+    return PydanticCustomError("invalid_field", "{message}", {"param": printable(param), "message": printable(message)})
+
+
+def _lone_surrogate(data: Any) -> tuple[str, str] | None:
+    """The dotted path to a string (value or key) in parsed JSON that is not valid Unicode, and
+    the surrogate's code point; None when all are. Iterative: JSON can nest deeper than the stack."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return ".".join(path), f"U+{ord(value[exc.start]):04X}"
+        elif isinstance(value, dict):
+            items = [(item, (*path, str(key))) for key, item in value.items()]
+            stack.extend((key, (*path, str(key))) for key in value if isinstance(key, str))
+            stack.extend(reversed(items))
+        elif isinstance(value, list):
+            stack.extend(reversed([(item, (*path, str(i))) for i, item in enumerate(value)]))
+    return None
 
 
 class _Strict(BaseModel):
@@ -63,6 +99,34 @@ class _SamplingRequest(_Strict):
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = _lone_surrogate(data)
+        if found is not None:
+            path, code = found
+            raise field_error(path or "body", f"must be valid Unicode text; found a lone surrogate {code}")
+        return data
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _speculative(cls, value: Any) -> Any:
+        """true, false, or {"num_speculative_tokens": k}; errors name the field at fault (a
+        union's own errors would name the union's first member: "speculative.bool")."""
+        if value is None or isinstance(value, (bool, SpeculativeOverride)):
+            return value
+        if not isinstance(value, dict):
+            raise field_error("speculative", 'must be true, false or {"num_speculative_tokens": k}')
+        for name in value:
+            if name != "num_speculative_tokens":
+                raise field_error(f"speculative.{name}", "unknown field; the only one is num_speculative_tokens")
+        if "num_speculative_tokens" not in value:
+            raise field_error("speculative.num_speculative_tokens", "is required")
+        k = value["num_speculative_tokens"]
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
+            raise field_error("speculative.num_speculative_tokens", "must be an integer in 0..64")
+        return SpeculativeOverride(num_speculative_tokens=k)
 
 
 class CompletionRequest(_SamplingRequest):

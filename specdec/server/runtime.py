@@ -3,12 +3,17 @@ the scheduler, and run uvicorn (in the foreground, or in a thread for tests and 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import dataclasses
 import logging
+import signal
+import socket
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import torch
 import uvicorn
@@ -67,12 +72,57 @@ def build_state(config: ServerConfig, model: str | None = None, *, loaded: Loade
     return ServerState(config, encoder, scheduler, metrics, memory, target.name, config.max_model_len, rows)
 
 
-def uvicorn_server(state: ServerState, host: str, port: int, log_level: str = "info") -> uvicorn.Server:
-    """A uvicorn server for the app; SIGTERM (in the main thread) drains in-flight requests for
-    up to graceful_shutdown_s, then the scheduler stops and aborts what is left."""
+# After the grace, how long aborted requests get to send their last chunk or body before
+# uvicorn cancels what is left (only a client that stopped reading needs it).
+ABORT_MARGIN_S = 5.0
+
+
+class SpecdecServer(uvicorn.Server):
+    """uvicorn with specdec's shutdown. On SIGTERM or SIGINT (or `should_exit`) it stops
+    accepting connections, lets requests in flight finish for up to graceful_shutdown_s, then
+    aborts every request still waiting or running: each ends as usual, with finish_reason
+    "abort" (a streamed one with its last chunk and `data: [DONE]`, another with its JSON
+    body), before the connections close. The process then exits 0: uvicorn's own shutdown
+    cancels handlers mid-response at its timeout and re-raises the signal (exit 143)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.shutting_down = True
+        timer = asyncio.get_running_loop().call_later(self.state.config.graceful_shutdown_s, self._abort)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _abort(self) -> None:
+        running, waiting = self.state.scheduler.running, self.state.scheduler.waiting
+        if running or waiting:
+            log.warning("graceful shutdown: %.3g s passed; aborting %d running and %d waiting sequences",
+                        self.state.config.graceful_shutdown_s, running, waiting)
+        self.state.scheduler.abort_all()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # As uvicorn's, without re-raising the signal afterwards: the shutdown was orderly.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def uvicorn_server(state: ServerState, host: str, port: int, log_level: str = "info") -> SpecdecServer:
+    """A uvicorn server for the app, with the shutdown of SpecdecServer."""
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=state.config.graceful_shutdown_s, lifespan="on")
-    return uvicorn.Server(config)
+                            timeout_graceful_shutdown=state.config.graceful_shutdown_s + ABORT_MARGIN_S, lifespan="on")
+    return SpecdecServer(config, state)
 
 
 class ServerThread:

@@ -96,6 +96,10 @@ class QueueFullError(SpecDecError):
     """Too many requests are waiting for a row."""
 
 
+class StoppedError(SpecDecError):
+    """The scheduler is stopping (the server is shutting down) and takes no new requests."""
+
+
 class Scheduler:
     """Runs the batched engine in a background thread; see the module docstring."""
 
@@ -121,11 +125,20 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, request: ServerRequest) -> None:
+        self.submit_all([request])
+
+    def submit_all(self, requests: list[ServerRequest]) -> None:
+        """Queue all of `requests` (the choices and prompts of one HTTP request), or none: a
+        request refused for a full queue must not leave some of its sequences behind, which
+        would then be cancelled and counted as aborted."""
         if self._stopping.is_set():
-            raise QueueFullError("the server is shutting down")
-        if self._inbox.qsize() + len(self._waiting) >= self.max_waiting:
-            raise QueueFullError(f"{self.max_waiting} requests are already waiting")
-        self._inbox.put(request)
+            raise StoppedError("the server is shutting down")
+        # Called only from the event loop, so no other submit runs between the check and the puts.
+        if self.waiting + len(requests) > self.max_waiting:
+            raise QueueFullError(f"{self.waiting} requests are waiting; {len(requests)} more would exceed the "
+                                 f"limit of {self.max_waiting}")
+        for request in requests:
+            self._inbox.put(request)
 
     def cancel(self, request: ServerRequest) -> None:
         """Mark a request cancelled; its sequence leaves the batch before the next step."""
@@ -143,9 +156,14 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def abort_all(self) -> None:
+        """Stop taking requests and end every one still waiting or running with finish_reason
+        "abort" (after the step in progress); returns at once. The thread then exits."""
+        self._stopping.set()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still waiting or running end with finish_reason "abort"."""
-        self._stopping.set()
+        self.abort_all()
         self._thread.join(timeout)
 
     # --- the scheduler thread ----------------------------------------------------------------
@@ -204,11 +222,13 @@ class Scheduler:
                 out = self.engine.add(seq)
             except (SpecDecError, ValueError) as exc:  # the handler checks prompts; this is a backstop
                 request.sink(Event("error", request.index, message=str(exc)))
+                self._finish(request, "error", notify=False)
                 continue
             except Exception:  # noqa: BLE001  a failed prefill fails its request, not the thread
                 log.exception("prefill failed")
                 self.engine.remove(seq)  # in case it got a row before failing
                 request.sink(Event("error", request.index, message="internal error during prefill"))
+                self._finish(request, "error", notify=False)
                 continue
             self._running[seq.id] = request
             self.metrics.route_running.labels(request.route.name).inc()

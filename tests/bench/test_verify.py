@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import random
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from specdec.api import LLM
-from specdec.bench.verify import accept_every_draft, builtin_prompts, first_divergence, homogeneity_pvalue
+from specdec.bench.verify import (
+    accept_every_draft,
+    builtin_prompts,
+    compare_samples,
+    first_divergence,
+    homogeneity_pvalue,
+    verify_sampling,
+)
 from specdec.config import SamplingParams
 from specdec.models import LoadedModel
 
@@ -64,3 +74,36 @@ def test_verify_cli_greedy_passes_and_writes_json(tmp_path: Path) -> None:
     assert "1/1 prompts token-identical" in result.stdout
     report = json.loads(out.read_text())
     assert report["greedy"]["passed"] is True and report["greedy"]["identical"] == 1
+
+
+# --- the sampling verdict itself, on a small model whose distributions are far from uniform ------
+
+PROMPTS = ("t1 t2 t3 t1 t2 t3 t1 t2",)
+
+
+@pytest.fixture(scope="module")
+def small_llm(small_model_factory) -> LLM:
+    loaded = small_model_factory(seed=5, vocab_size=8)
+    tokenizer = copy.deepcopy(loaded.tokenizer)  # the factory's model is shared: template a copy
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return LLM(loaded=dataclasses.replace(loaded, tokenizer=tokenizer), speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+
+def test_compare_samples_accepts_the_same_distribution(small_llm: LLM) -> None:
+    check = compare_samples(small_llm, small_llm.engine, SamplingParams(temperature=1.0), PROMPTS, draws=200, length=4, alpha=0.01)
+    assert check.passed and check.p_value > 0.01 and check.tests == 3
+    assert check.drafted > 0  # speculation ran: the comparison was of two different engines
+
+
+def test_compare_samples_rejects_a_clearly_different_sample(small_llm: LLM) -> None:
+    # The plain arm replaced by a sample that is one token every time.
+    constant = {0: [[0, 0, 0, 0]] * 200}
+    check = compare_samples(small_llm, small_llm.engine, SamplingParams(temperature=1.0), PROMPTS, draws=200, length=4,
+                            alpha=0.01, plain_samples=constant)
+    assert not check.passed and check.p_value < 1e-6
+
+
+def test_verify_sampling_passes_the_right_rule_and_rejects_the_wrong_one(small_llm: LLM) -> None:
+    result, self_check = verify_sampling(small_llm, SamplingParams(temperature=1.0), draws=200, length=4, prompts=PROMPTS)
+    assert result.passed and result.p_value > 0.01
+    assert not self_check.passed and self_check.p_value < 0.01 and self_check.accepted == self_check.drafted > 0

@@ -37,6 +37,8 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
         (["generate", "hi", "--speculative-config", "{method: ngram"], "not valid JSON"),
         (["generate", "hi", "--method", "draft_model"], "needs a draft model"),
         (["bench", "--data", "/no/such/file.jsonl"], "data file not found"),
+        (["bench", "--data", str(Path(__file__).parent)], "is a directory, not a data file"),
+        (["serve", "--config", str(Path(__file__).parent / "no_routes.toml")], "needs a [routes.NAME] table for each served model name"),
     ],
 )
 def test_bad_input_is_one_line_error(args: list[str], message: str) -> None:
@@ -74,6 +76,14 @@ def test_generate_plain_and_speculative_print_the_same_text() -> None:
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     assert plain.stdout == spec.stdout
     assert plain.stdout.strip()
+
+
+def test_generate_at_a_tiny_temperature_is_greedy() -> None:
+    prompt = "Name three colours."
+    greedy = run("generate", prompt, "--max-tokens", "12", "--no-stream")
+    tiny = run("generate", prompt, "--max-tokens", "12", "--no-stream", "--temperature", "1e-38", "--seed", "3")
+    assert tiny.returncode == 0 and "Traceback" not in tiny.stderr, tiny.stderr
+    assert tiny.stdout == greedy.stdout and tiny.stdout.strip()
 
 
 def test_costs_prints_a_ratio_per_size() -> None:

@@ -210,3 +210,47 @@ def test_sample_is_seeded_and_follows_zeros() -> None:
     assert set(first.tolist()) == {1, 2}
     assert not torch.equal(first, sample(probs, torch.Generator().manual_seed(8)))
     assert math.isclose(first.float().mean().item(), 1.5, abs_tol=0.05)
+
+
+# --- extreme temperatures ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 5e-324, 1e-300, 1e-8])
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9}, {"top_k": 3}, {"min_p": 0.5}])
+def test_tiny_temperature_is_the_greedy_one_hot(temperature: float, filters: dict) -> None:
+    # Logits spread over +-30, with a masked token: dividing them by T overflows float32 (and
+    # float64 below 1e-300), and T itself rounds to 0 in float32 below 1.4e-45.
+    logits = torch.tensor([[3.0, 30.0, -30.0, float("-inf"), 29.9], [-5.0, -4.0, -4.5, -6.0, -20.0]])
+    probs = logits_to_probs(logits, params(temperature=temperature, **filters))
+    greedy = logits_to_probs(logits, SamplingParams(temperature=0.0))
+    assert torch.equal(probs, greedy)
+    tokens = sample(probs, torch.Generator().manual_seed(0))
+    assert tokens.tolist() == [1, 1]
+
+
+def test_tiny_temperature_splits_exact_ties_evenly() -> None:
+    probs = logits_to_probs(torch.tensor([2.0, 7.0, 7.0, 1.0]), params(temperature=1e-40))
+    assert probs.tolist() == [0.0, 0.5, 0.5, 0.0]
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-45])
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(top_p: float) -> None:
+    probs = logits_to_probs(LOGITS, params(top_p=top_p))
+    assert probs.tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_infinite_temperature_is_uniform_over_finite_logits() -> None:
+    probs = logits_to_probs(torch.tensor([2.0, float("-inf"), -9.0, 40.0]), params(temperature=float("inf")))
+    torch.testing.assert_close(probs, torch.tensor([1 / 3, 0.0, 1 / 3, 1 / 3]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(row=logit_rows, temperature=st.floats(5e-324, 1e-3) | st.floats(1e3, 1e300), top_p=st.floats(0.01, 1.0))
+def test_any_positive_temperature_gives_a_distribution(row: list[float], temperature: float, top_p: float) -> None:
+    logits = torch.tensor(row) * 1e3  # up to +-20000: overflows float32 once divided by T < 1.7e-34
+    probs = logits_to_probs(logits, SamplingParams(temperature=temperature, top_p=top_p))
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-5)
+    unfiltered = logits_to_probs(logits, SamplingParams(temperature=temperature))
+    assert (probs[unfiltered == unfiltered.max()] > 0).any()  # a most likely token survives (ties: one of them)
+    sample(probs[None], torch.Generator().manual_seed(0))  # multinomial accepts it

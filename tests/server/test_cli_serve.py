@@ -1,5 +1,6 @@
 """`specdec serve` as a user runs it: a subprocess that answers /health once ready, serves a
-streaming request, and on SIGTERM finishes the request in flight and exits cleanly."""
+streaming request, and on SIGTERM finishes the request in flight and exits cleanly; past the
+grace, every request still in flight ends with finish_reason "abort", and it still exits 0."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -31,17 +34,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_then_sigterm_finishes_the_request_in_flight(tiny_model_dir: Path, tmp_path: Path) -> None:
+def _serve(model_dir: Path, tmp_path: Path, config_text: str) -> tuple[subprocess.Popen[bytes], str]:
     config = tmp_path / "server.toml"
-    config.write_text(CONFIG)
+    config.write_text(config_text)
     port = _free_port()
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     process = subprocess.Popen(
-        [sys.executable, "-m", "specdec.cli.main", "serve", "--model", str(tiny_model_dir), "--config", str(config),
+        [sys.executable, "-m", "specdec.cli.main", "serve", "--model", str(model_dir), "--config", str(config),
          "--port", str(port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
-    url = f"http://127.0.0.1:{port}"
+    return process, f"http://127.0.0.1:{port}"
+
+
+def test_serve_then_sigterm_finishes_the_request_in_flight(tiny_model_dir: Path, tmp_path: Path) -> None:
+    process, url = _serve(tiny_model_dir, tmp_path, CONFIG)
     try:
         wait_healthy(url, timeout=120)
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
@@ -56,10 +63,62 @@ def test_serve_then_sigterm_finishes_the_request_in_flight(tiny_model_dir: Path,
         finish = json.loads(rest[-2][len("data: "):])["choices"][0]
         assert finish["finish_reason"] == "length" and finish["speculation"]["generated_tokens"] == 120
         output, _ = process.communicate(timeout=60)
-        # uvicorn shuts down in order, then re-raises SIGTERM so the exit status says why it stopped.
-        assert process.returncode in (0, -signal.SIGTERM), output.decode()
+        assert process.returncode == 0, output.decode()
         assert b"Application shutdown complete" in output and b"Traceback" not in output
         assert b"memory: target weights" in output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+SHORT_GRACE = """
+max_model_len = 512
+max_num_seqs = 1
+graceful_shutdown_s = 0.3
+
+[routes.tiny]
+"""
+
+
+def test_sigterm_past_the_grace_aborts_every_request_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    process, url = _serve(tiny_model_dir, tmp_path, SHORT_GRACE)
+    # One row: the first request runs (about 2 s for 480 tokens), the others wait; all outlast the grace.
+    body = {"model": "tiny", "prompt": "one two three", "max_tokens": 480, "ignore_eos": True}
+    streamed: list[list[str]] = []
+    whole: list[httpx.Response] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as response:
+            streamed.append([line for line in response.iter_lines() if line])
+
+    def post() -> None:
+        chat = {key: value for key, value in body.items() if key != "prompt"} | {"messages": [{"role": "user", "content": "hi"}]}
+        whole.append(httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60))
+
+    try:
+        wait_healthy(url, timeout=120)
+        clients = [threading.Thread(target=stream), threading.Thread(target=post), threading.Thread(target=stream)]
+        for client in clients:
+            client.start()
+            time.sleep(0.2)
+        health = httpx.get(f"{url}/health").json()
+        assert health["running"] == 1 and health["waiting"] == 2, health
+        process.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(30)
+        output, _ = process.communicate(timeout=30)
+        text = output.decode()
+        assert process.returncode == 0, text
+        assert "Traceback" not in text and "Application shutdown complete" in text
+        assert len(streamed) == 2 and len(whole) == 1
+        for lines in streamed:
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            last = json.loads(lines[-2][len("data: "):])["choices"][0]
+            assert last["finish_reason"] == "abort", last
+        assert whole[0].status_code == 200, whole[0].text
+        choice = whole[0].json()["choices"][0]
+        assert choice["finish_reason"] == "abort" and whole[0].json()["usage"]["completion_tokens"] == 0
     finally:
         if process.poll() is None:
             process.kill()

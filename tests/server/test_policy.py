@@ -77,6 +77,13 @@ def test_toml_config(tmp_path: Path) -> None:
     path.write_text(CONFIG + "\n[routes.adaptive]\nspeculative = { method = 'ngram', adaptive = true }\n")
     with pytest.raises(ConfigError, match="'adaptive' is not supported by the server yet"):
         load_config(path)
+    assert config.max_request_bytes == 4 << 20 and config.graceful_shutdown_s == 30
+    path.write_text("max_request_bytes = 1024\ngraceful_shutdown_s = 0.5\n" + CONFIG)
+    assert load_config(path).max_request_bytes == 1024 and load_config(path).graceful_shutdown_s == 0.5
+    for bad in ("max_request_bytes = 0", "max_request_bytes = 1.5", "graceful_shutdown_s = -1", "graceful_shutdown_s = 'x'"):
+        path.write_text(bad + "\n" + CONFIG)
+        with pytest.raises(ConfigError, match=bad.split()[0]):
+            load_config(path)
     path.write_text("max_model_len = 128\n")
     with pytest.raises(ConfigError, match="routes"):
         load_config(path)
