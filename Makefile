@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then show three example calls.
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# llama.cpp as a peer for `specdec bench --peers`: llama-cpp-python compiles llama.cpp from its
+# source (about 8 minutes on two cores), for this machine's CPU.
+peers: setup
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q llama-cpp-python==0.3.36
 
 bench: setup
 	$(VENV)/bin/specdec bench --data ../shared/data/norm/spec_bench.jsonl --per-category 3 --max-tokens 128 --json out/bench.json

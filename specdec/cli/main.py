@@ -194,8 +194,10 @@ def bench(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per turn.")] = 128,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
     report_dir: Annotated[Optional[Path], typer.Option("--report-dir", help="Write report.md and PNG plots into this folder.")] = None,
-    peers: Annotated[bool, typer.Option("--peers", help="Also run transformers' generate (plain and prompt lookup) on the same prompts.")] = False,
+    peers: Annotated[bool, typer.Option("--peers", help="Also run the peers on the same prompts: transformers' generate (plain and prompt lookup) and, when llama-cpp-python is installed (make peers) and the model is a GGUF file, llama.cpp (plain and prompt lookup).")] = False,
+    peer_names: Annotated[Optional[list[str]], typer.Option("--peer", help="Only this peer: transformers or llama.cpp (repeatable; implies --peers).")] = None,
     compare: Annotated[Optional[list[str]], typer.Option("--compare", help="Another speculative config (JSON or file) to run side by side on the same target (repeatable).")] = None,
+    other_backends: Annotated[Optional[list[str]], typer.Option("--plain-on", help="Also decode plainly on another backend and weight format, BACKEND[:DTYPE], e.g. hf:float32 (repeatable).")] = None,
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -219,28 +221,39 @@ def bench(
             raise ConfigError("--compare needs a speculative config, not 'none'")
         other_llm = LLM(loaded=llm.target, speculative_config=other)
         systems.append(System(f"specdec {other.label}", specdec_runner(other_llm, params, True), PLAIN))
-    if peers:
+    for text in other_backends or []:
+        name, _, fmt = text.partition(":")
+        other_llm = LLM(model, None, device=device, backend=name, dtype=fmt or "auto")
+        systems.append(System(f"specdec {other_llm.target.describe()} plain", specdec_runner(other_llm, params, False), PLAIN))
+    unknown = sorted(set(peer_names or []) - {"transformers", "llama.cpp"})
+    if unknown:
+        raise ConfigError(f"unknown peer(s): {', '.join(unknown)}; choose transformers or llama.cpp")
+    wanted_peers = set(peer_names) if peer_names else ({"transformers", "llama.cpp"} if peers else set())
+    encode = llm.encode
+    stock = None
+    if "transformers" in wanted_peers:
         from specdec.models.loader import load_model
 
         stock = load_model(model, device=device, backend="hf", fast_kernels=False)
-        encode = llm.encode
         systems += [
             System("transformers generate", transformers_runner(stock, encode, params)),
             System("transformers prompt lookup", transformers_runner(stock, encode, params, prompt_lookup_num_tokens=10), "transformers generate"),
         ]
+    if "llama.cpp" in wanted_peers:
         gguf = _gguf_file(model)
         if gguf is None:
             err.print("llama-cpp-python peer skipped: the model is not a GGUF file")
         else:
             try:
                 systems += [
-                    System("llama.cpp", llama_cpp_runner(gguf, encode, params, llm.target.eos_token_ids)),
-                    System("llama.cpp prompt lookup (10)", llama_cpp_runner(gguf, encode, params, llm.target.eos_token_ids, 10), "llama.cpp"),
+                    System("llama.cpp plain", llama_cpp_runner(gguf, encode, params, llm.target.eos_token_ids)),
+                    System("llama.cpp prompt lookup", llama_cpp_runner(gguf, encode, params, llm.target.eos_token_ids, 10), "llama.cpp plain"),
                 ]
             except ImportError:
-                err.print("llama-cpp-python peer skipped: not installed (pip install llama-cpp-python)")
-        if spec.method == "draft_model":
-            assistant = llm.engine.drafter.runner.loaded  # type: ignore[union-attr]
+                err.print("llama.cpp peers skipped: llama-cpp-python is not installed (make peers installs it)")
+    if stock is not None and spec.method == "draft_model":
+        assistant = llm.engine.drafter.runner.loaded  # type: ignore[union-attr]
+        if assistant.model is not None:
             systems.append(System("transformers assisted", transformers_runner(stock, encode, params, assistant_model=assistant.model), "transformers generate"))
     turns = sum(len(r.turns) for r in records)
     err.print(f"{len(records)} prompts ({turns} turns) x {len(systems)} systems, up to {max_tokens} tokens a turn")
@@ -258,6 +271,7 @@ def bench(
         "method_label": spec.label,
         "compared": [s.name for s in systems if s.baseline == PLAIN],
         "device": device,
+        "backend": llm.target.describe(),
     }
     report = build_report(raw, meta)
     print_report(report, out)
@@ -440,11 +454,14 @@ def costs(
     max_verified: Annotated[int, typer.Option("--max-verified", help="Measure passes over 1 .. N tokens.")] = 10,
     context: Annotated[int, typer.Option(help="Tokens already in the cache.")] = 256,
     repeats: Annotated[int, typer.Option(help="Measurements per size (the median is reported).")] = 15,
+    formats: Annotated[Optional[list[str]], typer.Option("--format", help="BACKEND:DTYPE to measure (repeatable), e.g. hf:float32, native:int8, native:auto. [default: --backend and --dtype]")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the costs as JSON here.")] = None,
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
 ) -> None:
-    """Measure what a target pass costs by the number of tokens it verifies, on this machine.
+    """Measure what a target pass costs by the number of tokens it verifies, on this machine,
+    for one or more backends and weight formats.
 
     k drafted tokens cost one pass over k + 1 tokens: speculation pays while the tokens a step
     commits outweigh that pass's cost relative to a plain step (1 token)."""
@@ -455,16 +472,30 @@ def costs(
 
     if max_verified < 1 or context < 1 or repeats < 1:
         raise ConfigError("--max-verified, --context and --repeats must be >= 1")
-    with err.status("loading the model..."):
-        loaded = load_model(model, device=device, backend=backend, dtype=dtype)
-    with err.status(f"measuring passes over 1..{max_verified} tokens..."):
-        measured = step_costs(loaded, list(range(1, max_verified + 1)), context=context, repeats=repeats)
-    table = Table(title=f"{loaded.name}: target pass cost after {context} cached tokens ({device})")
-    for col in ("tokens verified", "drafted (k)", "ms", "cost / plain step"):
-        table.add_column(col, justify="right")
-    for n, seconds in measured.items():
-        table.add_row(str(n), str(n - 1), f"{seconds * 1e3:.1f}", f"{seconds / measured[1]:.2f}")
+    wanted = [tuple(f.partition(":")[::2]) for f in formats] if formats else [(backend, dtype)]
+    curves: dict[str, dict[int, float]] = {}
+    for name, fmt in wanted:
+        with err.status(f"loading the model ({name} {fmt or 'auto'})..."):
+            loaded = load_model(model, device=device, backend=name, dtype=fmt or "auto")
+        with err.status(f"measuring {loaded.describe()}: passes over 1..{max_verified} tokens..."):
+            curves[loaded.describe()] = step_costs(loaded, list(range(1, max_verified + 1)), context=context, repeats=repeats)
+        del loaded
+    table = Table(title=f"target pass cost after {context} cached tokens ({device}): ms, and cost / plain step")
+    table.add_column("tokens verified", justify="right")
+    table.add_column("drafted (k)", justify="right")
+    for label in curves:
+        table.add_column(label, justify="right")
+    for n in range(1, max_verified + 1):
+        table.add_row(str(n), str(n - 1), *(f"{c[n] * 1e3:.1f} ({c[n] / c[1]:.2f})" for c in curves.values()))
     out.print(table)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"context": context, "repeats": repeats, "device": device,
+                "curves": {label: {"seconds": {str(n): s for n, s in c.items()},
+                                   "cost_over_plain_step": {str(n): s / c[1] for n, s in c.items()}}
+                           for label, c in curves.items()}}
+        json_path.write_text(json.dumps(data, indent=2))
+        err.print(f"costs written to {escape(str(json_path))}")
 
 
 @app.command()

@@ -86,9 +86,15 @@ def test_generate_at_a_tiny_temperature_is_greedy() -> None:
     assert tiny.stdout == greedy.stdout and tiny.stdout.strip()
 
 
-def test_costs_prints_a_ratio_per_size() -> None:
-    result = run("costs", "--max-verified", "3", "--repeats", "2", "--context", "16")
+def test_costs_prints_a_ratio_per_size_and_format(tmp_path) -> None:
+    path = tmp_path / "costs.json"
+    result = run("costs", "--max-verified", "3", "--repeats", "2", "--context", "16",
+                 "--format", "native:auto", "--format", "hf:float32", "--json", str(path))
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.strip().startswith("│")]
     assert len(rows) == 3
-    assert rows[0].split("│")[4].strip() == "1.00"  # a plain step costs itself
+    cells = rows[0].split("│")
+    assert cells[3].strip().endswith("(1.00)") and cells[4].strip().endswith("(1.00)")  # a plain step costs itself
+    curves = json.loads(path.read_text())["curves"]
+    assert list(curves) == ["native int4 (LM head int8)", "hf float32"]
+    assert all(c["cost_over_plain_step"]["1"] == 1.0 and len(c["seconds"]) == 3 for c in curves.values())

@@ -1,0 +1,125 @@
+"""The native backend against the hf backend (the reference), and its weight formats against
+float references, with a tolerance stated per format."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from specdec import LLM, SamplingParams
+from specdec.models import LoadedModel, ModelRunner
+from specdec.models.cache import PreallocatedCache
+from specdec.models.loader import default_model_path
+from specdec.models.qlinear import Int4Groups, PackedLinear, unpack_q4_blocks
+from specdec.models.weights import GGUFWeights
+
+PROMPTS = [
+    [{"role": "user", "content": "Explain in detail how a bicycle works."}],
+    [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}],
+    [{"role": "user", "content": "List the planets of the solar system in order."}],
+]
+# Relative error of a matrix product against float32 x @ W.T, per format (random weights).
+FORMAT_TOLERANCE = {"float32": 1e-6, "bfloat16": 1e-2, "int8": 2e-2, "int4": 0.12}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+def test_q4_blocks_unpack_to_gguf_values(kind: GGMLQuantizationType) -> None:
+    weights = np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32)
+    raw = quantize(weights, kind)  # [48, blocks * block bytes]
+    groups = unpack_q4_blocks(raw, 48, 64, with_min=kind == GGMLQuantizationType.Q4_1)
+    assert torch.equal(groups.dequantize(), torch.from_numpy(dequantize(raw, kind)))
+
+
+def test_int4_repack_of_q4_groups_is_exact_but_for_bfloat16_scales() -> None:
+    # The kernel keeps d and m + 8d in bfloat16: the only rounding between the file and the product.
+    raw = quantize(np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32), GGMLQuantizationType.Q4_1)
+    groups = unpack_q4_blocks(raw, 64, 96, with_min=True)
+    packed = PackedLinear.pack(groups, "int4")
+    rounded = Int4Groups(groups.q, groups.d.bfloat16().float(), (groups.m + 8 * groups.d).bfloat16().float() - 8 * groups.d.bfloat16().float())
+    x = torch.randn(3, 96).bfloat16()
+    want = x.float() @ rounded.dequantize().t()
+    assert relative_error(packed(x), want) < 5e-3  # the kernel's bfloat16 output
+    assert relative_error(packed.dequantized(), groups.dequantize()) < 5e-3
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_TOLERANCE))
+def test_formats_compute_the_product(fmt: str) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(80, 64)
+    x = torch.randn(5, 64)
+    linear = PackedLinear.pack(weight, fmt)
+    assert relative_error(linear(x), x @ weight.t()) < FORMAT_TOLERANCE[fmt]
+    assert linear(x).shape == (5, 80)  # 80 rows: int4 pads the kernel's outputs to 16s and slices
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_integer_kernels_are_row_invariant(fmt: str) -> None:
+    # What makes a verification pass bitwise a plain step: a row's product does not depend on
+    # how many rows are multiplied with it.
+    torch.manual_seed(1)
+    linear = PackedLinear.pack(torch.randn(256, 1536), fmt)
+    x = torch.randn(40, 1536)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(40)])
+    for rows in (2, 3, 5, 8, 17, 40):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+
+
+def test_gguf_weights_match_transformers_dequantization(default_model_hf: LoadedModel) -> None:
+    config = default_model_hf.config
+    weights = GGUFWeights(default_model_path(), config.num_attention_heads, config.num_key_value_heads)
+    state = default_model_hf.model.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        raw = weights.raw(name)
+        value = raw.dequantize() if isinstance(raw, Int4Groups) else raw
+        assert torch.equal(value, state[name]), name  # the un-permuted query/key rows included
+    assert weights.auto_format("model.layers.0.mlp.up_proj.weight") == "int4"
+    assert weights.auto_format("lm_head.weight") == "int8"  # tied: the Q8_0 embedding
+
+
+def test_native_float32_is_the_hf_model(default_model_hf: LoadedModel, default_model_native_f32: LoadedModel) -> None:
+    tokens = default_model_hf.tokenizer("The capital of France is Paris, and the capital of Italy is")["input_ids"]
+    layers = (0, 14, 29)
+    outs = []
+    for loaded in (default_model_hf, default_model_native_f32):
+        cache = PreallocatedCache(loaded.num_layers, 64)
+        positions = torch.arange(len(tokens))[None]
+        outs.append(loaded.backend.forward(cache, torch.tensor([tokens]), positions, hidden_layers=layers))
+    hf, native = outs
+    # The same float32 arithmetic but for the order of attention's sums (native attends per query).
+    for layer in layers:
+        torch.testing.assert_close(native.layer_states[layer], hf.layer_states[layer], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(native.logits, hf.logits, rtol=1e-4, atol=1e-3)
+    # Greedy outputs of both backends on real prompts: float32 gives the same tokens.
+    params = SamplingParams(max_tokens=24)
+    for prompt in PROMPTS:
+        assert (LLM(loaded=default_model_native_f32).chat(prompt, params).token_ids
+                == LLM(loaded=default_model_hf).chat(prompt, params).token_ids)
+
+
+@pytest.mark.parametrize("variant, tolerance", [("native-bfloat16", 0.05), ("native-int8", 0.08), ("native-auto", 0.08)])
+def test_quantized_formats_stay_close_to_float32(default_model_variants, variant: str, tolerance: float) -> None:
+    # Relative error of the logits over a real sentence against hf float32 (the GGUF's own values
+    # dequantized): bfloat16 activations everywhere, plus int8 weights per channel, plus (auto)
+    # the Q4_1 groups' bfloat16 scales and the Q8_0 head requantized per channel.
+    reference = default_model_variants("hf-float32")
+    loaded = default_model_variants(variant)
+    tokens = reference.tokenizer("Speculative decoding verifies several guessed tokens in one pass.")["input_ids"]
+    want = ModelRunner(reference).score(tokens)
+    got = ModelRunner(loaded).score(tokens)
+    assert relative_error(got, want) < tolerance
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+def test_native_weights_are_smaller(default_model: LoadedModel, default_model_native_f32: LoadedModel) -> None:
+    assert default_model.backend.weight_format == "int4 (LM head int8)"
+    # int4 groups (4.5 bits a weight with two bfloat16s per 32) and an int8 head, against float32.
+    assert default_model.weight_bytes() < 0.35 * default_model_native_f32.weight_bytes()
+    assert default_model.describe() == "native int4 (LM head int8)"
