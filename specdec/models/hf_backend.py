@@ -58,20 +58,29 @@ class HFBackend:
     ) -> ForwardOutput:
         if layers is not None:
             return self._forward_layers(cache, input_ids, positions, mask, layers, last_only, hidden, hidden_layers)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-            output_hidden_states=hidden or bool(hidden_layers),
-        )
-        states = {i: out.hidden_states[i + 1] for i in hidden_layers} if hidden_layers else None
+        states: dict[int, torch.Tensor] = {}
+        # A hook reads each asked-for layer's output (transformers' own hidden_states give the
+        # last layer's after the final norm).
+        hooks = [self.model.model.layers[i].register_forward_hook(
+                     lambda module, args, output, i=i: states.__setitem__(i, output[0] if isinstance(output, tuple) else output))
+                 for i in hidden_layers]
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+                output_hidden_states=hidden,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
         normed = None
         if hidden:
             normed = out.hidden_states[-1][:, -1:] if last_only else out.hidden_states[-1]
-        return ForwardOutput(logits=out.logits.float(), hidden=normed, layer_states=states)
+        return ForwardOutput(logits=out.logits.float(), hidden=normed, layer_states=states or None)
 
     def _forward_layers(self, cache, input_ids, positions, mask, layers, last_only, hidden, hidden_layers) -> ForwardOutput:
         """The decoder stack over `layers` only; the same modules and arithmetic as the full
