@@ -177,7 +177,7 @@ def generate(
         label = "plain decoding" if spec is None else spec.label
         memory = llm.memory()
         err.print(f"[dim]{label}; finish: {result.finish_reason}; weights: target "
-                  f"{memory['target_weight_bytes'] / 2**20:.0f} MiB, draft adds {memory['draft_added_bytes'] / 2**20:.0f} MiB[/dim]")
+                  f"{memory['target_weight_bytes'] / 2**20:.0f} MiB ({escape(llm.target.describe())}), draft adds {memory['draft_added_bytes'] / 2**20:.0f} MiB[/dim]")
         err.print_json(data=result.stats.to_dict())
 
 
@@ -565,7 +565,8 @@ def serve(
     overrides = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "threads": threads}
     server_config = load_config(config, **overrides) if config is not None else default_config(**{k: v for k, v in overrides.items() if v is not None})
     with err.status(f"loading {model or 'the default model'}..."):
-        state = build_state(server_config, model, device=device, backend=backend, dtype=dtype)
+        state = build_state(server_config, model, device=device, backend=backend if backend != "auto" else server_config.backend,
+                            dtype=dtype if dtype != "auto" else server_config.dtype)
     err.print(f"memory: {state.memory.describe()}", highlight=False, soft_wrap=True)
     err.print(f"routes: {escape(', '.join(r.name for r in server_config.routes))}; up to {state.max_num_seqs} sequences; http://{host}:{port}/v1")
     uvicorn_server(state, host, port).run()

@@ -9,6 +9,8 @@ Example (`specdec serve --config server.toml`)::
     threads = 2                   # torch intra-op threads of the model work (default: auto, see ServerConfig)
     max_request_bytes = 4194304   # largest request body; a larger one gets a 413 (default 4 MiB)
     graceful_shutdown_s = 30      # on SIGTERM, time for requests in flight to finish; then they abort
+    backend = "auto"              # the target's backend: auto (native where it runs the model), native, hf
+    dtype = "auto"                # its weight format: auto (a GGUF's own), float32, bfloat16, int8, int4
 
     [drift]                       # acceptance drift warning, per route
     window = 256                  # drafted tokens in the rolling window
@@ -32,6 +34,7 @@ from typing import Any
 
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
+from specdec.models.backend import BACKENDS, DTYPES
 
 # Load-aware schedule: running sequences -> k (0 = speculation off). Measured on the 2-core CPU
 # with benchmarks/serve_load.py (ngram k = 4 against plain, greedy): speculation wins alone
@@ -161,6 +164,9 @@ class ServerConfig:
     # OpenMP worker at every step; with more, all of them. Measured on 2 cores at concurrency 1:
     # 22.4 tok/s with 1 thread against 17.8 with 2; at concurrency 8: 61.4 against 70.2.
     threads: int | None = None
+    # The target's backend and weight format (`specdec serve --backend/--dtype` override them).
+    backend: str = "auto"
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.routes:
@@ -175,6 +181,10 @@ class ServerConfig:
         grace = self.graceful_shutdown_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
             raise ConfigError(f"graceful_shutdown_s must be a number >= 0, got {grace!r}")
+        if self.backend not in ("auto", *BACKENDS):
+            raise ConfigError(f"backend must be one of auto, {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         threads = self.threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
@@ -197,7 +207,8 @@ def default_config(**overrides: Any) -> ServerConfig:
     return ServerConfig(routes=routes, **overrides)
 
 
-_SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads", "max_request_bytes")
+_SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads", "max_request_bytes",
+                "backend", "dtype")
 _TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "drift", "routes"}
 _ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}
 

@@ -24,6 +24,7 @@ class MemoryPlan:
     draft_kv_bytes_per_token: int  # 0 without a draft model
     max_model_len: int
     cache_budget_bytes: int
+    target_format: str = ""  # backend and weight format, e.g. "native int4 (LM head int8)"
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -53,7 +54,7 @@ class MemoryPlan:
     def describe(self) -> str:
         mib = 1 << 20
         text = (
-            f"target weights {self.target_weight_bytes / mib:.1f} MiB; KV {self.target_kv_bytes_per_token} B/token; "
+            f"target weights {self.target_weight_bytes / mib:.1f} MiB ({self.target_format}); KV {self.target_kv_bytes_per_token} B/token; "
             f"cache budget {self.cache_budget_bytes / mib:.0f} MiB holds {self.max_sequences_without_draft} sequences "
             f"of {self.max_model_len} tokens"
         )
@@ -84,4 +85,5 @@ def plan_memory(target: LoadedModel, drafters: list[Drafter], max_model_len: int
         seen.add(key)
         weights += drafter.added_memory_bytes
         kv += loaded.backend.kv_bytes_per_token(layers)
-    return MemoryPlan(target.weight_bytes(), weights, target.backend.kv_bytes_per_token(), kv, max_model_len, cache_budget_bytes)
+    return MemoryPlan(target.weight_bytes(), weights, target.backend.kv_bytes_per_token(), kv, max_model_len,
+                      cache_budget_bytes, target.describe())

@@ -71,6 +71,12 @@ def test_toml_config(tmp_path: Path) -> None:
     path.write_text("threads = 0\n" + CONFIG)
     with pytest.raises(ConfigError, match="threads"):
         load_config(path)
+    assert config.backend == "auto" and config.dtype == "auto"
+    path.write_text('backend = "hf"\ndtype = "float32"\n' + CONFIG)
+    assert (load_config(path).backend, load_config(path).dtype) == ("hf", "float32")
+    path.write_text('dtype = "int3"\n' + CONFIG)
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        load_config(path)
     path.write_text(CONFIG + "\n[routes.bad]\nspeculative = { method = 'magic' }\n")
     with pytest.raises(ConfigError, match="unknown speculative method"):
         load_config(path)
