@@ -12,7 +12,7 @@
    passes; the ranking costs a linear number.)
 4. For every set on that path, a draft step is timed against a target step, and the
    expected speedup for each k comes from the acceptance, that cost ratio and the measured
-   cost of verifying k + 1 tokens (:mod:`specdec.bench.estimate`). The best set and k win.
+   cost of verifying k + 1 tokens (:mod:`specdec.engine.estimate`). The best set and k win.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.bench.cost import step_costs
-from specdec.bench.estimate import expected_speedup
+from specdec.engine.estimate import expected_speedup
 from specdec.config import SamplingParams
 from specdec.drafters.layer_skip import LayerSkipProfile
 from specdec.engine import Engine

@@ -4,7 +4,7 @@ Every candidate (a drafter at each k, and adaptively at its largest k) and plain
 every prompt, interleaved as in `specdec bench` (`run_bench`), greedy, with one loaded target.
 For each candidate, per category and overall, the report sets the measured speedup beside the
 speedup the acceptance model predicts from the same run's measured quantities (Leviathan et
-al., 2023; `specdec.bench.estimate`):
+al., 2023; `specdec.engine.estimate`):
 
 - a, tested acceptance: accepted / (accepted + rejected steps), the probability that a drafted
   token the target tested was accepted. (accepted / drafted, the acceptance rate every surface
@@ -46,7 +46,7 @@ import matplotlib
 
 from specdec.api import LLM, Message
 from specdec.bench.data import Record
-from specdec.bench.estimate import expected_tokens_per_step
+from specdec.engine.estimate import expected_tokens_per_step
 from specdec.bench.runner import RunResult, Runner, System, run_bench, specdec_runner
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine.stats import RequestStats
@@ -384,7 +384,7 @@ RECOMMENDATION_COLUMNS = ("category", "recommended", "measured speedup", "predic
 
 DEFINITIONS = """\
 Speedup: tokens/s over plain decoding of the same prompts, measured interleaved in one process
-(prefill included). Predicted: the acceptance model (`specdec.bench.estimate`) fed this run's
+(prefill included). Predicted: the acceptance model (`specdec.engine.estimate`) fed this run's
 measured quantities: tested acceptance a = accepted / (accepted + steps with a rejection),
 effective k (k_eff: drafted tokens per drafting step; for
 `ngram`, which proposes at most min(k, n - 1) tokens for a match of n, and for adaptive k it is

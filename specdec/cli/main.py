@@ -297,7 +297,7 @@ def estimate(
     costs: E = (1 - a^(k + 1)) / (1 - a), speedup = E / (k * draft cost + verify cost)."""
     import math
 
-    from specdec.bench.estimate import expected_speedup, expected_tokens_per_step
+    from specdec.engine.estimate import expected_speedup, expected_tokens_per_step
 
     if not 0 <= acceptance <= 1:
         raise ConfigError(f"--acceptance must be in [0, 1], got {acceptance}")

@@ -53,7 +53,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Protocol
 
-from specdec.bench.estimate import expected_speedup
+from specdec.engine.estimate import expected_speedup
 
 # Draft time per drafted token, over a plain step, under which drafting counts as free.
 CHEAP_DRAFT = 0.05

@@ -1,24 +1,23 @@
-"""The draft-and-verify loop for many sequences at once (continuous batching).
+"""The draft-and-verify step for one or many sequences at once (continuous batching).
 
-Each sequence has its own drafter, its own k for the step, its own sampling parameters and
+This is the one loop: the single-request :class:`~specdec.engine.engine.Engine` is a batch of
+one, and the server's scheduler drives many rows. Each sequence has its own drafter, its own k
+for the step (its policy's choice, capped by the caller's `k`), its own sampling parameters and
 generator, and its own cache length. One step:
 
 1. every sequence drafts up to its k tokens (k = 0: nothing);
 2. the target verifies all rows in ONE forward pass over [rows, 1 + longest draft]; shorter
    rows are padded, and padding is never kept;
-3. each row accepts a prefix of its draft with the same pure functions as the single-request
-   :class:`~specdec.engine.engine.Engine`, with its own generator;
+3. acceptance runs once for the step on the padded tensors with per-row lengths
+   (:func:`~specdec.sampling.accept_batch`), each row with its own parameters and generator;
 4. each row keeps the fed token plus its accepted drafts in the cache; its length forgets the
    rest (:class:`~specdec.models.batch_cache.BatchCache`), so a rejection in one row does not
    touch the others.
 
 With speculation off for every row the step is one batched forward pass over [rows, 1]: batched
-plain decoding. Sequences join (:meth:`BatchEngine.add`, which prefills the prompt alone, exactly
-as the single-request engine does, then copies its KV into a free row) and leave
-(:meth:`BatchEngine.remove`) between steps.
-
-Stop conditions (EOS, the token budget, stop strings) are applied per sequence in the same order
-as :meth:`Engine.stream`, and statistics are the same :class:`RequestStats`.
+plain decoding. Sequences join (:meth:`BatchEngine.add`, which prefills the prompt alone, then
+copies its KV into a free row) and leave (:meth:`BatchEngine.remove`) between steps. Stop
+conditions (EOS, the token budget, stop strings) are applied per sequence, in token order.
 """
 
 from __future__ import annotations
@@ -31,26 +30,34 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
-from specdec.engine.engine import Generation, StreamChunk
+from specdec.engine.adaptive import SpeculationPolicy
+from specdec.engine.generation import Generation, StreamChunk
 from specdec.engine.text import TextAssembler
 from specdec.errors import PromptError
 from specdec.models.batch_cache import BatchCache
+from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
-from specdec.sampling import AcceptResult, greedy_accept, logits_to_probs, speculative_accept
+from specdec.sampling import SamplingRule, accept_batch, speculative_accept
+from specdec.sampling.acceptance import PAD_TOKEN
 
 _ids = itertools.count()
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One request's state inside the batch. `k` is the most tokens it may draft next step;
-    the scheduler may change it between steps (0 turns speculation off for that step)."""
+    """One request's state inside the batch.
+
+    k: the most tokens it may draft next step; the scheduler may change it between steps (0
+    turns speculation off for that step). policy: chooses k within that cap step by step
+    (adaptive k) and observes what each step did; None drafts the cap.
+    """
 
     prompt_ids: list[int]
     params: SamplingParams
     drafter: Drafter | None = None
     k: int = 0
+    policy: SpeculationPolicy | None = None
     id: int = field(default_factory=lambda: next(_ids))
     result: Generation = field(init=False)
     context: list[int] = field(init=False, default_factory=list)
@@ -78,13 +85,26 @@ class SequenceOutput:
     accepted: int
 
 
+@dataclass(frozen=True)
+class _Prefill:
+    prompt_ids: list[int]
+    cache: PreallocatedCache
+    logits: torch.Tensor  # [1, vocab]
+
+
 class BatchEngine:
     """Advances up to `max_rows` sequences together against one :class:`BatchCache`.
 
     max_model_len: the longest sequence (prompt + output) a row may hold.
+    max_draft: the most tokens any row drafts in a step.
+    sampling_rule: how sampled rows accept (the exact rule; `specdec verify` swaps in wrong ones).
+
+    When a sequence has the same prompt as the one prefilled before it (many samples of one
+    prompt), that prompt's KV and first-token logits are reused instead of computed again.
     """
 
-    def __init__(self, target: LoadedModel, max_rows: int, max_model_len: int, max_draft: int = 16) -> None:
+    def __init__(self, target: LoadedModel, max_rows: int, max_model_len: int, max_draft: int = 16,
+                 sampling_rule: SamplingRule = speculative_accept) -> None:
         if max_model_len > target.max_positions:
             raise PromptError(f"max_model_len {max_model_len} exceeds {target.name}'s context of {target.max_positions}")
         self.target = target
@@ -92,9 +112,11 @@ class BatchEngine:
         self.max_rows = max_rows
         self.max_model_len = max_model_len
         self.max_draft = max_draft
+        self.sampling_rule = sampling_rule
         # A row's last step may write a draft and padding past its last kept token.
         self.cache = BatchCache.for_backend(target.backend, max_rows, max_model_len + max_draft + 1)
         self.sequences: list[Sequence] = []  # index == row
+        self._last_prefill: _Prefill | None = None
 
     @property
     def running(self) -> int:
@@ -112,8 +134,8 @@ class BatchEngine:
     # --- sequences join and leave ------------------------------------------------------------
 
     def add(self, seq: Sequence) -> SequenceOutput:
-        """Prefill a sequence alone (as the single-request engine does) and give it a row.
-        Returns its first token's output; the sequence may already be finished."""
+        """Prefill a sequence alone and give it a row. Returns its first token's output; the
+        sequence may already be finished."""
         self.check_prompt(seq.prompt_ids)
         if self.running >= self.max_rows:
             raise RuntimeError(f"batch is full ({self.max_rows} sequences)")
@@ -127,7 +149,7 @@ class BatchEngine:
         if not params.greedy:
             seq.generator = torch.Generator(device=self.runner.device)
             if params.seed is None:
-                seq.generator.seed()
+                seq.generator.seed()  # fresh entropy, leaving torch's global generator alone
             else:
                 seq.generator.manual_seed(params.seed)
         max_len = len(seq.prompt_ids) + seq.budget
@@ -135,15 +157,23 @@ class BatchEngine:
             seq.drafter.begin(list(seq.prompt_ids), max_len)
 
         # 0. Prefill: one pass over the prompt alone gives the first token; its KV joins the batch.
-        prefill_cache = self.runner.new_cache(max_len)
-        logits = self.runner.forward(prefill_cache, list(seq.prompt_ids), last_only=True).logits  # [1, vocab]
-        first = self._accept(seq, logits, [], None).row(0)
-        stats.prefill_time_s = time.perf_counter() - seq._start
+        prefill_cache, logits = self._prefill(list(seq.prompt_ids))  # logits: [1, vocab]
+        first = self._accept([seq], logits[None], [[]], [None]).row(0)
         seq.context = list(seq.prompt_ids) + first
         seq.row = self.cache.insert_row(prefill_cache)
+        stats.prefill_time_s = time.perf_counter() - seq._start
         self.sequences.append(seq)
-        out = self._emit(seq, first, drafted=0, accepted=0)
-        return out
+        return self._emit(seq, first, drafted=0, accepted=0)
+
+    def _prefill(self, prompt_ids: list[int]) -> tuple[PreallocatedCache, torch.Tensor]:
+        # The prompt's cache is only read (copied into a row), so a later sequence can reuse it.
+        last = self._last_prefill
+        if last is not None and last.prompt_ids == prompt_ids:
+            return last.cache, last.logits
+        cache = self.runner.new_cache(len(prompt_ids))
+        logits = self.runner.forward(cache, prompt_ids, last_only=True).logits
+        self._last_prefill = _Prefill(prompt_ids, cache, logits)
+        return cache, logits
 
     def remove(self, seq: Sequence) -> None:
         """Free a sequence's row (finished or cancelled)."""
@@ -167,58 +197,64 @@ class BatchEngine:
             return []
         seqs = list(self.sequences)
 
-        # 1. Draft: each row proposes up to its own k, never more than it can still use.
+        # 1. Draft: each row proposes up to its k, never more than it can still use.
         drafts: list[list[int]] = []
         draft_probs: list[torch.Tensor | None] = []
+        draft_times: list[float] = []
         for seq in seqs:
-            room = min(seq.k, self.max_draft, seq.budget - len(seq.result.token_ids) - 1,
+            start = time.perf_counter()
+            wish = seq.policy.next_k() if seq.policy is not None else seq.k
+            room = min(wish, seq.k, self.max_draft, seq.budget - len(seq.result.token_ids) - 1,
                        self.max_model_len - len(seq.context))
-            if seq.drafter is None or room <= 0:
-                drafts.append([])
-                draft_probs.append(None)
-                continue
-            proposal = seq.drafter.propose(seq.context, room, seq.params, seq.generator)
-            tokens = proposal.tokens[:room]
+            tokens, probs = [], None
+            if seq.drafter is not None and room > 0:
+                proposal = seq.drafter.propose(seq.context, room, seq.params, seq.generator)
+                tokens = proposal.tokens[:room]
+                probs = proposal.probs[: len(tokens)] if proposal.probs is not None and tokens else None
             drafts.append(tokens)
-            draft_probs.append(proposal.probs[: len(tokens)] if proposal.probs is not None else None)
+            draft_probs.append(probs)
+            draft_times.append(time.perf_counter() - start)
 
         # 2. Verify: one target pass over [rows, new]; each row feeds its last committed token and
         #    its draft, padded at the end (padding sits after every real token, so causality hides it).
+        start = time.perf_counter()
         new = 1 + max(len(d) for d in drafts)
         feed = [[seq.context[-1], *draft] + [seq.context[-1]] * (new - 1 - len(draft)) for seq, draft in zip(seqs, drafts)]
         input_ids = torch.tensor(feed, dtype=torch.long, device=self.runner.device)  # [rows, new]
         positions, mask = self.cache.step_inputs(new)  # [rows, new], [rows, 1, new, longest + new]
         logits = self.target.backend.forward(self.cache, input_ids, positions, mask).logits  # [rows, new, vocab]
 
-        # 3. Accept per row, with the row's own parameters and generator.
-        results = [self._accept(seq, logits[i, : len(draft) + 1], draft, probs)
-                   for i, (seq, draft, probs) in enumerate(zip(seqs, drafts, draft_probs))]
-        num_accepted = [int(r.num_accepted[0]) for r in results]
+        # 3. Accept, once for the step: each row a prefix of its draft, with its own parameters.
+        result = self._accept(seqs, logits, drafts, draft_probs)
+        num_accepted = result.num_accepted.tolist()
+        verify_time = time.perf_counter() - start
 
         # 4. Commit: a row keeps its fed token and accepted drafts; its length forgets the rest.
-        keep = torch.tensor([1 + a for a in num_accepted], dtype=torch.long, device=self.cache.device)  # [rows]
-        self.cache.commit(new, keep)
+        self.cache.commit(new, result.num_accepted + 1)
         outputs = []
-        for seq, draft, result, accepted in zip(seqs, drafts, results, num_accepted):
-            committed = result.row(0)
+        for i, (seq, draft, accepted) in enumerate(zip(seqs, drafts, num_accepted)):
+            committed = result.row(i)
             seq.context.extend(committed)
             if seq.drafter is not None:
                 seq.drafter.commit(seq.context, accepted)
-            seq.result.stats.record_step(len(draft), accepted)
+            if seq.policy is not None:
+                seq.policy.observe(len(draft), accepted, draft_times[i], verify_time)
+            seq.result.stats.record_step(len(draft), accepted, draft_times[i], verify_time)
             outputs.append(self._emit(seq, committed, drafted=len(draft), accepted=accepted))
         return outputs
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None) -> AcceptResult:
-        # logits: [n + 1, vocab]; draft: n tokens; draft_probs: [n, vocab] or None
-        draft_tensor = torch.tensor([draft], dtype=torch.long, device=logits.device)  # [1, n]
-        if seq.params.greedy:
-            return greedy_accept(logits[None], draft_tensor)
-        target_probs = logits_to_probs(logits, seq.params)[None]  # [1, n + 1, vocab]
-        return speculative_accept(target_probs, draft_tensor, None if draft_probs is None else draft_probs[None], seq.generator)
+    def _accept(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
+                draft_probs: list[torch.Tensor | None]):
+        # logits: [rows, 1 + longest draft, vocab]
+        longest = max(len(d) for d in drafts)
+        padded = torch.tensor([d + [PAD_TOKEN] * (longest - len(d)) for d in drafts], dtype=torch.long,
+                              device=logits.device).reshape(len(drafts), longest)  # [rows, longest]
+        return accept_batch(logits[:, : longest + 1], padded, [len(d) for d in drafts], draft_probs,
+                            [s.params for s in seqs], [s.generator for s in seqs], self.sampling_rule)
 
     def _emit(self, seq: Sequence, committed: list[int], drafted: int, accepted: int) -> SequenceOutput:
-        """Apply the stop conditions to the committed tokens, as Engine.stream does, in token
-        order: EOS, then the token budget, then stop strings."""
+        """Apply the stop conditions to the committed tokens in token order: EOS, then the token
+        budget, then stop strings."""
         assert seq._text is not None
         result = seq.result
         finish = None

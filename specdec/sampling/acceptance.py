@@ -24,9 +24,13 @@ one-hot `draft_probs`; pass `draft_probs=None` for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from specdec.config import SamplingParams
+from specdec.sampling.probs import logits_to_probs
 
 PAD_TOKEN = -1
 
@@ -120,3 +124,50 @@ def speculative_accept(
     final_dist = torch.where(mass > 0, residual / mass.clamp_min(1e-30), final_target)
     final_token = torch.multinomial(final_dist, 1, generator=generator).squeeze(1)  # [batch]
     return _commit(draft_tokens, num_accepted, final_token)
+
+
+# (target_probs [batch, n + 1, vocab], draft_tokens [batch, n], draft_probs [batch, n, vocab] | None,
+#  generator) -> AcceptResult. Engines use speculative_accept; `specdec verify` swaps in a
+# deliberately wrong rule to show that its test can tell.
+SamplingRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Generator | None], AcceptResult]
+
+
+def accept_batch(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    lengths: list[int],
+    draft_probs: list[torch.Tensor | None],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    rule: SamplingRule = speculative_accept,
+) -> AcceptResult:
+    """One step's acceptance for every row of a batch, each with its own draft length, sampling
+    parameters and generator.
+
+    target_logits: [rows, n + 1, vocab], the target's logits after each row's fed token and
+        draft; positions past a row's draft are padding and never read.
+    draft_tokens: [rows, n], PAD_TOKEN past each row's length.
+    lengths: each row's draft length (<= n).
+    draft_probs: per row, [length, vocab] for a sampled draft, or None (deterministic draft).
+    Greedy rows are decided together (a padded position never matches an argmax); a sampled row
+    goes through `rule` with its own filtered distributions and generator.
+    """
+    rows, n = draft_tokens.shape
+    if target_logits.shape[:2] != (rows, n + 1) or not len(lengths) == len(draft_probs) == len(params) == len(generators) == rows:
+        raise ValueError(f"need target_logits [{rows}, {n + 1}, vocab] and one length, draft_probs, params and generator per row")
+    tokens = draft_tokens.new_full((rows, n + 1), PAD_TOKEN)
+    num_accepted = draft_tokens.new_zeros(rows)
+    greedy = [i for i in range(rows) if params[i].greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=draft_tokens.device)
+        result = greedy_accept(target_logits[index], draft_tokens[index])
+        tokens[index], num_accepted[index] = result.tokens, result.num_accepted
+    for i in range(rows):
+        if params[i].greedy:
+            continue
+        k = lengths[i]
+        target_probs = logits_to_probs(target_logits[i, : k + 1], params[i])[None]  # [1, k + 1, vocab]
+        probs = draft_probs[i]
+        result = rule(target_probs, draft_tokens[i : i + 1, :k], None if probs is None else probs[None], generators[i])
+        tokens[i, : k + 1], num_accepted[i] = result.tokens[0], result.num_accepted[0]
+    return AcceptResult(tokens=tokens, num_accepted=num_accepted)

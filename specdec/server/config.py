@@ -220,10 +220,6 @@ def _route_from_table(name: str, table: Any) -> RouteConfig:
     if unknown:
         raise ConfigError(f"route {name!r}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_ROUTE_KEYS))}")
     spec = SpeculativeConfig.from_dict(table["speculative"]) if "speculative" in table else None
-    if spec is not None and spec.adaptive:
-        # The batched engine sets each sequence's k from the load schedule; per-sequence
-        # adaptive k is not wired into it yet, and a setting that does nothing must not pass.
-        raise ConfigError(f"route {name!r}: 'adaptive' is not supported by the server yet; use load_schedule")
     schedule_value = table.get("load_schedule", spec is not None)
     if schedule_value is True:
         schedule = LoadSchedule.from_mapping(DEFAULT_LOAD_SCHEDULE)

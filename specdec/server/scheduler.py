@@ -22,6 +22,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
+from specdec.engine.adaptive import AdaptiveK, AdaptiveState, SpeculationPolicy
 from specdec.engine.batch import BatchEngine, Sequence, SequenceOutput
 from specdec.engine.stats import RequestStats
 from specdec.errors import SpecDecError
@@ -115,6 +116,8 @@ class Scheduler:
         self._inbox: queue.Queue[ServerRequest] = queue.Queue()
         self._waiting: deque[ServerRequest] = deque()
         self._running: dict[int, ServerRequest] = {}  # sequence id -> request
+        # What adaptive k has learned on each adaptive route, shared by its sequences.
+        self._adaptive: dict[str, AdaptiveState] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
         self.steps = 0
@@ -216,7 +219,7 @@ class Scheduler:
             request = self._waiting.popleft()
             prototype = self.drafters.get(request.route.name)
             drafter = fork_drafter(prototype) if prototype is not None and request.k > 0 else None
-            seq = Sequence(request.prompt_ids, request.params, drafter, k=request.k)
+            seq = Sequence(request.prompt_ids, request.params, drafter, k=request.k, policy=self._policy(request, drafter))
             request.sequence = seq
             try:
                 out = self.engine.add(seq)
@@ -233,6 +236,16 @@ class Scheduler:
             self._running[seq.id] = request
             self.metrics.route_running.labels(request.route.name).inc()
             self._deliver(request, out, prefill=True)
+
+    def _policy(self, request: ServerRequest, drafter: Drafter | None) -> SpeculationPolicy | None:
+        """Adaptive k for a sequence on an adaptive route (within the cap the load schedule sets
+        each step); None elsewhere: the sequence drafts the cap."""
+        spec = request.route.speculative
+        if drafter is None or spec is None or not spec.adaptive:
+            return None
+        policy = AdaptiveK(request.k, self._adaptive.get(request.route.name))
+        self._adaptive[request.route.name] = policy.state
+        return policy
 
     def threads_for(self, running: int) -> int:
         """torch threads for a step with `running` sequences: the configured count, or auto (see

@@ -119,6 +119,18 @@ def test_shipped_profile_is_used_for_the_default_model(default_model: LoadedMode
     assert drafter.runner.layers == profile.layers
 
 
+def greedy_agreement(target: LoadedModel, draft: LoadedModel) -> float:
+    """On the target's own greedy path, fed a token at a time as when drafting: how often the
+    draft's greedy choice is the target's."""
+    prompt = ids(target)
+    answer = Engine(target).generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids
+    runner = ModelRunner(draft)
+    cache = runner.new_cache(len(prompt) + len(answer))
+    logits = [runner.forward(cache, prompt, last_only=True).logits[0]]
+    logits += [runner.forward(cache, [token]).logits[0] for token in answer[:-1]]
+    return (torch.stack(logits).argmax(-1) == torch.tensor(answer)).float().mean().item()
+
+
 @pytest.mark.slow
 def test_int8_self_draft_shares_embeddings_and_leaves_the_target_alone(default_model_hf: LoadedModel) -> None:
     default_model = default_model_hf
@@ -131,19 +143,12 @@ def test_int8_self_draft_shares_embeddings_and_leaves_the_target_alone(default_m
     linear = sum(m.weight.numel() for m in default_model.model.modules() if isinstance(m, torch.nn.Linear))
     added = quantized_bytes(draft)
     assert linear <= added < 1.05 * linear
-    # On the target's own greedy path, fed a token at a time as when drafting, the draft's
-    # greedy choices mostly agree with the target's, not always.
-    prompt = ids(default_model)
-    answer = Engine(default_model).generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids
-    runner = ModelRunner(draft)
-    cache = runner.new_cache(len(prompt) + len(answer))
-    logits = [runner.forward(cache, prompt, last_only=True).logits[0]]
-    logits += [runner.forward(cache, [token]).logits[0] for token in answer[:-1]]
-    agree = (torch.stack(logits).argmax(-1) == torch.tensor(answer)).float().mean().item()
-    assert 0.7 < agree < 1.0
+    # The draft's greedy choices mostly agree with the target's, not always.
+    assert 0.7 < greedy_agreement(default_model, draft) < 1.0
     # A long block runs the shared float32 weights: the prompt's logits are the target's own.
-    target_logits = ModelRunner(default_model).forward(ModelRunner(default_model).new_cache(64), prompt).logits
-    draft_logits = runner.forward(runner.new_cache(64), prompt).logits
+    prompt = ids(default_model)
+    target_logits = ModelRunner(default_model).score(prompt)
+    draft_logits = ModelRunner(draft).score(prompt)
     torch.testing.assert_close(draft_logits, target_logits)
 
 
@@ -156,14 +161,7 @@ def test_native_int8_self_draft_shares_the_rest_and_mostly_agrees(default_model_
     # What it adds: one byte per matrix weight plus a bfloat16 scale per output channel.
     linear = target.backend.matrix_bytes() // 4
     assert linear <= quantized_bytes(draft) < 1.01 * linear
-    prompt = ids(target)
-    answer = Engine(target).generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids
-    runner = ModelRunner(draft)
-    cache = runner.new_cache(len(prompt) + len(answer))
-    logits = [runner.forward(cache, prompt, last_only=True).logits[0]]
-    logits += [runner.forward(cache, [token]).logits[0] for token in answer[:-1]]
-    agree = (torch.stack(logits).argmax(-1) == torch.tensor(answer)).float().mean().item()
-    assert 0.7 < agree <= 1.0
+    assert 0.7 < greedy_agreement(target, draft) <= 1.0
 
 
 def test_int8_self_draft_of_a_quantized_target_is_refused(default_model: LoadedModel) -> None:

@@ -290,3 +290,37 @@ def test_deterministic_draft_rule_preserves_target_for_varying_tokens() -> None:
     result = run_rule(speculative_accept, target, None, SAMPLES, seed=62, draft_tokens=draft_tokens)
     assert chi2_pvalue(result.tokens[:, 0], target[0]) > 1e-3
     assert chi2_pvalue(result.tokens[result.num_accepted >= 1, 1], target[1]) > 1e-3
+
+
+# --- a whole step: rows with their own lengths, parameters and generators ---------------------
+
+
+def test_accept_batch_matches_each_row_alone() -> None:
+    from specdec.config import SamplingParams
+    from specdec.sampling import accept_batch, logits_to_probs
+
+    torch.manual_seed(3)
+    vocab, n = 12, 3
+    logits = torch.randn(4, n + 1, vocab) * 3  # [rows, n + 1, vocab]
+    drafts = [[int(logits[0, i].argmax()) for i in range(2)], [], [5, 6, 7], [1]]
+    padded = torch.tensor([d + [PAD_TOKEN] * (n - len(d)) for d in drafts])  # [rows, n]
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_k=6)
+    params = [greedy, greedy, sampled, sampled]
+    draft_probs = [None, None, torch.softmax(torch.randn(3, vocab), -1), None]
+    result = accept_batch(logits, padded, [len(d) for d in drafts], draft_probs, params,
+                          [None, None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)])
+    # Greedy rows: as greedy_accept on the row alone (row 0's drafts are the argmaxes: all kept).
+    for i in (0, 1):
+        k = len(drafts[i])
+        alone = greedy_accept(logits[i : i + 1, : k + 1], torch.tensor([drafts[i]], dtype=torch.long).reshape(1, k))
+        assert result.row(i) == alone.row(0)
+    assert result.num_accepted[0] == 2
+    # Sampled rows: the rule on the row's own filtered distributions, with the row's generator.
+    for i, seed in ((2, 1), (3, 2)):
+        k = len(drafts[i])
+        target = logits_to_probs(logits[i, : k + 1], params[i])[None]
+        probs = None if draft_probs[i] is None else draft_probs[i][None]
+        alone = speculative_accept(target, torch.tensor([drafts[i]]), probs, torch.Generator().manual_seed(seed))
+        assert result.row(i) == alone.row(0)
+    # A row never keeps more than it drafted.
+    assert all(int(result.num_accepted[i]) <= len(drafts[i]) for i in range(4))

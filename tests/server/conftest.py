@@ -17,6 +17,7 @@ from specdec.server.runtime import ServerThread, build_state
 ROUTES = (
     RouteConfig("spec", SpeculativeConfig("ngram", 4), LoadSchedule.from_mapping({1: 4, 2: 4, 4: 2, 8: 0}), 6),
     RouteConfig("fixed", SpeculativeConfig("ngram", 3), None, 3),
+    RouteConfig("adaptive", SpeculativeConfig("ngram", 4, adaptive=True), None, 4),
     RouteConfig("plain"),
 )
 

@@ -81,7 +81,7 @@ def test_stop_string_ends_the_output(client: openai.OpenAI) -> None:
 
 
 def test_models_lists_the_routes(client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list().data] == ["spec", "fixed", "plain"]
+    assert [m.id for m in client.models.list().data] == ["spec", "fixed", "adaptive", "plain"]
 
 
 def test_request_may_lower_or_turn_off_k_within_the_route_cap(client: openai.OpenAI) -> None:

@@ -31,7 +31,7 @@ def prompts() -> list[list[dict[str, str]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("route", "speculative"), [("fixed", True), ("plain", False)])
+@pytest.mark.parametrize(("route", "speculative"), [("fixed", True), ("adaptive", True), ("plain", False)])
 def test_server_greedy_matches_library(default_model: LoadedModel, client: openai.OpenAI, prompts, route: str, speculative: bool) -> None:
     llm = LLM(loaded=default_model, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     expected = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), speculate=speculative)]

@@ -81,8 +81,7 @@ def test_toml_config(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown speculative method"):
         load_config(path)
     path.write_text(CONFIG + "\n[routes.adaptive]\nspeculative = { method = 'ngram', adaptive = true }\n")
-    with pytest.raises(ConfigError, match="'adaptive' is not supported by the server yet"):
-        load_config(path)
+    assert load_config(path).route("adaptive").speculative.adaptive
     assert config.max_request_bytes == 4 << 20 and config.graceful_shutdown_s == 30
     path.write_text("max_request_bytes = 1024\ngraceful_shutdown_s = 0.5\n" + CONFIG)
     assert load_config(path).max_request_bytes == 1024 and load_config(path).graceful_shutdown_s == 0.5

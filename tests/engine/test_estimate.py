@@ -1,11 +1,11 @@
-"""The acceptance model (specdec.bench.estimate) and `specdec estimate`."""
+"""The acceptance model (specdec.engine.estimate) and `specdec estimate`."""
 
 from __future__ import annotations
 
 
 import pytest
 
-from specdec.bench.estimate import expected_speedup, expected_tokens_per_step
+from specdec.engine.estimate import expected_speedup, expected_tokens_per_step
 
 
 
