@@ -85,7 +85,7 @@ def test_default_model(default_model: LoadedModel) -> None:
 
 
 def test_default_gguf_conversion_is_cached(default_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SPECDEC_CACHE_DIR")
+    monkeypatch.undo()  # the cache directory the session's load used, not this module's private one
     converted = _converted_dir(default_model_path())
     assert (converted / "config.json").exists()
     assert (converted / "model.safetensors").exists()
