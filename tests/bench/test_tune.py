@@ -295,7 +295,7 @@ def test_tune_recommendation_loads(tuned: tuple[Path, subprocess.CompletedProces
 
     generated = subprocess.run(
         [sys.executable, "-m", "specdec.cli.main", "generate", "Count to five.", "--max-tokens", "8", "--stats",
-         "--speculative-config", str(path)],
+         "--dtype", "float32", "--speculative-config", str(path)],  # the target the recommendation was tuned on
         capture_output=True, text=True, timeout=300,
     )
     assert generated.returncode == 0, generated.stderr
