@@ -7,8 +7,11 @@ batched forward pass over [rows, 1]."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from specdec.config import SamplingParams
 from specdec.drafters import Proposal
@@ -158,3 +161,31 @@ def test_draft_model_forks_match_single_engine(tiny_any: LoadedModel, temperatur
     _run(BatchEngine(tiny_any, max_rows=3, max_model_len=128), seqs, join_every=2)
     assert [s.result.token_ids for s in seqs] == expected
     assert all(s.result.stats.accepted_tokens > 0 for s in seqs)
+
+
+class OracleDrafter(NoisyDrafter):
+    """Always agrees: proposes the plain greedy continuation."""
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        return Proposal(self.reference[len(context) : len(context) + k])
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_eos_inside_an_accepted_draft_ends_the_output_there(tiny_any: LoadedModel, batched: bool) -> None:
+    # Every other batch test ignores EOS. Here EOS is a token the plain output reaches in the
+    # middle of a step (a run of k accepted drafts), so only a check of every committed token,
+    # not just the step's last one, stops the output right before it.
+    reference = _plain(tiny_any, PROMPTS[1])
+    output = reference[len(PROMPTS[1]) :]
+    position = next(i for i in range(3, len(output)) if i % 5 not in (0, 4))  # not a step's first or last token
+    eos = output[position]
+    position = output.index(eos)  # its first occurrence ends the output
+    model = dataclasses.replace(tiny_any, generation_config=GenerationConfig(eos_token_id=eos))
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    seqs = [Sequence(PROMPTS[1], params, OracleDrafter(reference), k=4)]
+    if batched:
+        seqs.append(Sequence(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), NgramDrafter(1, 4), k=4))
+    _run(BatchEngine(model, max_rows=2, max_model_len=128), seqs)
+    assert seqs[0].result.token_ids == output[:position]
+    assert seqs[0].result.finish_reason == "stop"
+    assert seqs[0].result.stats.accepted_tokens > 0
