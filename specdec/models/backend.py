@@ -75,6 +75,12 @@ class Backend(Protocol):
         """KV cache bytes one token costs across `layers` (all by default), keys and values."""
 
 
+def kv_bytes_per_token(backend: Backend, layers: Sequence[int] | None = None) -> int:
+    """KV cache bytes one token costs across `layers` (all by default): keys and values."""
+    count = backend.num_layers if layers is None else len(layers)
+    return 2 * count * backend.kv_heads * backend.head_dim * torch.finfo(backend.kv_dtype).bits // 8
+
+
 def causal_mask(cached: int, new: int, device: torch.device) -> torch.Tensor:
     """[1, 1, new, cached + new] bool: each new token sees the cache and the new tokens up to itself."""
     query = torch.arange(new, device=device)[:, None] + cached  # [new, 1]

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from specdec.models.backend import ForwardOutput
+from specdec.models.backend import ForwardOutput, kv_bytes_per_token
 
 
 class HFBackend:
@@ -40,8 +40,7 @@ class HFBackend:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
-        count = self.num_layers if layers is None else len(layers)
-        return 2 * count * self.kv_heads * self.head_dim * torch.finfo(self.kv_dtype).bits // 8
+        return kv_bytes_per_token(self, layers)
 
     @torch.inference_mode()
     def forward(

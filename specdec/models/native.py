@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdec.errors import ModelLoadError
-from specdec.models.backend import ForwardOutput
+from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_token
 from specdec.models.qlinear import FORMATS, Int4Groups, PackedLinear, RawWeight
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -60,14 +60,13 @@ class NativeLayer:
 PER_QUERY_MAX = 32
 
 
-def _prefix_lengths(mask: torch.Tensor | None, cache_layer, rows: int, new: int) -> list[list[int]] | None:
+def _prefix_lengths(mask: torch.Tensor | None, cached: int, new: int) -> list[list[int]] | None:
     """How many leading slots each query of each row sees, when every query sees a prefix of its
     row (a plain step, a chain verification, a batch without holes); None otherwise (a long
     block, or a mask that is not a prefix, such as a tree's)."""
     if new > PER_QUERY_MAX:
         return None
     if mask is None:  # one row: the new tokens follow everything cached
-        cached = cache_layer.get_seq_length() if hasattr(cache_layer, "get_seq_length") else 0
         return [[cached + i + 1 for i in range(new)]]
     counts = mask.sum(dim=-1)  # [rows, 1, new]
     slots = torch.arange(mask.shape[-1], device=mask.device)
@@ -189,15 +188,11 @@ class NativeBackend:
     # --- the protocol ------------------------------------------------------------------------
 
     def weight_bytes(self) -> int:
-        total = self.embed.numel() * self.embed.element_size() + self.norm.numel() * 4 + self.lm_head.nbytes
-        for layer in self.layers:
-            total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
-            total += 4 * (layer.attn_norm.numel() + layer.mlp_norm.numel())
-        return total
+        norms = self.norm.numel() + sum(layer.attn_norm.numel() + layer.mlp_norm.numel() for layer in self.layers)
+        return self.matrix_bytes() + self.embed.numel() * self.embed.element_size() + 4 * norms
 
     def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
-        count = self.num_layers if layers is None else len(layers)
-        return 2 * count * self.kv_heads * self.head_dim * torch.finfo(self.kv_dtype).bits // 8
+        return kv_bytes_per_token(self, layers)
 
     @torch.inference_mode()
     def forward(
@@ -213,9 +208,12 @@ class NativeBackend:
         hidden_layers: Sequence[int] = (),
     ) -> ForwardOutput:
         rows, new = input_ids.shape
-        visible = _prefix_lengths(mask, cache.layers[(layers or [0])[0]], rows, new)
+        cached = cache.layers[(layers or [0])[0]].get_seq_length()  # before this pass writes
+        visible = _prefix_lengths(mask, cached, new)
         if visible is not None:
             mask = None
+        elif mask is None:  # a long block (prefill) of one row: causal over the cache, built once
+            mask = causal_mask(cached, new, input_ids.device)
         x = self.embed[input_ids]  # [rows, new, hidden] float32
         cos = self.cos[positions][:, None]  # [rows, 1, new, head_dim]
         sin = self.sin[positions][:, None]
@@ -262,9 +260,6 @@ class NativeBackend:
                 for r, row in enumerate(visible)
             ])
         else:
-            if mask is None and new > 1:  # a long block (prefill): causal over the cache
-                cached = keys.shape[2] - new
-                mask = torch.ones(new, cached + new, dtype=torch.bool, device=x.device).tril(cached)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(rows * new, self.heads * self.head_dim)  # [rows * new, heads * head_dim]
         return layer.o(out).float().view(rows, new, -1)
