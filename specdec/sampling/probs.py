@@ -30,14 +30,16 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     # With a tiny T, `shifted / T` is -inf below the maximum and 0 / 0 = NaN at it (T rounds to 0
     # in float32 below 1.4e-45); an infinite T gives -inf / inf = NaN at masked tokens. Both are
     # put back to their limits: 0 at the maximum, -inf where the logit was -inf.
+    raw = logits
     shifted = logits - logits.amax(dim=-1, keepdim=True)  # [..., vocab], <= 0
     logits = shifted / params.temperature
     logits = torch.where(shifted == 0, 0.0, logits)
     logits = torch.where(shifted == float("-inf"), float("-inf"), logits)
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        # Ranked on the logits as given: the shift can round apart logits into a tie.
+        kth = torch.topk(raw, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(raw < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
