@@ -14,6 +14,10 @@ generator, and its own cache length. One step:
    rest (:class:`~specdec.models.batch_cache.BatchCache`), so a rejection in one row does not
    touch the others.
 
+A drafter that reads the target's hidden states (an EAGLE head) names the layers in its
+`target_layers`; the prefill and every verification pass then return those layers' outputs,
+and each row's drafter gets its committed positions' states (:meth:`observe_target`).
+
 With speculation off for every row the step is one batched forward pass over [rows, 1]: batched
 plain decoding. Sequences join (:meth:`BatchEngine.add`, which prefills the prompt alone, then
 copies its KV into a free row) and leave (:meth:`BatchEngine.remove`) between steps. Stop
@@ -90,6 +94,17 @@ class _Prefill:
     prompt_ids: list[int]
     cache: PreallocatedCache
     logits: torch.Tensor  # [1, vocab]
+    states: dict[int, torch.Tensor]  # {layer: [prompt, hidden]}, the layers asked for
+
+
+def target_layers(drafter: Drafter | None) -> tuple[int, ...]:
+    """The target layers whose outputs a drafter reads (none for most drafters)."""
+    return tuple(getattr(drafter, "target_layers", ()))
+
+
+def _features(states: dict[int, torch.Tensor], layers: tuple[int, ...], row: int, count: int) -> torch.Tensor:
+    """[count, len(layers) * hidden]: a row's first `count` positions of these layers' outputs."""
+    return torch.cat([states[i][row, :count] for i in layers], dim=-1)
 
 
 class BatchEngine:
@@ -157,7 +172,11 @@ class BatchEngine:
             seq.drafter.begin(list(seq.prompt_ids), max_len)
 
         # 0. Prefill: one pass over the prompt alone gives the first token; its KV joins the batch.
-        prefill_cache, logits = self._prefill(list(seq.prompt_ids))  # logits: [1, vocab]
+        layers = target_layers(seq.drafter)
+        prefill_cache, logits, states = self._prefill(list(seq.prompt_ids), layers)  # logits: [1, vocab]
+        if layers:
+            seq.drafter.observe_target(_features({i: s[None] for i, s in states.items()}, layers, 0,
+                                                 len(seq.prompt_ids)))
         first = self._accept([seq], logits[None], [[]], [None]).row(0)
         seq.context = list(seq.prompt_ids) + first
         seq.row = self.cache.insert_row(prefill_cache)
@@ -165,15 +184,16 @@ class BatchEngine:
         self.sequences.append(seq)
         return self._emit(seq, first, drafted=0, accepted=0)
 
-    def _prefill(self, prompt_ids: list[int]) -> tuple[PreallocatedCache, torch.Tensor]:
+    def _prefill(self, prompt_ids: list[int], layers: tuple[int, ...]
+                 ) -> tuple[PreallocatedCache, torch.Tensor, dict[int, torch.Tensor]]:
         # The prompt's cache is only read (copied into a row), so a later sequence can reuse it.
         last = self._last_prefill
-        if last is not None and last.prompt_ids == prompt_ids:
-            return last.cache, last.logits
+        if last is not None and last.prompt_ids == prompt_ids and set(layers) <= set(last.states):
+            return last.cache, last.logits, last.states
         cache = self.runner.new_cache(len(prompt_ids))
-        logits = self.runner.forward(cache, prompt_ids, last_only=True).logits
-        self._last_prefill = _Prefill(prompt_ids, cache, logits)
-        return cache, logits
+        out = self.runner.forward(cache, prompt_ids, last_only=True, hidden_layers=layers)
+        self._last_prefill = _Prefill(prompt_ids, cache, out.logits, out.layer_states or {})
+        return cache, out.logits, self._last_prefill.states
 
     def remove(self, seq: Sequence) -> None:
         """Free a sequence's row (finished or cancelled)."""
@@ -222,7 +242,9 @@ class BatchEngine:
         feed = [[seq.context[-1], *draft] + [seq.context[-1]] * (new - 1 - len(draft)) for seq, draft in zip(seqs, drafts)]
         input_ids = torch.tensor(feed, dtype=torch.long, device=self.runner.device)  # [rows, new]
         positions, mask = self.cache.step_inputs(new)  # [rows, new], [rows, 1, new, longest + new]
-        logits = self.target.backend.forward(self.cache, input_ids, positions, mask).logits  # [rows, new, vocab]
+        layers = sorted({i for seq in seqs for i in target_layers(seq.drafter)})
+        out = self.target.backend.forward(self.cache, input_ids, positions, mask, hidden_layers=layers)
+        logits = out.logits  # [rows, new, vocab]
 
         # 3. Accept, once for the step: each row a prefix of its draft, with its own parameters.
         result = self._accept(seqs, logits, drafts, draft_probs)
@@ -236,6 +258,8 @@ class BatchEngine:
             committed = result.row(i)
             seq.context.extend(committed)
             if seq.drafter is not None:
+                if own := target_layers(seq.drafter):  # the fed token's and accepted drafts' states
+                    seq.drafter.observe_target(_features(out.layer_states, own, i, accepted + 1))
                 seq.drafter.commit(seq.context, accepted)
             if seq.policy is not None:
                 seq.policy.observe(len(draft), accepted, draft_times[i], verify_time)

@@ -71,6 +71,12 @@ class Backend(Protocol):
     def weight_bytes(self) -> int:
         """Bytes of every weight the backend holds."""
 
+    def input_embeddings(self) -> torch.Tensor:
+        """[vocab, hidden] float32: the token embedding (for heads that read the target's)."""
+
+    def output_embeddings(self) -> torch.Tensor:
+        """[vocab, hidden] float32: the LM head's rows, as the backend computes with them."""
+
     def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
         """KV cache bytes one token costs across `layers` (all by default), keys and values."""
 

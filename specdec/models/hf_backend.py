@@ -39,6 +39,12 @@ class HFBackend:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight.detach().float()
+
+    def output_embeddings(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight.detach().float()
+
     def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
         return kv_bytes_per_token(self, layers)
 

@@ -194,6 +194,12 @@ class NativeBackend:
     def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
         return kv_bytes_per_token(self, layers)
 
+    def input_embeddings(self) -> torch.Tensor:
+        return self.embed
+
+    def output_embeddings(self) -> torch.Tensor:
+        return self.lm_head.dequantized()[: self.vocab_size]
+
     @torch.inference_mode()
     def forward(
         self,

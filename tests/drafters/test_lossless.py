@@ -16,8 +16,8 @@ from specdec.api import RequestOutput
 from specdec.drafters import Proposal
 from specdec.engine import Engine, Generation
 from specdec.errors import ConfigError
-from specdec.errors import ConfigError
 from specdec.models import LoadedModel
+from specdec.training.eagle import TrainConfig, new_head
 
 MAX_TOKENS = 32
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS)
@@ -220,15 +220,27 @@ REAL_DRAFTERS = [
     pytest.param({"method": "layer_skip", "layers": list(range(0, 30, 3)), "num_speculative_tokens": 4},
                  id="layer_skip-third-k4"),
     pytest.param({"method": "ngram", "num_speculative_tokens": 6, "adaptive": True}, id="ngram-adaptive-k6"),
+    pytest.param({"method": "eagle", "model": "RANDOM_EAGLE", "num_speculative_tokens": 4}, id="eagle-random-k4"),
     pytest.param({"method": "draft_model", "model": "target", "quantization": "int8", "num_speculative_tokens": 5,
                   "adaptive": True}, id="int8-self-adaptive-k5"),
 ]
 
 
+@pytest.fixture(scope="module")
+def random_eagle_dir(default_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An untrained EAGLE head for the default model (every variant: it reads the target's own
+    embedding and LM head rows), over the 4096 lowest token ids."""
+    path = tmp_path_factory.mktemp("eagle-random")
+    new_head(default_model, torch.arange(4096), TrainConfig(draft_vocab_size=4096, seed=1)).save(path)
+    return str(path)
+
+
 @pytest.mark.parametrize("config", REAL_DRAFTERS)
-def test_registered_drafter(target, tiny_model_dir, plain, config: dict) -> None:
+def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, plain, config: dict) -> None:
     if config.get("model") == "TINY":
         config = config | {"model": str(tiny_model_dir)}
+    if config.get("model") == "RANDOM_EAGLE":
+        config = config | {"model": random_eagle_dir}
     if config.get("quantization") == "int8" and target.backend.weight_format.startswith(("int8", "int4")):
         with pytest.raises(ConfigError, match="would cost as much as the target"):
             LLM(loaded=target, speculative_config=SpeculativeConfig.from_dict(config))
@@ -252,6 +264,9 @@ def test_registered_drafter(target, tiny_model_dir, plain, config: dict) -> None
             # The int8 copy of the target agrees with it most of the time (hf's, whose activations
             # are int8 too, not always).
             assert 0.5 < stats.acceptance_rate <= (1.0 if target.model is None else 0.99)
+        elif config["method"] == "eagle":
+            # A head drafts its k every step but the last few, which the token budget cuts short.
+            assert stats.drafted_tokens >= k * (stats.target_steps - k)
         elif config["method"] == "draft_model":
             # A random model hardly ever agrees; at most rarely by chance.
             assert stats.acceptance_rate < 0.2

@@ -19,11 +19,13 @@ from scipy.stats import chisquare
 import specdec.engine.engine as engine_module
 from specdec.config import SamplingParams
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.eagle import EagleDrafter, EagleHead
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.models import LoadedModel, ModelRunner
 from specdec.models.quantize import quantize_int8
 from specdec.sampling import AcceptResult, logits_to_probs
+from specdec.training.eagle import TrainConfig, new_head
 
 VOCAB = 8
 LENGTH = 3  # tokens of each continuation compared
@@ -178,7 +180,18 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
         return Engine(target, DraftModelDrafter(draft), 2, adaptive=True)
     if name == "resumed":
         return Engine(target, ResumedDrafter(draft, sink=2, resume_window=4), 2)
+    if name == "eagle":
+        return Engine(target, EagleDrafter(eagle_head(target)), 2)
     raise ValueError(name)
+
+
+def eagle_head(target: LoadedModel) -> EagleHead:
+    """An untrained EAGLE head reading the target's states, over 6 of the 8 tokens (so it never
+    proposes two of them, which the target may still sample)."""
+    head = new_head(target, torch.arange(6), TrainConfig(draft_vocab_size=6, seed=2))
+    with torch.no_grad():
+        head.fc.weight.mul_(8.0)  # peaked draft distributions, far from the target's
+    return head.eval()
 
 
 def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: LoadedModel) -> None:
@@ -197,7 +210,7 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
         assert 0 < sum(rates) / len(rates) < 0.98, name
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed"])
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str
 ) -> None:
@@ -211,12 +224,17 @@ def test_speculative_sampling_follows_target(
 
 
 @pytest.mark.parametrize("rule", [accept_all, recover_from_target])
-@pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "eagle"])
 def test_wrong_rules_fail_the_same_test(
     target: LoadedModel, draft: LoadedModel, drafter: str, rule, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    instance = DraftModelDrafter(draft) if drafter == "draft_model" else NgramDrafter(1, 3)
-    samples = sample_sequences(engine_with_rule(target, instance, rule, monkeypatch), SAMPLED, 800)
+    instances = {"draft_model": lambda: DraftModelDrafter(draft), "ngram": lambda: NgramDrafter(1, 3),
+                 "eagle": lambda: EagleDrafter(eagle_head(target))}
+    instance = instances[drafter]()
+    # The untrained head's drafts are rejected mostly where the target is near certain, so the
+    # subtly wrong rule shows less per sample there: more samples.
+    samples = sample_sequences(engine_with_rule(target, instance, rule, monkeypatch), SAMPLED,
+                               2400 if drafter == "eagle" else 800)
     exact = exact_sequence_probs(target, SAMPLED)
     assert chi2_pvalue(samples, exact) < 1e-6
 

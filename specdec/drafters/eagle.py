@@ -1,0 +1,396 @@
+"""EAGLE: a one-layer draft head that reads the target's own hidden states.
+
+The head (EAGLE-3's design) predicts the token after next from what the target already
+computed. At position t it takes the target's hidden states at a low, a middle and a high layer
+(`target_layers`, fused by `fc`: [3 * hidden] -> [hidden]) and the embedding of token t + 1,
+runs one decoder layer whose attention reads both ([2 * hidden] in), and predicts token t + 2
+with a draft vocabulary: the target's most frequent tokens (`d2t` maps a draft index to a
+target token id). Drafting further, the head feeds its own output state in place of the
+target's, one position on, which is what training-time test teaches it to do
+(`specdec.training.eagle`).
+
+Letters: position t's features are the target's states at t; its token input is token t + 1;
+its output state g_t predicts token t + 2.
+
+Per sequence the drafter keeps the head's KV cache. Entries for committed positions are built
+from the target's features, which the engine hands over after every pass
+(:meth:`EagleDrafter.observe_target`); entries for drafted positions sit past the committed
+length and are simply overwritten next step (rollback moves a length).
+
+Files: the EAGLE-3 layout (config.json with `draft_vocab_size` and
+`eagle_config.eagle_aux_hidden_state_layer_ids`, one safetensors file with `fc`, `midlayer.*`,
+`norm`, `lm_head`, `d2t`, `t2d`), so heads published for a Llama or Qwen target load as they
+are. A head trained here may leave out `lm_head`: it then reads the target's own LM head
+rows for its draft vocabulary (`tied_lm_head`), and ships without them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters.base import Proposal, register
+from specdec.errors import ConfigError
+from specdec.models.loader import LoadedModel
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """The low, middle and high layers EAGLE-3 reads (outputs of layers 1, L/2 - 1, L - 4: the
+    inputs of layers 2, L/2 and L - 3, its convention), kept inside a small model's layers."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4))
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    """Shape of a head and what it was trained for.
+
+    target_layers: the target layers whose outputs it reads (0-based: layer i's output).
+    draft_vocab_size: tokens the head can propose; vocab_size: the target's vocabulary.
+    tied_lm_head: the head scores its draft vocabulary with the target's LM head rows.
+    """
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_layers: tuple[int, ...]
+    draft_vocab_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tied_lm_head: bool = True
+    target: str = ""
+    training: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_target(cls, target: LoadedModel, draft_vocab_size: int,
+                   target_layers: tuple[int, ...] | None = None) -> EagleHeadConfig:
+        config, backend = target.config, target.backend
+        return cls(
+            hidden_size=backend.hidden_size,
+            num_heads=int(config.num_attention_heads),
+            num_kv_heads=backend.kv_heads,
+            head_dim=backend.head_dim,
+            intermediate_size=int(config.intermediate_size),
+            target_layers=target_layers or default_target_layers(backend.num_layers),
+            draft_vocab_size=draft_vocab_size,
+            vocab_size=backend.vocab_size,
+            rms_norm_eps=float(config.rms_norm_eps),
+            rope_theta=float(getattr(config, "rope_theta", 10000.0)),
+            target=target.name,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """EAGLE-3's config.json, with specdec's own fields under `specdec`."""
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.target_layers]},
+            "specdec": {"tied_lm_head": self.tied_lm_head, "target": self.target, "training": self.training},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], num_target_layers: int) -> EagleHeadConfig:
+        try:
+            ours = data.get("specdec", {})
+            aux = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            heads = int(data["num_attention_heads"])
+            return cls(
+                hidden_size=int(data["hidden_size"]),
+                num_heads=heads,
+                num_kv_heads=int(data.get("num_key_value_heads") or heads),
+                head_dim=int(data.get("head_dim") or data["hidden_size"] // heads),
+                intermediate_size=int(data["intermediate_size"]),
+                target_layers=tuple(i - 1 for i in aux) if aux else default_target_layers(num_target_layers),
+                draft_vocab_size=int(data.get("draft_vocab_size") or data["vocab_size"]),
+                vocab_size=int(data["vocab_size"]),
+                rms_norm_eps=float(data.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(data.get("rope_theta", 10000.0)),
+                tied_lm_head=bool(ours.get("tied_lm_head", False)),
+                target=str(ours.get("target", "")),
+                training=dict(ours.get("training", {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"not an EAGLE head config: {exc}") from None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [heads, n, head_dim]; cos, sin: [n, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class EagleLayer(nn.Module):
+    """The head's decoder layer; attention takes [embedding, features] ([2 * hidden]) in, the
+    residual stream is the features. Parameter names follow EAGLE-3's `midlayer`."""
+
+    def __init__(self, c: EagleHeadConfig) -> None:
+        super().__init__()
+        h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.hidden_norm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.self_attn = nn.ModuleDict({
+            "q_proj": nn.Linear(2 * h, q, bias=False), "k_proj": nn.Linear(2 * h, kv, bias=False),
+            "v_proj": nn.Linear(2 * h, kv, bias=False), "o_proj": nn.Linear(q, h, bias=False),
+        })
+        self.mlp = nn.ModuleDict({
+            "gate_proj": nn.Linear(h, c.intermediate_size, bias=False),
+            "up_proj": nn.Linear(h, c.intermediate_size, bias=False),
+            "down_proj": nn.Linear(c.intermediate_size, h, bias=False),
+        })
+
+
+class EagleHead(nn.Module):
+    """The weights of an EAGLE head, shared by every sequence that drafts with it.
+
+    embed: the target's input embedding [vocab, hidden] (read, not trained, not saved).
+    lm_head_rows: the target's LM head rows for the draft vocabulary [draft_vocab, hidden] when
+    the head is tied to it; else the head has its own `lm_head`.
+    """
+
+    def __init__(self, config: EagleHeadConfig, embed: torch.Tensor, d2t: torch.Tensor,
+                 lm_head_rows: torch.Tensor | None = None) -> None:
+        super().__init__()
+        c = self.config = config
+        if d2t.shape != (c.draft_vocab_size,):
+            raise ConfigError(f"d2t has shape {tuple(d2t.shape)}; the head's draft vocabulary is {c.draft_vocab_size}")
+        self.fc = nn.Linear(len(c.target_layers) * c.hidden_size, c.hidden_size, bias=False)
+        self.midlayer = EagleLayer(c)
+        self.norm = nn.Parameter(torch.ones(c.hidden_size))
+        # d2t holds offsets (EAGLE-3's layout): draft index i is target token i + d2t[i].
+        self.register_buffer("d2t", d2t.long())
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[self.draft_ids] = True
+        self.register_buffer("t2d", t2d)
+        self.register_buffer("embed", embed.float(), persistent=False)
+        if c.tied_lm_head:
+            if lm_head_rows is None:
+                raise ConfigError("a tied EAGLE head needs the target's LM head rows")
+            self.register_buffer("lm_head_rows", lm_head_rows.float(), persistent=False)
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[draft_vocab] the target token id of each draft index."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def trained_bytes(self) -> int:
+        """Bytes of the head's own weights (what it adds to the target's)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    # --- the layer, in pieces: attention differs between drafting and training ---------------
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float()[:, None] * self.inv_freq[None]  # [n, head_dim / 2]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()  # [n, head_dim] each
+
+    def project(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """features: [n, hidden] (fused target states or the head's own output); tokens: [n],
+        the token after each position; positions: [n]. Returns q [heads, n, head_dim] and
+        k, v [kv_heads, n, head_dim], rotated."""
+        c, layer = self.config, self.midlayer
+        n = features.shape[0]
+        x = torch.cat([_rms_norm(self.embed[tokens], layer.input_layernorm, c.rms_norm_eps),
+                       _rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [n, 2 * hidden]
+        attn = layer.self_attn
+        q = attn["q_proj"](x).view(n, c.num_heads, c.head_dim).transpose(0, 1)
+        k = attn["k_proj"](x).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        v = attn["v_proj"](x).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        cos, sin = self.rope(positions)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def finish(self, features: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """features: [n, hidden] (the residual stream); attended: [heads, n, head_dim].
+        Returns the head's output state [n, hidden] (before the final norm)."""
+        c, layer = self.config, self.midlayer
+        n = features.shape[0]
+        x = features + layer.self_attn["o_proj"](attended.transpose(0, 1).reshape(n, -1))
+        mlp = layer.mlp
+        y = _rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)
+        return x + mlp["down_proj"](F.silu(mlp["gate_proj"](y)) * mlp["up_proj"](y))
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """state: [n, hidden] -> [n, draft_vocab]."""
+        normed = _rms_norm(state, self.norm, self.config.rms_norm_eps)
+        return normed @ self.lm_head_rows.t() if self.lm_head is None else self.lm_head(normed)
+
+    # --- files --------------------------------------------------------------------------------
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_FILE).write_text(json.dumps(self.config.to_json(), indent=2) + "\n", encoding="utf-8")
+        tensors = {name: t.detach().to(torch.bfloat16).contiguous() if t.is_floating_point() else t.contiguous()
+                   for name, t in self.state_dict().items()}
+        tensors["d2t"] = self.d2t.contiguous()
+        save_file(tensors, str(directory / WEIGHTS_FILE))
+
+    @classmethod
+    def load(cls, directory: str | Path, target: LoadedModel) -> EagleHead:
+        """A head from `directory` (EAGLE-3 layout) for this target."""
+        directory = Path(directory).expanduser()
+        config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+        if not config_path.is_file() or not weights_path.is_file():
+            raise ConfigError(f"not an EAGLE head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}): {directory}")
+        config = EagleHeadConfig.from_json(json.loads(config_path.read_text(encoding="utf-8")), target.num_layers)
+        backend = target.backend
+        if config.hidden_size != backend.hidden_size or config.vocab_size != backend.vocab_size:
+            raise ConfigError(
+                f"EAGLE head at {directory} is for a target with hidden size {config.hidden_size} and vocabulary "
+                f"{config.vocab_size}; {target.name} has {backend.hidden_size} and {backend.vocab_size}"
+            )
+        if max(config.target_layers) >= target.num_layers:
+            raise ConfigError(f"EAGLE head reads layer {max(config.target_layers)}; {target.name} has {target.num_layers}")
+        state = load_file(str(weights_path))
+        d2t = state.pop("d2t", None)
+        if d2t is None:  # a head over the whole vocabulary
+            d2t = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+        state.pop("t2d", None)
+        state = {name.replace("layers.0.", "midlayer."): t.float() for name, t in state.items()}
+        state.pop("embed_tokens.weight", None)  # some heads ship the target's embedding: it is the target's
+        head = cls(config, backend.input_embeddings(), d2t,
+                   backend.output_embeddings()[torch.arange(config.draft_vocab_size) + d2t.long()]
+                   if config.tied_lm_head else None)
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        missing = [m for m in missing if m not in ("d2t", "t2d")]
+        if missing or unexpected:
+            raise ConfigError(f"EAGLE head at {directory} does not match its config: missing {missing}, "
+                              f"unexpected {unexpected}")
+        return head.eval()
+
+
+def shipped_head_dir(model_name: str) -> Path | None:
+    """The head trained for a model and shipped with specdec, if there is one."""
+    resource = resources.files("specdec.data").joinpath("heads", "eagle", model_name)
+    return Path(str(resource)) if resource.joinpath(CONFIG_FILE).is_file() else None
+
+
+class EagleDrafter:
+    """One sequence's EAGLE drafting: the head's KV cache over the committed positions, built
+    from the target's features, plus the drafted positions past them."""
+
+    def __init__(self, head: EagleHead) -> None:
+        self.head = head
+        self.target_layers = head.config.target_layers
+        self.added_memory_bytes = head.trained_bytes()
+        self._keys: torch.Tensor | None = None  # [kv_heads, max_len, head_dim]
+        self._values: torch.Tensor | None = None
+        self._length = 0  # committed positions with entries
+        self._pending: list[torch.Tensor] = []  # target features not yet turned into entries
+        self._state: torch.Tensor | None = None  # [1, hidden] the last committed position's output
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        c = self.head.config
+        self._keys = torch.zeros(c.num_kv_heads, max_len + 1, c.head_dim)
+        self._values = torch.zeros_like(self._keys)
+        self._length, self._pending, self._state = 0, [], None
+
+    def observe_target(self, features: torch.Tensor) -> None:
+        """features: [n, len(target_layers) * hidden], the target's states at the next n
+        committed positions, in order."""
+        self._pending.append(features)
+
+    @torch.inference_mode()
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        head = self.head
+        # 1. Entries for the committed positions whose target features arrived since last step:
+        #    position t reads the target's states at t and token t + 1.
+        if self._pending:
+            features = head.fc(torch.cat(self._pending))  # [n, hidden]
+            start, n = self._length, features.shape[0]
+            if start + n != len(context) - 1:
+                raise RuntimeError(f"EAGLE drafter has features for {start + n} positions; the context has {len(context)} tokens")
+            tokens = torch.tensor(context[start + 1 : start + n + 1])
+            self._state = self._run(features, tokens, start)[-1:]
+            self._length, self._pending = start + n, []
+        if self._state is None or k < 1:
+            return Proposal(tokens=[])
+
+        # 2. k tokens, each from the head's output one position on; a drafted position's entry
+        #    is written past the committed length and forgotten when the next step overwrites it.
+        state, drafted, probs = self._state, [], []
+        for j in range(k):
+            logits = head.logits(state)[0]  # [draft_vocab]
+            if params.greedy:
+                index = int(logits.argmax())
+            else:
+                draft_probs = torch.softmax(logits / params.temperature, dim=-1)
+                index = int(torch.multinomial(draft_probs, 1, generator=generator))
+                full = torch.zeros(head.config.vocab_size)
+                full[head.draft_ids] = draft_probs
+                probs.append(full)
+            token = int(head.d2t[index]) + index
+            drafted.append(token)
+            if j + 1 < k:
+                state = self._run(state, torch.tensor([token]), self._length + j)
+        return Proposal(tokens=drafted, probs=torch.stack(probs) if probs else None)
+
+    def _run(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """The layer over positions start .. start + n - 1, writing their entries; attends to
+        every entry before them. features: [n, hidden]; tokens: [n]. Returns [n, hidden]."""
+        n = features.shape[0]
+        q, k, v = self.head.project(features, tokens, torch.arange(start, start + n))
+        self._keys[:, start : start + n] = k
+        self._values[:, start : start + n] = v
+        keys, values = self._keys[:, : start + n], self._values[:, : start + n]
+        mask = None
+        if n > 1:  # causal among the new positions; every earlier entry is visible
+            mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                  enable_gqa=q.shape[0] != keys.shape[0])
+        return self.head.finish(features, attended)
+
+    def commit(self, context: list[int], num_accepted: int) -> None:
+        pass  # the target's features for the committed positions arrive through observe_target
+
+
+def load_head(config: SpeculativeConfig, target: LoadedModel) -> EagleHead:
+    """The head a config names (`model`: a directory), else the one shipped for the target."""
+    directory = Path(config.model).expanduser() if config.model else shipped_head_dir(target.name)
+    if directory is None:
+        raise ConfigError(
+            f"no EAGLE head ships for {target.name}: train one with `specdec train-draft --arch eagle` "
+            "and set 'model' to its directory"
+        )
+    return EagleHead.load(directory, target)
+
+
+@register("eagle")
+def _build(config: SpeculativeConfig, target: LoadedModel) -> EagleDrafter:
+    return EagleDrafter(load_head(config, target))

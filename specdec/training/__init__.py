@@ -1,0 +1,1 @@
+"""Training drafters on the target's own view of text (`specdec train-draft`)."""

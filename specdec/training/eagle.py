@@ -1,0 +1,305 @@
+"""Training an EAGLE head on the target's own view of text.
+
+For each training sequence the target runs one prefill pass (the same backend and weights the
+head will draft for) and gives, at every position t, its hidden states at the head's
+`target_layers` and its next-token distribution. The head learns, at position t, from the
+target's states at t and token t + 1, to match the target's distribution at t + 1 (the token
+after next), restricted to the draft vocabulary: soft cross-entropy, as EAGLE-3 does.
+
+Training-time test: drafting k tokens, the head reads its own output state in place of the
+target's from the second token on, attending to its own earlier drafted entries. Training
+unrolls `ttt_steps` such depths: at depth j, position t reads the depth j - 1 output at t - 1,
+and attends to the depth-0 entries up to t - j plus one entry of each depth 1 .. j (the ones a
+draft of j + 1 tokens would have written). Depth j's loss is weighted 0.8^j.
+
+Budgets (`max_tokens`, `max_time`) bound a run; a checkpoint is written every
+`checkpoint_every_s` seconds and at the end, and `resume` continues from it with the same data
+order and optimizer state. The validation split (a fixed hash of each record's id) is never
+trained on; its top-1 agreement with the target per draft depth is the measured result.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdec.drafters.eagle import EagleHead, EagleHeadConfig
+from specdec.errors import ConfigError
+from specdec.models.loader import LoadedModel
+from specdec.models.runner import ModelRunner
+from specdec.training.corpus import split_of
+
+CHECKPOINT_FILE = "checkpoint.pt"
+REPORT_FILE = "report.json"
+DEPTH_WEIGHT = 0.8
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 3
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    batch_sequences: int = 8
+    max_seq_len: int = 512
+    max_tokens: int | None = None
+    max_time: float | None = None
+    seed: int = 0
+    checkpoint_every_s: float = 120.0
+    validation_fraction: float = 0.03
+    max_validation_sequences: int = 64
+
+
+def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent tokens of the sequences, ascending by id, and the fraction of
+    all their tokens those cover. Tokens never seen fill the rest by id."""
+    counts = Counter(token for seq in sequences for token in seq)
+    common = [token for token, _ in counts.most_common(size)]
+    if len(common) < size:
+        seen = set(common)
+        common += [t for t in range(vocab_size) if t not in seen][: size - len(common)]
+    total = sum(counts.values()) or 1
+    covered = sum(counts[t] for t in common) / total
+    return torch.tensor(sorted(common), dtype=torch.long), covered
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Attention at depth j = len(keys) - 1 of training-time test.
+
+    q: [heads, n, head_dim]; keys[i], values[i]: [kv_heads, n, head_dim], depth i's entries at
+    positions 0 .. n - 1. Position t attends to depth 0 at positions <= t - j and to depth i at
+    position t - j + i for i = 1 .. j. Returns [heads, n, head_dim].
+    """
+    j = len(keys) - 1
+    heads, n, head_dim = q.shape
+    repeat = heads // keys[0].shape[0]
+    expand = lambda t: t.repeat_interleave(repeat, dim=0)  # noqa: E731  [heads, n, head_dim]
+    scale = head_dim ** -0.5
+    scores = [(q @ expand(keys[0]).transpose(1, 2)) * scale]  # [heads, n, n]
+    visible = torch.ones(n, n, dtype=torch.bool).tril(-j)
+    scores[0] = scores[0].masked_fill(~visible, float("-inf"))
+    shifted_values = []
+    for i in range(1, j + 1):
+        shift = j - i
+        k_i, v_i = expand(keys[i]), expand(values[i])
+        if shift:
+            pad = torch.zeros(heads, shift, head_dim)
+            k_i, v_i = torch.cat([pad, k_i[:, :-shift]], 1), torch.cat([pad, v_i[:, :-shift]], 1)
+        score = (q * k_i).sum(-1, keepdim=True) * scale  # [heads, n, 1]
+        score[:, :shift] = float("-inf")
+        scores.append(score)
+        shifted_values.append(v_i)
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # [heads, n, n + j]
+    out = weights[..., :n] @ expand(values[0])
+    for i, v_i in enumerate(shifted_values):
+        out = out + weights[..., n + i : n + i + 1] * v_i
+    return out
+
+
+def ttt_forward(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """The head unrolled `depth` draft steps over a whole sequence.
+
+    features: [n, len(target_layers) * hidden], the target's states at positions 0 .. n - 1;
+    tokens: [n], token t + 1 for each position t. Returns each depth's draft logits
+    [n, draft_vocab]; at depth j positions < j have no meaning.
+    """
+    n = features.shape[0]
+    positions = torch.arange(n)
+    x = head.fc(features)  # [n, hidden]
+    keys, values, logits = [], [], []
+    for _ in range(depth):
+        q, k, v = head.project(x, tokens, positions)
+        keys.append(k)
+        values.append(v)
+        state = head.finish(x, ttt_attention(q, keys, values))  # [n, hidden]
+        logits.append(head.logits(state))
+        x = torch.cat([torch.zeros_like(state[:1]), state[:-1]])  # position t reads depth j's state at t - 1
+    return logits
+
+
+class TargetView:
+    """The target's states and next-token distributions over a sequence, one prefill pass."""
+
+    def __init__(self, target: LoadedModel, layers: tuple[int, ...]) -> None:
+        self.runner = ModelRunner(target)
+        self.layers = layers
+
+    def __call__(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[len - 1, F] features at positions 0 .. len - 2 and [len - 1, vocab] the target's
+        logits at positions 1 .. len - 1 (the distribution of the token after next)."""
+        with torch.inference_mode():
+            out = self.runner.forward(self.runner.new_cache(len(ids)), ids, hidden_layers=self.layers)
+            features = torch.cat([out.layer_states[i] for i in self.layers], dim=-1)[:-1]
+            logits = out.logits[1:]
+        return features.clone(), logits.clone()
+
+
+def sequence_losses(head: EagleHead, view: TargetView, ids: list[int], depth: int):
+    """Per-depth (loss, correct count, positions) for one sequence."""
+    features, target_logits = view(ids)
+    tokens = torch.tensor(ids[1:])
+    with torch.no_grad():
+        target_probs = torch.softmax(target_logits, dim=-1)[:, head.draft_ids]  # [n, draft_vocab]
+        target_top = target_logits.argmax(-1)  # [n]
+    results = []
+    for j, logits in enumerate(ttt_forward(head, features, tokens, depth)):
+        loss = -(target_probs[j:] * F.log_softmax(logits[j:], dim=-1)).sum(-1).mean()
+        correct = (head.draft_ids[logits[j:].argmax(-1)] == target_top[j:]).sum()
+        results.append((loss, int(correct), len(ids) - 1 - j))
+    return results
+
+
+def new_head(target: LoadedModel, d2t_ids: torch.Tensor, config: TrainConfig) -> EagleHead:
+    """A fresh head: small normal weights (the output projections scaled down, so the layer
+    starts near the identity on its residual), the target's LM head rows for the vocabulary."""
+    backend = target.backend
+    head_config = EagleHeadConfig.for_target(target, config.draft_vocab_size)
+    offsets = d2t_ids - torch.arange(len(d2t_ids))
+    head = EagleHead(head_config, backend.input_embeddings(), offsets, backend.output_embeddings()[d2t_ids])
+    generator = torch.Generator().manual_seed(config.seed)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if param.dim() == 2:
+                std = param.shape[1] ** -0.5 * (0.1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
+                param.normal_(0.0, std, generator=generator)
+    return head
+
+
+@dataclass
+class Progress:
+    tokens: int = 0
+    steps: int = 0
+    cursor: int = 0
+    epoch: int = 0
+    elapsed_s: float = 0.0
+    loss: float = float("nan")
+    agreement: float = float("nan")
+
+
+def train_eagle(
+    target: LoadedModel,
+    records: list[dict],
+    out: Path,
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    on_progress: Callable[[Progress], None] = lambda p: None,
+) -> dict[str, Any]:
+    """Train (or resume training) a head on `records` ({"id", "prompt_ids", "answer_ids"}),
+    write it to `out` and return the report (also written as report.json)."""
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = out / CHECKPOINT_FILE
+    train_ids = [r for r in records if split_of(r["id"], config.validation_fraction) == "train"]
+    validation = [r for r in records if split_of(r["id"], config.validation_fraction) == "validation"]
+    if not train_ids:
+        raise ConfigError("no training sequences (every record fell in the validation split)")
+    sequence = lambda r: (r["prompt_ids"] + r.get("answer_ids", []))[: config.max_seq_len]  # noqa: E731
+    order = list(range(len(train_ids)))
+    random.Random(config.seed).shuffle(order)
+    torch.manual_seed(config.seed)
+
+    progress = Progress()
+    if resume and checkpoint_path.is_file():
+        saved = torch.load(checkpoint_path, weights_only=False)
+        if saved["config"] != asdict(config):
+            raise ConfigError(f"{checkpoint_path} was written with other settings: {saved['config']}")
+        d2t_ids = saved["d2t_ids"]
+        head = new_head(target, d2t_ids, config)
+        head.load_state_dict(saved["head"])
+        progress = Progress(**saved["progress"])
+        coverage = saved["coverage"]
+    else:
+        d2t_ids, coverage = draft_vocabulary([sequence(r) for r in train_ids], config.draft_vocab_size,
+                                             target.backend.vocab_size)
+        head = new_head(target, d2t_ids, config)
+        saved = None
+    head.train()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+    if saved is not None:
+        optimizer.load_state_dict(saved["optimizer"])
+    view = TargetView(target, head.config.target_layers)
+
+    def checkpoint() -> None:
+        state = {"config": asdict(config), "d2t_ids": d2t_ids, "coverage": coverage, "head": head.state_dict(),
+                 "optimizer": optimizer.state_dict(), "progress": asdict(progress)}
+        partial = checkpoint_path.with_suffix(".tmp")
+        torch.save(state, partial)
+        partial.replace(checkpoint_path)  # a kill mid-write leaves the previous checkpoint whole
+
+    start = time.monotonic() - progress.elapsed_s
+    last_checkpoint = time.monotonic()
+    weights = [DEPTH_WEIGHT ** j for j in range(config.ttt_steps)]
+
+    def out_of_budget() -> bool:
+        progress.elapsed_s = time.monotonic() - start
+        return ((config.max_tokens is not None and progress.tokens >= config.max_tokens)
+                or (config.max_time is not None and progress.elapsed_s >= config.max_time))
+
+    while not out_of_budget():
+        # One optimizer step over `batch_sequences` sequences, in the seeded order, epoch after epoch.
+        optimizer.zero_grad(set_to_none=True)
+        total_loss, correct, counted = 0.0, 0, 0
+        for _ in range(config.batch_sequences):
+            if progress.cursor >= len(order):
+                progress.cursor, progress.epoch = 0, progress.epoch + 1
+            ids = sequence(train_ids[order[progress.cursor]])
+            progress.cursor += 1
+            if len(ids) < config.ttt_steps + 2:
+                continue
+            results = sequence_losses(head, view, ids, config.ttt_steps)
+            loss = sum(w * r[0] for w, r in zip(weights, results)) / config.batch_sequences
+            loss.backward()
+            total_loss += float(loss.detach())
+            correct, counted = correct + results[0][1], counted + results[0][2]
+            progress.tokens += len(ids)
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * min(1.0, (progress.steps + 1) / config.warmup_steps)
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        progress.steps += 1
+        progress.loss = total_loss
+        progress.agreement = correct / max(counted, 1)
+        on_progress(progress)
+        if time.monotonic() - last_checkpoint >= config.checkpoint_every_s:
+            checkpoint()
+            last_checkpoint = time.monotonic()
+
+    checkpoint()
+    head.eval()
+    agreement = evaluate(head, view, [sequence(r) for r in validation[: config.max_validation_sequences]],
+                         config.ttt_steps)
+    head.config.training.update({
+        "sequences": len(train_ids), "tokens": progress.tokens, "steps": progress.steps,
+        "epochs": round(progress.epoch + progress.cursor / len(order), 3), "seconds": round(progress.elapsed_s),
+        "ttt_steps": config.ttt_steps, "draft_vocab_coverage": round(coverage, 4), "seed": config.seed,
+        "validation_agreement": agreement,
+    })
+    head.save(out)
+    report = {"target": target.name, "weight_format": target.backend.weight_format, **head.config.training,
+              "validation_sequences": min(len(validation), config.max_validation_sequences),
+              "head_bytes": (out / "model.safetensors").stat().st_size}
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, view: TargetView, sequences: list[list[int]], depth: int) -> list[float]:
+    """Top-1 agreement with the target per draft depth (depth j: the (j + 1)-th drafted token,
+    the earlier ones right) over these sequences."""
+    correct, counted = [0] * depth, [0] * depth
+    for ids in sequences:
+        if len(ids) < depth + 2:
+            continue
+        for j, (_, c, n) in enumerate(sequence_losses(head, view, ids, depth)):
+            correct[j] += c
+            counted[j] += n
+    return [round(c / n, 4) if n else float("nan") for c, n in zip(correct, counted)]
