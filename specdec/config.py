@@ -15,7 +15,7 @@ from typing import Any
 from specdec.errors import ConfigError
 
 # Defaults per method, chosen by measurement (see README, "Choosing k").
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 1}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 1, "eagle": 4, "hybrid": 4}
 QUANTIZATIONS = ("int8",)
 
 
@@ -62,14 +62,17 @@ class SamplingParams:
 class SpeculativeConfig:
     """What drafts the guesses and how many.
 
-    method: a registered drafter name (`ngram`, `draft_model`, `layer_skip`).
+    method: a registered drafter name (`ngram`, `draft_model`, `layer_skip`, `eagle`, `hybrid`).
     num_speculative_tokens: k, the most tokens drafted per target step (>= 1).
     model: the draft model for `draft_model`: the same forms as the target (a GGUF path, a
         Hugging Face model directory, `default`), or `target` for the target's own weights.
+        For `eagle` and `hybrid`: a head directory (`specdec train-draft`, or a published
+        EAGLE-3 head); without it, the head shipped for the target.
     quantization: `int8` quantizes the draft model's linear layers (weight-only int8 with
         dynamic activation scaling) in a copy that shares the target's embeddings; with
         `model: target` this is the quantized self-draft.
-    prompt_lookup_min / prompt_lookup_max: n-gram sizes `ngram` tries, longest first.
+    prompt_lookup_min / prompt_lookup_max: n-gram sizes `ngram` tries, longest first (`hybrid`
+        uses lookup only for matches of at least 3 tokens).
     layers: for `layer_skip`, the target's layers (0-based indices) the draft runs.
     profile: for `layer_skip`, a calibration profile file (`specdec calibrate`) naming them.
         Without either, the profile shipped for the model, else a default set.

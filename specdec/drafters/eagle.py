@@ -41,6 +41,7 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Proposal, register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
+from specdec.models.qlinear import FORMATS, PackedLinear
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -248,6 +249,25 @@ class EagleHead(nn.Module):
         normed = _rms_norm(state, self.norm, self.config.rms_norm_eps)
         return normed @ self.lm_head_rows.t() if self.lm_head is None else self.lm_head(normed)
 
+    def packed(self, fmt: str) -> PackedHead:
+        """The head's matrices packed for drafting in `fmt` (query/key/value and gate/up fused),
+        built once and shared by every sequence; training must not change the head after."""
+        cache = self.__dict__.setdefault("_packed", {})
+        if fmt not in cache:
+            if fmt not in FORMATS:
+                raise ConfigError(f"unknown weight format {fmt!r} for an EAGLE head; choose one of: {', '.join(FORMATS)}")
+            attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+            lm = self.lm_head_rows if self.lm_head is None else self.lm_head.weight
+            cache[fmt] = PackedHead(
+                fc=PackedLinear.pack(self.fc.weight, fmt),
+                qkv=PackedLinear.pack([attn[f"{p}_proj"].weight for p in "qkv"], fmt),
+                o=PackedLinear.pack(attn["o_proj"].weight, fmt),
+                gate_up=PackedLinear.pack([mlp["gate_proj"].weight, mlp["up_proj"].weight], fmt),
+                down=PackedLinear.pack(mlp["down_proj"].weight, fmt),
+                lm=PackedLinear.pack(lm, fmt),
+            )
+        return cache[fmt]
+
     # --- files --------------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
@@ -293,6 +313,21 @@ class EagleHead(nn.Module):
         return head.eval()
 
 
+@dataclass(frozen=True)
+class PackedHead:
+    """The matrices of a head as the drafter multiplies them (:class:`PackedLinear`)."""
+
+    fc: PackedLinear
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+    lm: PackedLinear
+
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm))
+
+
 def shipped_head_dir(model_name: str) -> Path | None:
     """The head trained for a model and shipped with specdec, if there is one."""
     resource = resources.files("specdec.data").joinpath("heads", "eagle", model_name)
@@ -303,10 +338,11 @@ class EagleDrafter:
     """One sequence's EAGLE drafting: the head's KV cache over the committed positions, built
     from the target's features, plus the drafted positions past them."""
 
-    def __init__(self, head: EagleHead) -> None:
+    def __init__(self, head: EagleHead, weight_format: str = "int8") -> None:
         self.head = head
+        self.weights = head.packed(weight_format)
         self.target_layers = head.config.target_layers
-        self.added_memory_bytes = head.trained_bytes()
+        self.added_memory_bytes = self.weights.nbytes()
         self._keys: torch.Tensor | None = None  # [kv_heads, max_len, head_dim]
         self._values: torch.Tensor | None = None
         self._length = 0  # committed positions with entries
@@ -332,7 +368,7 @@ class EagleDrafter:
         # 1. Entries for the committed positions whose target features arrived since last step:
         #    position t reads the target's states at t and token t + 1.
         if self._pending:
-            features = head.fc(torch.cat(self._pending))  # [n, hidden]
+            features = self.weights.fc(torch.cat(self._pending)).float()  # [n, hidden]
             start, n = self._length, features.shape[0]
             if start + n != len(context) - 1:
                 raise RuntimeError(f"EAGLE drafter has features for {start + n} positions; the context has {len(context)} tokens")
@@ -346,7 +382,7 @@ class EagleDrafter:
         #    is written past the committed length and forgotten when the next step overwrites it.
         state, drafted, probs = self._state, [], []
         for j in range(k):
-            logits = head.logits(state)[0]  # [draft_vocab]
+            logits = self._logits(state)[0]  # [draft_vocab]
             if params.greedy:
                 index = int(logits.argmax())
             else:
@@ -363,9 +399,17 @@ class EagleDrafter:
 
     def _run(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """The layer over positions start .. start + n - 1, writing their entries; attends to
-        every entry before them. features: [n, hidden]; tokens: [n]. Returns [n, hidden]."""
+        every entry before them. features: [n, hidden]; tokens: [n]. Returns [n, hidden].
+        The same arithmetic as :meth:`EagleHead.project` and :meth:`EagleHead.finish`, with the
+        packed matrices."""
+        c, layer, w = self.head.config, self.head.midlayer, self.weights
         n = features.shape[0]
-        q, k, v = self.head.project(features, tokens, torch.arange(start, start + n))
+        x = torch.cat([_rms_norm(self.head.embed[tokens], layer.input_layernorm, c.rms_norm_eps),
+                       _rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [n, 2 * hidden]
+        qkv = w.qkv(x).float().view(n, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(0, 1)
+        q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads])  # [heads or kv_heads, n, head_dim]
+        cos, sin = self.head.rope(torch.arange(start, start + n))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         self._keys[:, start : start + n] = k
         self._values[:, start : start + n] = v
         keys, values = self._keys[:, : start + n], self._values[:, : start + n]
@@ -373,8 +417,14 @@ class EagleDrafter:
         if n > 1:  # causal among the new positions; every earlier entry is visible
             mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                  enable_gqa=q.shape[0] != keys.shape[0])
-        return self.head.finish(features, attended)
+                                                  enable_gqa=q.shape[0] != keys.shape[0])  # [heads, n, head_dim]
+        x = features + w.o(attended.transpose(0, 1).reshape(n, -1)).float()
+        gate, up = w.gate_up(_rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)).float().chunk(2, dim=-1)
+        return x + w.down(F.silu(gate) * up).float()
+
+    def _logits(self, state: torch.Tensor) -> torch.Tensor:
+        # state: [n, hidden] -> [n, draft_vocab]
+        return self.weights.lm(_rms_norm(state, self.head.norm, self.head.config.rms_norm_eps)).float()
 
     def commit(self, context: list[int], num_accepted: int) -> None:
         pass  # the target's features for the committed positions arrive through observe_target

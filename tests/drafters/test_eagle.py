@@ -44,14 +44,13 @@ def test_drafting_is_what_training_unrolls(tiny_native: LoadedModel) -> None:
     features = torch.randn(committed, n_features)
     context = torch.randint(0, 512, (committed + 1,)).tolist()
     seen: list[torch.Tensor] = []
-    logits_of = head.logits
-    head.logits = lambda state: seen.append(logits_of(state)) or seen[-1]  # record each step's logits
-    drafter = EagleDrafter(head)
+    drafter = EagleDrafter(head, "float32")  # the packed path in float32: the same arithmetic
+    logits_of = drafter._logits
+    drafter._logits = lambda state: seen.append(logits_of(state)) or seen[-1]  # record each step's logits
     drafter.begin(context[:3], 32)
     drafter.observe_target(features[:5])  # arriving in two pieces, as prefill and a step would
     drafter.observe_target(features[5:])
     proposal = drafter.propose(context, 3, GREEDY, None)
-    del head.logits
 
     # Position t reads token t + 1: the context, then the drafted tokens (teacher forcing with the
     # draft's own choices is exactly what drafting does).

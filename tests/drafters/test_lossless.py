@@ -221,6 +221,7 @@ REAL_DRAFTERS = [
                  id="layer_skip-third-k4"),
     pytest.param({"method": "ngram", "num_speculative_tokens": 6, "adaptive": True}, id="ngram-adaptive-k6"),
     pytest.param({"method": "eagle", "model": "RANDOM_EAGLE", "num_speculative_tokens": 4}, id="eagle-random-k4"),
+    pytest.param({"method": "hybrid", "model": "RANDOM_EAGLE", "num_speculative_tokens": 3}, id="hybrid-random-k3"),
     pytest.param({"method": "draft_model", "model": "target", "quantization": "int8", "num_speculative_tokens": 5,
                   "adaptive": True}, id="int8-self-adaptive-k5"),
 ]

@@ -20,6 +20,7 @@ import specdec.engine.engine as engine_module
 from specdec.config import SamplingParams
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter, EagleHead
+from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.models import LoadedModel, ModelRunner
@@ -182,6 +183,8 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
         return Engine(target, ResumedDrafter(draft, sink=2, resume_window=4), 2)
     if name == "eagle":
         return Engine(target, EagleDrafter(eagle_head(target)), 2)
+    if name == "hybrid":  # lookup where a 2-token match exists (the prompt repeats), the head elsewhere
+        return Engine(target, HybridDrafter(EagleDrafter(eagle_head(target)), NgramDrafter(2, 3)), 2)
     raise ValueError(name)
 
 
@@ -210,7 +213,8 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
         assert 0 < sum(rates) / len(rates) < 0.98, name
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle"])
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle",
+                                     "hybrid"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str
 ) -> None:

@@ -1,0 +1,57 @@
+"""Hybrid drafting: prompt lookup where the text copies itself, the EAGLE head elsewhere.
+
+Lookup costs nothing and, where the answer quotes the prompt or repeats itself, proposes long
+runs the target accepts whole; the head guesses everywhere, at a few percent of a target step a
+token. Each step tries lookup first with matches of at least `min_match` tokens (shorter
+matches are mostly coincidence, where the head guesses better) and drafts with the head when
+lookup finds none. The head sees every committed position's target states either way, so it
+is ready whenever lookup has nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters.base import Proposal, register
+from specdec.drafters.eagle import EagleDrafter, load_head
+from specdec.drafters.ngram import NgramDrafter
+from specdec.models.loader import LoadedModel
+
+MIN_MATCH = 3
+
+
+class HybridDrafter:
+    def __init__(self, eagle: EagleDrafter, lookup: NgramDrafter) -> None:
+        self.eagle = eagle
+        self.lookup = lookup
+        self.target_layers = eagle.target_layers
+        self.added_memory_bytes = eagle.added_memory_bytes
+        self.used_lookup = 0  # steps drafted by lookup (the rest by the head)
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        self.eagle.begin(prompt_ids, max_len)
+        self.lookup.begin(prompt_ids, max_len)
+
+    def observe_target(self, features: torch.Tensor) -> None:
+        self.eagle.observe_target(features)
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        proposal = self.lookup.propose(context, k, params, generator)
+        if proposal.tokens:
+            self.used_lookup += 1
+            return proposal
+        return self.eagle.propose(context, k, params, generator)
+
+    def commit(self, context: list[int], num_accepted: int) -> None:
+        self.eagle.commit(context, num_accepted)
+        self.lookup.commit(context, num_accepted)
+
+
+@register("hybrid")
+def _build(config: SpeculativeConfig, target: LoadedModel) -> HybridDrafter:
+    n_min = max(config.prompt_lookup_min, MIN_MATCH)
+    return HybridDrafter(EagleDrafter(load_head(config, target)),
+                         NgramDrafter(n_min, max(config.prompt_lookup_max, n_min)))
