@@ -162,7 +162,7 @@ class SpeculativeConfig:
     def label(self) -> str:
         """A short name for tables: method, what drafts, k, adaptive."""
         parts = [self.method]
-        if self.method == "draft_model" and self.model:
+        if self.method in ("draft_model", "eagle", "hybrid") and self.model:
             parts.append("self" if self.model == "target" else Path(self.model).name)
         if self.quantization:
             parts.append(self.quantization)

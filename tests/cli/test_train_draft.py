@@ -1,0 +1,50 @@
+"""`specdec train-draft` as a user runs it: answers, training, a head the other commands load,
+and a resumed run; refusals for what cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliRun
+
+
+def _train(run_cli: CliRun, model_dir: Path, out: Path, *extra: str) -> tuple[int, str, str]:
+    return run_cli("train-draft", "--model", str(model_dir), "--backend", "native", "--answers", "0",
+                   "--code-prompts", "6", "--answer-tokens", "12", "--draft-vocab", "256", "--out", str(out), *extra)
+
+
+def test_train_then_draft_with_the_head(run_cli: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "head"
+    code, stdout, stderr = _train(run_cli, tiny_model_dir, out, "--max-tokens", "200")
+    assert code == 0, stderr
+    assert "validation top-1 agreement per draft position" in stdout
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 6 and all(a["id"].startswith("stdlib/") and a["answer_ids"] for a in answers)
+    report = json.loads((out / "report.json").read_text())
+    assert report["tokens"] >= 200 and len(report["validation_agreement"]) == 3
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 256 and config["specdec"]["tied_lm_head"]
+
+    code, stdout, stderr = run_cli("generate", "def add(a, b):", "--model", str(tiny_model_dir), "--backend", "native",
+                                   "--method", "eagle", "--draft-model", str(out), "--max-tokens", "8", "--stats")
+    assert code == 0, stderr
+
+    # A second run into the same directory must say how to continue it; --resume continues
+    # (here: nothing left to answer, the budget already spent, so it only rewrites the head).
+    code, _, stderr = _train(run_cli, tiny_model_dir, out, "--max-tokens", "200")
+    assert code == 2 and "--resume" in stderr
+    code, stdout, stderr = _train(run_cli, tiny_model_dir, out, "--max-tokens", "200", "--resume")
+    assert code == 0, stderr
+    assert json.loads((out / "report.json").read_text())["steps"] == report["steps"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--max-tokens", "10", "--arch", "hydra"], "unknown head architecture"),
+    ([], "give a budget"),
+])
+def test_refusals(run_cli: CliRun, tiny_model_dir: Path, tmp_path: Path, args: list[str], message: str) -> None:
+    code, _, stderr = _train(run_cli, tiny_model_dir, tmp_path / "out", *args)
+    assert code == 2 and message in stderr, stderr
