@@ -15,7 +15,7 @@ from typing import Any
 from specdec.errors import ConfigError
 
 # Defaults per method, chosen by measurement (see README, "Choosing k").
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 1, "eagle": 4, "hybrid": 4}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 1, "eagle": 4, "hybrid": 4, "medusa": 3}
 QUANTIZATIONS = ("int8",)
 
 
@@ -162,7 +162,7 @@ class SpeculativeConfig:
     def label(self) -> str:
         """A short name for tables: method, what drafts, k, adaptive."""
         parts = [self.method]
-        if self.method in ("draft_model", "eagle", "hybrid") and self.model:
+        if self.method in ("draft_model", "eagle", "hybrid", "medusa") and self.model:
             parts.append("self" if self.model == "target" else Path(self.model).name)
         if self.quantization:
             parts.append(self.quantization)

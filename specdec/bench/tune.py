@@ -50,6 +50,7 @@ from specdec.engine.estimate import expected_tokens_per_step
 from specdec.bench.runner import RunResult, Runner, System, run_bench, specdec_runner
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.eagle import shipped_head_dir
+from specdec.drafters.medusa import shipped_heads_dir
 from specdec.engine.stats import RequestStats
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
@@ -66,7 +67,7 @@ DEFAULT_METHODS: tuple[dict[str, Any], ...] = (
     {"method": "layer_skip"},
     {"method": "draft_model", "model": "target", "quantization": "int8"},
 )
-DEFAULT_KS = {"ngram": (1, 2, 3, 4, 6), "eagle": (2, 3, 4, 5, 6), "hybrid": (2, 3, 4, 5, 6)}
+DEFAULT_KS = {"ngram": (1, 2, 3, 4, 6), "eagle": (2, 3, 4, 5, 6), "hybrid": (2, 3, 4, 5, 6), "medusa": (1, 2, 3)}
 # With a head for the target (shipped or named): the head, and lookup with the head.
 HEAD_METHODS: tuple[dict[str, Any], ...] = ({"method": "eagle"}, {"method": "hybrid"})
 
@@ -74,11 +75,13 @@ HEAD_METHODS: tuple[dict[str, Any], ...] = ({"method": "eagle"}, {"method": "hyb
 def default_methods(target) -> list[dict[str, Any]]:
     """DEFAULT_METHODS for this target: without the int8 self-draft when the target's own weights
     are int8 or int4 already (such a copy costs as much as the target); with the EAGLE head and
-    the hybrid when a head ships for the target."""
+    the hybrid, and Medusa, when such heads ship for the target."""
     quantized = target.backend.weight_format.startswith(("int8", "int4"))
     methods = [dict(m) for m in DEFAULT_METHODS if not (quantized and m.get("quantization") == "int8")]
     if shipped_head_dir(target.name) is not None:
         methods += [dict(m) for m in HEAD_METHODS]
+    if shipped_heads_dir(target.name) is not None:
+        methods.append({"method": "medusa"})
     return methods
 DEFAULT_MODEL_KS = (1, 2, 3, 4)
 

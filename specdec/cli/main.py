@@ -545,7 +545,7 @@ def calibrate(
 @app.command("train-draft")
 def train_draft(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the answers, checkpoints and the trained head.")],
-    arch: Annotated[str, typer.Option("--arch", help="Head architecture: eagle.")] = "eagle",
+    arch: Annotated[str, typer.Option("--arch", help="Head architecture: eagle (one decoder layer on three of the target's layers) or medusa (residual heads on its last state).")] = "eagle",
     model: ModelOpt = None,
     data: Annotated[Optional[Path], typer.Option("--data", help="JSONL training prompts ({\"id\", \"turns\"}); never benchmark prompts.")] = None,
     answers: Annotated[int, typer.Option("--answers", help="Prompts of --data the target answers (its answers are the training text).")] = 2000,
@@ -555,22 +555,24 @@ def train_draft(
     max_time: Annotated[Optional[float], typer.Option("--max-time", help="Seconds for the whole run (answering and training).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Training tokens (all epochs); with --max-time, whichever comes first.")] = None,
     draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="Tokens the head can propose: the target's most frequent in the answers.")] = 8192,
-    ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="Draft depths unrolled in training (training-time test).")] = 3,
+    ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="EAGLE: draft depths unrolled in training (training-time test).")] = 3,
+    medusa_heads: Annotated[int, typer.Option("--medusa-heads", help="Medusa: heads (tokens drafted per step).")] = 3,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    answers_from: Annotated[Optional[Path], typer.Option("--answers-from", help="Train on the answers an earlier run wrote (its answers.jsonl) instead of answering.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out (same settings).")] = False,
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Train a draft head for a target on this machine: the target answers training prompts,
     then the head learns its hidden states and distributions. Use it with
-    --speculative-config '{"method": "eagle", "model": "OUT"}'."""
+    --speculative-config '{"method": "eagle", "model": "OUT"}' (or "medusa")."""
     from specdec.models.loader import load_model
     from specdec.training.corpus import generate_answers, read_answers, select_prompts
-    from specdec.training.eagle import Progress as TrainProgress
-    from specdec.training.eagle import TrainConfig, train_eagle
+    from specdec.training.heads import Progress as TrainProgress
+    from specdec.training.heads import ARCHS, TrainConfig, train_head
 
-    if arch != "eagle":
-        raise ConfigError(f"unknown head architecture {arch!r}; train-draft trains: eagle")
+    if arch not in ARCHS:
+        raise ConfigError(f"unknown head architecture {arch!r}; train-draft trains: {', '.join(ARCHS)}")
     if max_time is None and max_tokens is None:
         raise ConfigError("give a budget: --max-time SECONDS and/or --max-tokens N")
     answers_path = out_dir / "answers.jsonl"
@@ -579,20 +581,25 @@ def train_draft(
     start = time.monotonic()
     with err.status(f"loading {model or 'the default model'}..."):
         target = load_model(model, backend=backend, dtype=dtype)
-    prompts = select_prompts(data, answers, code_prompts, seed)
-    done = len(read_answers(answers_path))
-    if answer_time is None:
-        answer_time = max_time / 2 if max_time is not None else float("inf")
-    with prompt_progress("answering", len(prompts)) as advance:
-        for _ in range(done):
-            advance(None)
-        generate_answers(target, prompts, answers_path, max_tokens=answer_tokens,
-                         should_stop=lambda: time.monotonic() - start >= answer_time, on_answer=advance)
+    if answers_from is not None:
+        if not answers_from.is_file():
+            raise ConfigError(f"answers file not found: {answers_from}")
+        answers_path = answers_from
+    else:
+        prompts = select_prompts(data, answers, code_prompts, seed)
+        done = len(read_answers(answers_path))
+        if answer_time is None:
+            answer_time = max_time / 2 if max_time is not None else float("inf")
+        with prompt_progress("answering", len(prompts)) as advance:
+            for _ in range(done):
+                advance(None)
+            generate_answers(target, prompts, answers_path, max_tokens=answer_tokens,
+                             should_stop=lambda: time.monotonic() - start >= answer_time, on_answer=advance)
     records = read_answers(answers_path)
     err.print(f"{len(records)} answers ({sum(len(r['answer_ids']) for r in records)} answer tokens) in {answers_path}")
     remaining = None if max_time is None else max(0.0, max_time - (time.monotonic() - start))
-    config = TrainConfig(draft_vocab_size=draft_vocab, ttt_steps=ttt_steps, max_tokens=max_tokens, seed=seed,
-                         max_time=remaining)
+    config = TrainConfig(arch=arch, medusa_heads=medusa_heads, draft_vocab_size=draft_vocab, ttt_steps=ttt_steps,
+                         max_tokens=max_tokens, seed=seed, max_time=remaining)
     if resume:  # a resumed run keeps the first run's settings, its training budget included
         config = _resumed_config(out_dir, config)
 
@@ -605,7 +612,7 @@ def train_draft(
             err.print(f"training: step {p.steps}, {p.tokens} tokens, epoch {p.epoch}, {int(p.elapsed_s)}s, "
                       f"loss {p.loss:.3f}, agreement {p.agreement:.3f}", highlight=False)
 
-    result = train_eagle(target, records, out_dir, config, resume=resume, on_progress=report)
+    result = train_head(target, records, out_dir, config, resume=resume, on_progress=report)
     agreement = ", ".join(f"{a:.3f}" for a in result["validation_agreement"])
     out.print(f"trained on {result['tokens']} tokens ({result['epochs']} epochs, {result['seconds']} s); "
               f"validation top-1 agreement per draft position: {agreement}; head {result['head_bytes'] / 1e6:.1f} MB "
@@ -618,7 +625,7 @@ def _resumed_config(out_dir: Path, fresh):
 
     import torch
 
-    from specdec.training.eagle import CHECKPOINT_FILE, TrainConfig
+    from specdec.training.heads import CHECKPOINT_FILE, TrainConfig
 
     path = out_dir / CHECKPOINT_FILE
     if not path.is_file():

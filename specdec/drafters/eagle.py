@@ -7,7 +7,7 @@ runs one decoder layer whose attention reads both ([2 * hidden] in), and predict
 with a draft vocabulary: the target's most frequent tokens (`d2t` maps a draft index to a
 target token id). Drafting further, the head feeds its own output state in place of the
 target's, one position on, which is what training-time test teaches it to do
-(`specdec.training.eagle`).
+(`specdec.training.heads`).
 
 Letters: position t's features are the target's states at t; its token input is token t + 1;
 its output state g_t predicts token t + 2.

@@ -77,6 +77,9 @@ class Backend(Protocol):
     def output_embeddings(self) -> torch.Tensor:
         """[vocab, hidden] float32: the LM head's rows, as the backend computes with them."""
 
+    def final_norm_weight(self) -> torch.Tensor:
+        """[hidden] float32: the final RMSNorm's weight (the LM head reads rms(x) * weight)."""
+
     def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
         """KV cache bytes one token costs across `layers` (all by default), keys and values."""
 

@@ -45,6 +45,9 @@ class HFBackend:
     def output_embeddings(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight.detach().float()
 
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.model.model.norm.weight.detach().float()
+
     def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
         return kv_bytes_per_token(self, layers)
 

@@ -200,6 +200,9 @@ class NativeBackend:
     def output_embeddings(self) -> torch.Tensor:
         return self.lm_head.dequantized()[: self.vocab_size]
 
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.norm
+
     @torch.inference_mode()
     def forward(
         self,

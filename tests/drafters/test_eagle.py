@@ -16,7 +16,7 @@ from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
-from specdec.training.eagle import TargetView, TrainConfig, evaluate, new_head, train_eagle, ttt_forward
+from specdec.training.heads import TargetView, TrainConfig, evaluate, new_head, train_head, ttt_forward
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -136,7 +136,7 @@ def test_training_resumes_where_it_stopped(tiny_native: LoadedModel, tmp_path) -
                 "answer_ids": torch.randint(0, 400, (20,)).tolist()} for i in range(12)]
     config = TrainConfig(draft_vocab_size=128, batch_sequences=2, max_tokens=32 * 6, checkpoint_every_s=0.0,
                          validation_fraction=0.2, seed=7)
-    whole = train_eagle(tiny_native, records, tmp_path / "whole", config)
+    whole = train_head(tiny_native, records, tmp_path / "whole", config)
 
     class Killed(Exception):
         pass
@@ -146,8 +146,8 @@ def test_training_resumes_where_it_stopped(tiny_native: LoadedModel, tmp_path) -
             raise Killed
 
     with pytest.raises(Killed):
-        train_eagle(tiny_native, records, tmp_path / "split", config, on_progress=kill_after_two)
-    resumed = train_eagle(tiny_native, records, tmp_path / "split", config, resume=True)
+        train_head(tiny_native, records, tmp_path / "split", config, on_progress=kill_after_two)
+    resumed = train_head(tiny_native, records, tmp_path / "split", config, resume=True)
     assert resumed["steps"] == whole["steps"] and resumed["tokens"] == whole["tokens"]
     a = load_file(str(tmp_path / "whole" / "model.safetensors"))
     b = load_file(str(tmp_path / "split" / "model.safetensors"))
@@ -159,9 +159,9 @@ def test_training_resumes_where_it_stopped(tiny_native: LoadedModel, tmp_path) -
 def test_resume_refuses_other_settings(tiny_native: LoadedModel, tmp_path) -> None:
     records = [{"id": f"r{i}", "prompt_ids": list(range(3, 30)), "answer_ids": []} for i in range(6)]
     config = TrainConfig(draft_vocab_size=64, batch_sequences=1, max_tokens=30, validation_fraction=0.0)
-    train_eagle(tiny_native, records, tmp_path, config)
+    train_head(tiny_native, records, tmp_path, config)
     with pytest.raises(ConfigError, match="other settings"):
-        train_eagle(tiny_native, records, tmp_path, dataclasses.replace(config, lr=0.5), resume=True)
+        train_head(tiny_native, records, tmp_path, dataclasses.replace(config, lr=0.5), resume=True)
 
 
 def test_training_learns(small_model_factory, tmp_path) -> None:
@@ -179,7 +179,7 @@ def test_training_learns(small_model_factory, tmp_path) -> None:
         records.append({"id": f"r{i}", "prompt_ids": prompt, "answer_ids": engine.generate(prompt, GREEDY).token_ids})
     config = TrainConfig(draft_vocab_size=8, batch_sequences=4, max_tokens=30 * 4 * 60, validation_fraction=0.0,
                          lr=3e-3, ttt_steps=2)
-    train_eagle(target, records, tmp_path, config)
+    train_head(target, records, tmp_path, config)
     head = EagleHead.load(tmp_path, target)
     untrained = random_head(target)
     view = TargetView(target, head.config.target_layers)

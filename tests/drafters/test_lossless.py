@@ -17,7 +17,7 @@ from specdec.drafters import Proposal
 from specdec.engine import Engine, Generation
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
-from specdec.training.eagle import TrainConfig, new_head
+from specdec.training.heads import TrainConfig, new_head
 
 MAX_TOKENS = 32
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS)
@@ -222,6 +222,7 @@ REAL_DRAFTERS = [
     pytest.param({"method": "ngram", "num_speculative_tokens": 6, "adaptive": True}, id="ngram-adaptive-k6"),
     pytest.param({"method": "eagle", "model": "RANDOM_EAGLE", "num_speculative_tokens": 4}, id="eagle-random-k4"),
     pytest.param({"method": "hybrid", "model": "RANDOM_EAGLE", "num_speculative_tokens": 3}, id="hybrid-random-k3"),
+    pytest.param({"method": "medusa", "model": "RANDOM_MEDUSA", "num_speculative_tokens": 3}, id="medusa-random-k3"),
     pytest.param({"method": "draft_model", "model": "target", "quantization": "int8", "num_speculative_tokens": 5,
                   "adaptive": True}, id="int8-self-adaptive-k5"),
 ]
@@ -236,12 +237,26 @@ def random_eagle_dir(default_model: LoadedModel, tmp_path_factory: pytest.TempPa
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def random_medusa_dir(default_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Untrained Medusa heads for the default model with random (not zero) blocks."""
+    path = tmp_path_factory.mktemp("medusa-random")
+    heads = new_head(default_model, torch.arange(4096), TrainConfig(arch="medusa", draft_vocab_size=4096))
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(0))
+    heads.save(path)
+    return str(path)
+
+
 @pytest.mark.parametrize("config", REAL_DRAFTERS)
-def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, plain, config: dict) -> None:
+def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_medusa_dir, plain, config: dict) -> None:
     if config.get("model") == "TINY":
         config = config | {"model": str(tiny_model_dir)}
     if config.get("model") == "RANDOM_EAGLE":
         config = config | {"model": random_eagle_dir}
+    if config.get("model") == "RANDOM_MEDUSA":
+        config = config | {"model": random_medusa_dir}
     if config.get("quantization") == "int8" and target.backend.weight_format.startswith(("int8", "int4")):
         with pytest.raises(ConfigError, match="would cost as much as the target"):
             LLM(loaded=target, speculative_config=SpeculativeConfig.from_dict(config))
@@ -265,7 +280,7 @@ def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, plain, con
             # The int8 copy of the target agrees with it most of the time (hf's, whose activations
             # are int8 too, not always).
             assert 0.5 < stats.acceptance_rate <= (1.0 if target.model is None else 0.99)
-        elif config["method"] == "eagle":
+        elif config["method"] in ("eagle", "medusa"):
             # A head drafts its k every step but the last few, which the token budget cuts short.
             assert stats.drafted_tokens >= k * (stats.target_steps - k)
         elif config["method"] == "draft_model":

@@ -21,12 +21,13 @@ from specdec.config import SamplingParams
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter, EagleHead
 from specdec.drafters.hybrid import HybridDrafter
+from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.models import LoadedModel, ModelRunner
 from specdec.models.quantize import quantize_int8
 from specdec.sampling import AcceptResult, logits_to_probs
-from specdec.training.eagle import TrainConfig, new_head
+from specdec.training.heads import TrainConfig, new_head
 
 VOCAB = 8
 LENGTH = 3  # tokens of each continuation compared
@@ -183,6 +184,12 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
         return Engine(target, ResumedDrafter(draft, sink=2, resume_window=4), 2)
     if name == "eagle":
         return Engine(target, EagleDrafter(eagle_head(target)), 2)
+    if name == "medusa":
+        heads = new_head(target, torch.arange(6), TrainConfig(arch="medusa", medusa_heads=2, draft_vocab_size=6))
+        with torch.no_grad():
+            for param in heads.parameters():
+                param.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
+        return Engine(target, MedusaDrafter(heads.eval(), target.num_layers), 2)
     if name == "hybrid":  # lookup where a 2-token match exists (the prompt repeats), the head elsewhere
         return Engine(target, HybridDrafter(EagleDrafter(eagle_head(target)), NgramDrafter(2, 3)), 2)
     raise ValueError(name)
@@ -214,7 +221,7 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle",
-                                     "hybrid"])
+                                     "hybrid", "medusa"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str
 ) -> None:

@@ -1,4 +1,4 @@
-"""Training an EAGLE head on the target's own view of text.
+"""Training draft heads (EAGLE, Medusa) on the target's own view of text.
 
 For each training sequence the target runs one prefill pass (the same backend and weights the
 head will draft for) and gives, at every position t, its hidden states at the head's
@@ -11,6 +11,10 @@ target's from the second token on, attending to its own earlier drafted entries.
 unrolls `ttt_steps` such depths: at depth j, position t reads the depth j - 1 output at t - 1,
 and attends to the depth-0 entries up to t - j plus one entry of each depth 1 .. j (the ones a
 draft of j + 1 tokens would have written). Depth j's loss is weighted 0.8^j.
+
+Medusa's heads read only the target's last state at t; head i learns the target's distribution
+at t + 1 + i (token t + 2 + i). Their residual blocks start at zero, so each head starts as the
+target's own next-token guess.
 
 Budgets (`max_tokens`, `max_time`) bound a run; a checkpoint is written every
 `checkpoint_every_s` seconds and at the end, and `resume` continues from it with the same data
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.drafters.eagle import EagleHead, EagleHeadConfig
+from specdec.drafters.medusa import MedusaConfig, MedusaHeads
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
@@ -43,8 +48,13 @@ REPORT_FILE = "report.json"
 DEPTH_WEIGHT = 0.8
 
 
+ARCHS = ("eagle", "medusa")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
+    arch: str = "eagle"
+    medusa_heads: int = 3
     draft_vocab_size: int = 8192
     ttt_steps: int = 3
     lr: float = 1e-3
@@ -143,28 +153,45 @@ class TargetView:
         return features.clone(), logits.clone()
 
 
-def sequence_losses(head: EagleHead, view: TargetView, ids: list[int], depth: int):
-    """Per-depth (loss, correct count, positions) for one sequence."""
+def sequence_losses(head: EagleHead | MedusaHeads, view: TargetView, ids: list[int], depth: int):
+    """Per draft position (EAGLE: depth; Medusa: head) (loss, correct count, positions) for one
+    sequence."""
     features, target_logits = view(ids)
-    tokens = torch.tensor(ids[1:])
     with torch.no_grad():
         target_probs = torch.softmax(target_logits, dim=-1)[:, head.draft_ids]  # [n, draft_vocab]
         target_top = target_logits.argmax(-1)  # [n]
+    n = len(ids) - 1
+    if isinstance(head, MedusaHeads):
+        # Head i at position t: the target's distribution at t + 1 + i (logits row t + i).
+        all_logits = head(features)  # [heads, n, draft_vocab]
+        pairs = [(all_logits[i, : n - i], slice(i, n)) for i in range(head.config.num_heads)]
+    else:
+        # Depth j is meaningful from position j on.
+        pairs = [(logits[j:], slice(j, n)) for j, logits in enumerate(ttt_forward(head, features, torch.tensor(ids[1:]), depth))]
     results = []
-    for j, logits in enumerate(ttt_forward(head, features, tokens, depth)):
-        loss = -(target_probs[j:] * F.log_softmax(logits[j:], dim=-1)).sum(-1).mean()
-        correct = (head.draft_ids[logits[j:].argmax(-1)] == target_top[j:]).sum()
-        results.append((loss, int(correct), len(ids) - 1 - j))
+    for logits, rows in pairs:
+        loss = -(target_probs[rows] * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+        correct = (head.draft_ids[logits.argmax(-1)] == target_top[rows]).sum()
+        results.append((loss, int(correct), logits.shape[0]))
     return results
 
 
-def new_head(target: LoadedModel, d2t_ids: torch.Tensor, config: TrainConfig) -> EagleHead:
-    """A fresh head: small normal weights (the output projections scaled down, so the layer
-    starts near the identity on its residual), the target's LM head rows for the vocabulary."""
+def new_head(target: LoadedModel, d2t_ids: torch.Tensor, config: TrainConfig) -> EagleHead | MedusaHeads:
+    """A fresh head reading the target's LM head rows for the vocabulary `d2t_ids`. EAGLE: small
+    normal weights (the output projections scaled down, so the layer starts near the identity on
+    its residual). Medusa: zero residual blocks (each head starts as the target's next-token guess)."""
     backend = target.backend
-    head_config = EagleHeadConfig.for_target(target, config.draft_vocab_size)
     offsets = d2t_ids - torch.arange(len(d2t_ids))
-    head = EagleHead(head_config, backend.input_embeddings(), offsets, backend.output_embeddings()[d2t_ids])
+    rows = backend.output_embeddings()[d2t_ids]
+    if config.arch == "medusa":
+        medusa = MedusaConfig(config.medusa_heads, backend.hidden_size, backend.vocab_size, config.draft_vocab_size,
+                              float(target.config.rms_norm_eps), target=target.name)
+        heads = MedusaHeads(medusa, backend.final_norm_weight(), offsets, rows)
+        with torch.no_grad():
+            for param in heads.parameters():
+                param.zero_()
+        return heads
+    head = EagleHead(EagleHeadConfig.for_target(target, config.draft_vocab_size), backend.input_embeddings(), offsets, rows)
     generator = torch.Generator().manual_seed(config.seed)
     with torch.no_grad():
         for name, param in head.named_parameters():
@@ -172,6 +199,10 @@ def new_head(target: LoadedModel, d2t_ids: torch.Tensor, config: TrainConfig) ->
                 std = param.shape[1] ** -0.5 * (0.1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
                 param.normal_(0.0, std, generator=generator)
     return head
+
+
+def _view_layers(head: EagleHead | MedusaHeads, target: LoadedModel) -> tuple[int, ...]:
+    return (target.num_layers - 1,) if isinstance(head, MedusaHeads) else head.config.target_layers
 
 
 @dataclass
@@ -185,7 +216,7 @@ class Progress:
     agreement: float = float("nan")
 
 
-def train_eagle(
+def train_head(
     target: LoadedModel,
     records: list[dict],
     out: Path,
@@ -194,8 +225,10 @@ def train_eagle(
     resume: bool = False,
     on_progress: Callable[[Progress], None] = lambda p: None,
 ) -> dict[str, Any]:
-    """Train (or resume training) a head on `records` ({"id", "prompt_ids", "answer_ids"}),
-    write it to `out` and return the report (also written as report.json)."""
+    """Train (or resume training) a head of `config.arch` on `records` ({"id", "prompt_ids",
+    "answer_ids"}), write it to `out` and return the report (also written as report.json)."""
+    if config.arch not in ARCHS:
+        raise ConfigError(f"unknown head architecture {config.arch!r}; train-draft trains: {', '.join(ARCHS)}")
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / CHECKPOINT_FILE
     train_ids = [r for r in records if split_of(r["id"], config.validation_fraction) == "train"]
@@ -226,7 +259,7 @@ def train_eagle(
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     if saved is not None:
         optimizer.load_state_dict(saved["optimizer"])
-    view = TargetView(target, head.config.target_layers)
+    view = TargetView(target, _view_layers(head, target))
 
     def checkpoint() -> None:
         state = {"config": asdict(config), "d2t_ids": d2t_ids, "coverage": coverage, "head": head.state_dict(),
@@ -237,7 +270,8 @@ def train_eagle(
 
     start = time.monotonic() - progress.elapsed_s
     last_checkpoint = time.monotonic()
-    weights = [DEPTH_WEIGHT ** j for j in range(config.ttt_steps)]
+    positions = config.medusa_heads if config.arch == "medusa" else config.ttt_steps
+    weights = [DEPTH_WEIGHT ** j for j in range(positions)]
 
     def out_of_budget() -> bool:
         progress.elapsed_s = time.monotonic() - start
@@ -253,7 +287,7 @@ def train_eagle(
                 progress.cursor, progress.epoch = 0, progress.epoch + 1
             ids = sequence(train_ids[order[progress.cursor]])
             progress.cursor += 1
-            if len(ids) < config.ttt_steps + 2:
+            if len(ids) < positions + 2:
                 continue
             results = sequence_losses(head, view, ids, config.ttt_steps)
             loss = sum(w * r[0] for w, r in zip(weights, results)) / config.batch_sequences
@@ -280,7 +314,7 @@ def train_eagle(
     head.config.training.update({
         "sequences": len(train_ids), "tokens": progress.tokens, "steps": progress.steps,
         "epochs": round(progress.epoch + progress.cursor / len(order), 3), "seconds": round(progress.elapsed_s),
-        "ttt_steps": config.ttt_steps, "draft_vocab_coverage": round(coverage, 4), "seed": config.seed,
+        "arch": config.arch, "ttt_steps": config.ttt_steps, "draft_vocab_coverage": round(coverage, 4), "seed": config.seed,
         "validation_agreement": agreement,
     })
     head.save(out)
@@ -292,12 +326,13 @@ def train_eagle(
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead, view: TargetView, sequences: list[list[int]], depth: int) -> list[float]:
-    """Top-1 agreement with the target per draft depth (depth j: the (j + 1)-th drafted token,
-    the earlier ones right) over these sequences."""
-    correct, counted = [0] * depth, [0] * depth
+def evaluate(head: EagleHead | MedusaHeads, view: TargetView, sequences: list[list[int]], depth: int) -> list[float]:
+    """Top-1 agreement with the target per draft position (EAGLE: the (j + 1)-th drafted token,
+    the earlier ones right; Medusa: head j) over these sequences."""
+    positions = head.config.num_heads if isinstance(head, MedusaHeads) else depth
+    correct, counted = [0] * positions, [0] * positions
     for ids in sequences:
-        if len(ids) < depth + 2:
+        if len(ids) < positions + 2:
             continue
         for j, (_, c, n) in enumerate(sequence_losses(head, view, ids, depth)):
             correct[j] += c

@@ -1,0 +1,245 @@
+"""Medusa: K heads on the target's last hidden state, each guessing one token further ahead.
+
+The target's own LM head turns its normed last state at position t into token t + 1; Medusa
+head i turns the same state into token t + 2 + i through one residual block,
+x + SiLU(W x + b), and an LM head. So a step's draft costs K small blocks and nothing per
+drafted token beyond them, but no head sees the tokens drafted before its own (EAGLE's head
+does, and is the stronger drafter).
+
+The LM head: a head trained here shares the target's LM head rows for a draft vocabulary (the
+target's most frequent tokens, `d2t` as in EAGLE); Medusa's published heads each have their
+own over the whole vocabulary (`medusa_head.{i}.1.weight`), and load as they are.
+
+Files: config.json (`medusa_num_heads`, `hidden_size`, `vocab_size`, `draft_vocab_size`) and
+model.safetensors (`medusa_head.{i}.0.linear.weight` / `.bias`, optionally
+`medusa_head.{i}.1.weight`, and `d2t`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters.base import Proposal, register
+from specdec.errors import ConfigError
+from specdec.models.loader import LoadedModel
+from specdec.models.qlinear import FORMATS, PackedLinear
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-5
+    tied_lm_head: bool = True
+    target: str = ""
+    training: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"medusa_num_heads": self.num_heads, "medusa_num_layers": 1, "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+                "rms_norm_eps": self.rms_norm_eps,
+                "specdec": {"tied_lm_head": self.tied_lm_head, "target": self.target, "training": self.training}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MedusaConfig:
+        try:
+            ours = data.get("specdec", {})
+            if int(data.get("medusa_num_layers", 1)) != 1:
+                raise ValueError("only one residual block per head is supported")
+            return cls(num_heads=int(data["medusa_num_heads"]), hidden_size=int(data["hidden_size"]),
+                       vocab_size=int(data["vocab_size"]),
+                       draft_vocab_size=int(data.get("draft_vocab_size") or data["vocab_size"]),
+                       rms_norm_eps=float(data.get("rms_norm_eps", 1e-5)),
+                       tied_lm_head=bool(ours.get("tied_lm_head", False)), target=str(ours.get("target", "")),
+                       training=dict(ours.get("training", {})))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"not a Medusa head config: {exc}") from None
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """The K heads, shared by every sequence that drafts with them.
+
+    final_norm: the target's final RMSNorm weight [hidden] (the heads read the normed state).
+    lm_head_rows: the target's LM head rows for the draft vocabulary when tied.
+    """
+
+    def __init__(self, config: MedusaConfig, final_norm: torch.Tensor, d2t: torch.Tensor,
+                 lm_head_rows: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = c = config
+        own_lm = not c.tied_lm_head
+        self.medusa_head = nn.ModuleList(
+            nn.Sequential(ResBlock(c.hidden_size), *([nn.Linear(c.hidden_size, c.vocab_size, bias=False)] if own_lm else []))
+            for _ in range(c.num_heads)
+        )
+        self.register_buffer("d2t", d2t.long())
+        self.register_buffer("final_norm", final_norm.float(), persistent=False)
+        if c.tied_lm_head:
+            if lm_head_rows is None:
+                raise ConfigError("tied Medusa heads need the target's LM head rows")
+            self.register_buffer("lm_head_rows", lm_head_rows.float(), persistent=False)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        """states: [n, hidden], the target's last layer output (before its final norm).
+        Returns [heads, n, draft_vocab] (the whole vocabulary for untied heads)."""
+        x = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self.final_norm
+        out = []
+        for head in self.medusa_head:
+            y = head[0](x)
+            out.append(y @ self.lm_head_rows.t() if self.config.tied_lm_head else head[1](y))
+        return torch.stack(out)
+
+    def packed(self, fmt: str) -> PackedMedusa:
+        """The matrices packed for drafting in `fmt`, built once and shared by every sequence."""
+        cache = self.__dict__.setdefault("_packed", {})
+        if fmt not in cache:
+            if fmt not in FORMATS:
+                raise ConfigError(f"unknown weight format {fmt!r} for Medusa heads; choose one of: {', '.join(FORMATS)}")
+            blocks = [head[0].linear for head in self.medusa_head]
+            cache[fmt] = PackedMedusa(
+                blocks=[PackedLinear.pack(b.weight, fmt) for b in blocks],
+                biases=[b.bias.detach().float() for b in blocks],
+                lm=[PackedLinear.pack(self.lm_head_rows, fmt)] if self.config.tied_lm_head
+                else [PackedLinear.pack(head[1].weight, fmt) for head in self.medusa_head],
+            )
+        return cache[fmt]
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_FILE).write_text(json.dumps(self.config.to_json(), indent=2) + "\n", encoding="utf-8")
+        tensors = {name: t.detach().to(torch.bfloat16).contiguous() if t.is_floating_point() else t.contiguous()
+                   for name, t in self.state_dict().items()}
+        save_file(tensors, str(directory / WEIGHTS_FILE))
+
+    @classmethod
+    def load(cls, directory: str | Path, target: LoadedModel) -> MedusaHeads:
+        directory = Path(directory).expanduser()
+        if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
+            raise ConfigError(f"not a Medusa head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}): {directory}")
+        config = MedusaConfig.from_json(json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")))
+        backend = target.backend
+        if config.hidden_size != backend.hidden_size or config.vocab_size != backend.vocab_size:
+            raise ConfigError(
+                f"Medusa heads at {directory} are for a target with hidden size {config.hidden_size} and vocabulary "
+                f"{config.vocab_size}; {target.name} has {backend.hidden_size} and {backend.vocab_size}"
+            )
+        state = {name: t if name == "d2t" else t.float() for name, t in load_file(str(directory / WEIGHTS_FILE)).items()}
+        d2t = state.pop("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        rows = backend.output_embeddings()[torch.arange(len(d2t)) + d2t] if config.tied_lm_head else None
+        heads = cls(config, backend.final_norm_weight(), d2t, rows)
+        missing, unexpected = heads.load_state_dict(state, strict=False)
+        missing = [m for m in missing if m != "d2t"]
+        if missing or unexpected:
+            raise ConfigError(f"Medusa heads at {directory} do not match their config: missing {missing}, "
+                              f"unexpected {unexpected}")
+        return heads.eval()
+
+
+@dataclass(frozen=True)
+class PackedMedusa:
+    blocks: list[PackedLinear]
+    biases: list[torch.Tensor]
+    lm: list[PackedLinear]  # one shared (tied) or one per head
+
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.blocks + self.lm) + sum(b.numel() * 4 for b in self.biases)
+
+
+def shipped_heads_dir(model_name: str) -> Path | None:
+    resource = resources.files("specdec.data").joinpath("heads", "medusa", model_name)
+    return Path(str(resource)) if resource.joinpath(CONFIG_FILE).is_file() else None
+
+
+class MedusaDrafter:
+    """One sequence's Medusa drafting: the heads applied to the target's last committed state."""
+
+    def __init__(self, heads: MedusaHeads, num_layers: int, weight_format: str = "int8") -> None:
+        self.heads = heads
+        self.weights = heads.packed(weight_format)
+        self.target_layers = (num_layers - 1,)
+        self.added_memory_bytes = self.weights.nbytes()
+        self._state: torch.Tensor | None = None  # [1, hidden]
+        self._positions = 0
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        self._state, self._positions = None, 0
+
+    def observe_target(self, features: torch.Tensor) -> None:
+        # features: [n, hidden]; only the last committed position's state is read.
+        self._state = features[-1:]
+        self._positions += features.shape[0]
+
+    @torch.inference_mode()
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        if self._state is None or k < 1:
+            return Proposal(tokens=[])
+        if self._positions != len(context) - 1:
+            raise RuntimeError(f"Medusa drafter has states for {self._positions} positions; the context has {len(context)} tokens")
+        logits = self._logits(self._state, min(k, self.heads.config.num_heads))  # [k, draft_vocab]
+        ids = self.heads.draft_ids
+        if params.greedy:
+            return Proposal(tokens=ids[logits.argmax(-1)].tolist())
+        draft_probs = torch.softmax(logits / params.temperature, dim=-1)
+        indices = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+        full = torch.zeros(len(logits), self.heads.config.vocab_size)
+        full[:, ids] = draft_probs
+        return Proposal(tokens=ids[indices].tolist(), probs=full)
+
+    def _logits(self, state: torch.Tensor, count: int) -> torch.Tensor:
+        """state: [1, hidden] -> [count, draft_vocab], the first `count` heads; the arithmetic of
+        :meth:`MedusaHeads.forward` with the packed matrices."""
+        c, w = self.heads.config, self.weights
+        x = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * self.heads.final_norm
+        ys = torch.cat([x + F.silu(w.blocks[i](x).float() + w.biases[i]) for i in range(count)])  # [count, hidden]
+        if len(w.lm) == 1:
+            return w.lm[0](ys).float()
+        return torch.cat([w.lm[i](ys[i : i + 1]).float() for i in range(count)])
+
+    def commit(self, context: list[int], num_accepted: int) -> None:
+        pass  # the committed positions' states arrive through observe_target
+
+
+def load_heads(config: SpeculativeConfig, target: LoadedModel) -> MedusaHeads:
+    directory = Path(config.model).expanduser() if config.model else shipped_heads_dir(target.name)
+    if directory is None:
+        raise ConfigError(
+            f"no Medusa heads ship for {target.name}: train them with `specdec train-draft --arch medusa` "
+            "and set 'model' to their directory"
+        )
+    return MedusaHeads.load(directory, target)
+
+
+@register("medusa")
+def _build(config: SpeculativeConfig, target: LoadedModel) -> MedusaDrafter:
+    return MedusaDrafter(load_heads(config, target), target.num_layers)

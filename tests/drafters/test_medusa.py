@@ -1,0 +1,105 @@
+"""Medusa heads: the packed drafting path matches the module, files round-trip (ours and
+Medusa's own layout with a full LM head per head), and training lifts agreement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specdec import SamplingParams
+from specdec.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from specdec.engine import Engine
+from specdec.errors import ConfigError
+from specdec.models import LoadedModel
+from specdec.training.heads import TargetView, TrainConfig, evaluate, new_head, train_head
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def random_heads(target: LoadedModel, draft_vocab: int, num_heads: int = 3, seed: int = 0) -> MedusaHeads:
+    heads = new_head(target, torch.arange(draft_vocab), TrainConfig(arch="medusa", medusa_heads=num_heads,
+                                                                    draft_vocab_size=draft_vocab))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.normal_(0.0, 0.2, generator=generator)
+    return heads.eval()
+
+
+def test_packed_drafting_matches_the_module(tiny_native: LoadedModel) -> None:
+    heads = random_heads(tiny_native, 300)
+    drafter = MedusaDrafter(heads, tiny_native.num_layers, "float32")
+    state = torch.randn(1, heads.config.hidden_size)
+    drafter.begin([1, 2, 3], 16)
+    drafter.observe_target(torch.cat([torch.randn(2, heads.config.hidden_size), state]))
+    proposal = drafter.propose([1, 2, 3, 4], 3, GREEDY, None)
+    expected = heads(state)[:, 0]  # [heads, draft_vocab]
+    torch.testing.assert_close(drafter._logits(state, 3), expected, rtol=1e-4, atol=1e-4)
+    assert proposal.tokens == heads.draft_ids[expected.argmax(-1)].tolist()
+    assert len(drafter.propose([1, 2, 3, 4], 2, GREEDY, None).tokens) == 2
+
+
+def test_medusa_layout_with_a_head_per_lm(tiny_native: LoadedModel, tmp_path) -> None:
+    # Medusa's published layout: medusa_head.{i}.0.linear (the block), medusa_head.{i}.1 (a full
+    # LM head of its own), no draft vocabulary.
+    hidden, vocab = tiny_native.backend.hidden_size, tiny_native.backend.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    tensors = {}
+    for i in range(2):
+        tensors[f"medusa_head.{i}.0.linear.weight"] = torch.randn(hidden, hidden, generator=generator) * 0.1
+        tensors[f"medusa_head.{i}.0.linear.bias"] = torch.zeros(hidden)
+        tensors[f"medusa_head.{i}.1.weight"] = torch.randn(vocab, hidden, generator=generator) * 0.1
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1,
+                                                      "hidden_size": hidden, "vocab_size": vocab}))
+    heads = MedusaHeads.load(tmp_path, tiny_native)
+    assert not heads.config.tied_lm_head and heads.config.draft_vocab_size == vocab
+    state = torch.randn(1, hidden)
+    normed = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + heads.config.rms_norm_eps) \
+        * tiny_native.backend.final_norm_weight()
+    block = normed + torch.nn.functional.silu(normed @ tensors["medusa_head.1.0.linear.weight"].t())
+    torch.testing.assert_close(heads(state)[1, 0], (block @ tensors["medusa_head.1.1.weight"].t())[0],
+                               rtol=1e-4, atol=1e-4)
+    prompt = [5, 9, 13, 200, 17]
+    spec = Engine(tiny_native, MedusaDrafter(heads, tiny_native.num_layers), 2).generate(prompt, GREEDY)
+    assert spec.token_ids == Engine(tiny_native).generate(prompt, GREEDY).token_ids
+
+
+def test_round_trip_and_refusals(tiny_native: LoadedModel, default_model: LoadedModel, tmp_path) -> None:
+    heads = random_heads(tiny_native, 128)
+    heads.save(tmp_path)
+    loaded = MedusaHeads.load(tmp_path, tiny_native)
+    state = torch.randn(2, heads.config.hidden_size)
+    torch.testing.assert_close(loaded(state), heads(state), rtol=0.05, atol=0.05)  # stored in bfloat16
+    with pytest.raises(ConfigError, match="hidden size"):
+        MedusaHeads.load(tmp_path, default_model)
+    config = json.loads((tmp_path / "config.json").read_text()) | {"medusa_num_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="one residual block"):
+        MedusaHeads.load(tmp_path, tiny_native)
+    assert MedusaConfig.from_json({"medusa_num_heads": 4, "hidden_size": 8, "vocab_size": 10}).draft_vocab_size == 10
+
+
+def test_training_learns(small_model_factory, tmp_path) -> None:
+    # As for EAGLE: fitting the target's own greedy text lifts agreement far above the start
+    # (zero blocks: each head guesses the target's next token, not the ones after it).
+    target = small_model_factory(seed=4, vocab_size=8)
+    generator = torch.Generator().manual_seed(0)
+    engine = Engine(target)
+    records = []
+    for i in range(12):
+        prompt = torch.randint(0, 8, (6,), generator=generator).tolist()
+        records.append({"id": f"r{i}", "prompt_ids": prompt, "answer_ids": engine.generate(prompt, GREEDY).token_ids})
+    config = TrainConfig(arch="medusa", medusa_heads=2, draft_vocab_size=8, batch_sequences=4,
+                         max_tokens=22 * 4 * 80, validation_fraction=0.0, lr=1e-2)
+    report = train_head(target, records, tmp_path, config)
+    assert report["arch"] == "medusa" and len(report["validation_agreement"]) == 2
+    heads = MedusaHeads.load(tmp_path, target)
+    view = TargetView(target, (target.num_layers - 1,))
+    sequences = [r["prompt_ids"] + r["answer_ids"] for r in records]
+    untrained = new_head(target, torch.arange(8), config)
+    trained, before = evaluate(heads, view, sequences, 2), evaluate(untrained, view, sequences, 2)
+    assert trained[0] > before[0] + 0.2, (trained, before)
