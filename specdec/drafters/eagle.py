@@ -340,7 +340,7 @@ class EagleDrafter:
 
     def __init__(self, head: EagleHead, weight_format: str = "int8") -> None:
         self.head = head
-        self.weights = head.packed(weight_format)
+        self.weight_format = weight_format
         self.target_layers = head.config.target_layers
         self.added_memory_bytes = self.weights.nbytes()
         self._keys: torch.Tensor | None = None  # [kv_heads, max_len, head_dim]
@@ -348,6 +348,11 @@ class EagleDrafter:
         self._length = 0  # committed positions with entries
         self._pending: list[torch.Tensor] = []  # target features not yet turned into entries
         self._state: torch.Tensor | None = None  # [1, hidden] the last committed position's output
+
+    @property
+    def weights(self) -> PackedHead:
+        # Looked up on the shared head, never held: a copied drafter must not copy the weights.
+        return self.head.packed(self.weight_format)
 
     def begin(self, prompt_ids: list[int], max_len: int) -> None:
         c = self.head.config

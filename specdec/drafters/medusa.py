@@ -184,11 +184,16 @@ class MedusaDrafter:
 
     def __init__(self, heads: MedusaHeads, num_layers: int, weight_format: str = "int8") -> None:
         self.heads = heads
-        self.weights = heads.packed(weight_format)
+        self.weight_format = weight_format
         self.target_layers = (num_layers - 1,)
         self.added_memory_bytes = self.weights.nbytes()
         self._state: torch.Tensor | None = None  # [1, hidden]
         self._positions = 0
+
+    @property
+    def weights(self) -> PackedMedusa:
+        # Looked up on the shared heads, never held: a copied drafter must not copy the weights.
+        return self.heads.packed(self.weight_format)
 
     def begin(self, prompt_ids: list[int], max_len: int) -> None:
         self._state, self._positions = None, 0

@@ -186,3 +186,15 @@ def test_training_learns(small_model_factory, tmp_path) -> None:
     sequences = [r["prompt_ids"] + r["answer_ids"] for r in records]
     trained, before = evaluate(head, view, sequences, 2), evaluate(untrained, view, sequences, 2)
     assert trained[0] > before[0] + 0.3 and trained[1] > before[1] + 0.2, (trained, before)
+
+
+def test_a_forked_drafter_shares_the_weights(tiny_native: LoadedModel) -> None:
+    # The server forks a prototype drafter per request: its head and packed matrices must be
+    # the prototype's, not copies, and its cache its own.
+    from specdec.server.scheduler import fork_drafter
+
+    prototype = EagleDrafter(random_head(tiny_native, 64))
+    forked = fork_drafter(prototype)
+    assert forked.head is prototype.head and forked.weights is prototype.weights
+    forked.begin([1, 2], 8)
+    assert prototype._keys is None and forked._keys is not None
