@@ -552,8 +552,8 @@ def train_draft(
     code_prompts: Annotated[int, typer.Option("--code-prompts", help="Code requests built from Python's standard library, answered too.")] = 300,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Longest answer per prompt.")] = 160,
     answer_time: Annotated[Optional[float], typer.Option("--answer-time", help="Seconds for answering (default: half of --max-time); answers are kept and a rerun continues.")] = None,
-    max_time: Annotated[Optional[float], typer.Option("--max-time", help="Seconds for the whole run (answering and training).")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Training tokens (all epochs); with --max-time, whichever comes first.")] = None,
+    max_time: Annotated[Optional[float], typer.Option("--max-time", help="Seconds for this run: answering, then training with what is left. With --resume of a run that had started training: the training's seconds in all, earlier runs included (omit it to keep the first run's budget).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Training tokens in all (every epoch, earlier runs included); with --max-time, whichever comes first.")] = None,
     draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="Tokens the head can propose: the target's most frequent in the answers.")] = 8192,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="EAGLE: draft depths unrolled in training (training-time test).")] = 3,
     medusa_heads: Annotated[int, typer.Option("--medusa-heads", help="Medusa: heads (tokens drafted per step).")] = 3,
@@ -598,6 +598,8 @@ def train_draft(
     records = read_answers(answers_path)
     err.print(f"{len(records)} answers ({sum(len(r['answer_ids']) for r in records)} answer tokens) in {answers_path}")
     remaining = None if max_time is None else max(0.0, max_time - (time.monotonic() - start))
+    if resume and max_time is not None and (out_dir / "checkpoint.pt").is_file():
+        remaining = max_time  # training had started: --max-time is its whole budget, earlier runs included
     config = TrainConfig(arch=arch, medusa_heads=medusa_heads, draft_vocab_size=draft_vocab, ttt_steps=ttt_steps,
                          max_tokens=max_tokens, seed=seed, max_time=remaining)
     if resume:  # a resumed run keeps the first run's settings, its training budget included
@@ -620,18 +622,21 @@ def train_draft(
 
 
 def _resumed_config(out_dir: Path, fresh):
-    """The settings of the run a --resume continues (its budget included)."""
+    """The settings of the run a --resume continues; its budget too, unless this command
+    gives one (--max-time, --max-tokens: a larger one trains longer)."""
     import dataclasses
 
     import torch
 
-    from specdec.training.heads import CHECKPOINT_FILE, TrainConfig
+    from specdec.training.heads import BUDGET_FIELDS, CHECKPOINT_FILE, TrainConfig
 
     path = out_dir / CHECKPOINT_FILE
     if not path.is_file():
         return fresh
-    return dataclasses.replace(fresh, **{k: v for k, v in torch.load(path, weights_only=False)["config"].items()
-                                         if k in TrainConfig.__dataclass_fields__})
+    saved = torch.load(path, weights_only=False)["config"]
+    keep = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__
+            and (k not in BUDGET_FIELDS or getattr(fresh, k) is None)}
+    return dataclasses.replace(fresh, **keep)
 
 
 @app.command()

@@ -16,9 +16,10 @@ Medusa's heads read only the target's last state at t; head i learns the target'
 at t + 1 + i (token t + 2 + i). Their residual blocks start at zero, so each head starts as the
 target's own next-token guess.
 
-Budgets (`max_tokens`, `max_time`) bound a run; a checkpoint is written every
-`checkpoint_every_s` seconds and at the end, and `resume` continues from it with the same data
-order and optimizer state. The validation split (a fixed hash of each record's id) is never
+Budgets (`max_tokens`, `max_time`, both counted over the whole run, resumes included) bound a
+run; a checkpoint is written every `checkpoint_every_s` seconds and at the end, and `resume`
+continues from it with the same data order and optimizer state, with the same budget (exactly
+the run an uninterrupted one would have been) or a larger one (training longer). The validation split (a fixed hash of each record's id) is never
 trained on; its top-1 agreement with the target per draft depth is the measured result.
 """
 
@@ -46,6 +47,8 @@ from specdec.training.corpus import split_of
 CHECKPOINT_FILE = "checkpoint.pt"
 REPORT_FILE = "report.json"
 DEPTH_WEIGHT = 0.8
+# A resumed run may change its budget (to train longer); every other setting must be the same.
+BUDGET_FIELDS = ("max_tokens", "max_time", "checkpoint_every_s")
 
 
 ARCHS = ("eagle", "medusa")
@@ -243,8 +246,10 @@ def train_head(
     progress = Progress()
     if resume and checkpoint_path.is_file():
         saved = torch.load(checkpoint_path, weights_only=False)
-        if saved["config"] != asdict(config):
-            raise ConfigError(f"{checkpoint_path} was written with other settings: {saved['config']}")
+        ours = asdict(config)
+        differ = {k: v for k, v in saved["config"].items() if k not in BUDGET_FIELDS and ours.get(k) != v}
+        if differ:
+            raise ConfigError(f"{checkpoint_path} was written with other settings: {differ}")
         d2t_ids = saved["d2t_ids"]
         head = new_head(target, d2t_ids, config)
         head.load_state_dict(saved["head"])

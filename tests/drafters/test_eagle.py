@@ -156,12 +156,14 @@ def test_training_resumes_where_it_stopped(tiny_native: LoadedModel, tmp_path) -
         assert torch.equal(a[name], b[name]), name
 
 
-def test_resume_refuses_other_settings(tiny_native: LoadedModel, tmp_path) -> None:
+def test_resume_refuses_other_settings_but_takes_a_larger_budget(tiny_native: LoadedModel, tmp_path) -> None:
     records = [{"id": f"r{i}", "prompt_ids": list(range(3, 30)), "answer_ids": []} for i in range(6)]
     config = TrainConfig(draft_vocab_size=64, batch_sequences=1, max_tokens=30, validation_fraction=0.0)
-    train_head(tiny_native, records, tmp_path, config)
+    first = train_head(tiny_native, records, tmp_path, config)
     with pytest.raises(ConfigError, match="other settings"):
         train_head(tiny_native, records, tmp_path, dataclasses.replace(config, lr=0.5), resume=True)
+    longer = train_head(tiny_native, records, tmp_path, dataclasses.replace(config, max_tokens=90), resume=True)
+    assert longer["steps"] > first["steps"] and first["tokens"] < 90 <= longer["tokens"]
 
 
 def test_training_learns(small_model_factory, tmp_path) -> None:
