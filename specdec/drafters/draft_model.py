@@ -14,6 +14,10 @@ resumed draft keeps the context's first `sink` tokens and catches up on only its
 the context's, so under rotary embeddings each recent token keeps its distances to the others.
 The draft is weaker for seeing less, never wrong: what it proposes is still verified. It sees
 the whole context again from the next request on.
+
+A draft model with a shorter context than the target's drafts while the sequence fits in its
+context and proposes nothing after: speculation is limited to what the draft can see, and the
+target serves the rest of the request alone.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class DraftModelDrafter:
     def begin(self, prompt_ids: list[int], max_len: int) -> None:
         # A cache from the previous request is kept when big enough: propose() reuses whatever
         # prefix of it the new context shares (the same prompt sampled again, a longer chat).
+        max_len = min(max_len, self.runner.loaded.max_positions)  # past its context the draft proposes nothing
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = self.runner.new_cache(max_len)
             self.cached = []
@@ -95,6 +100,10 @@ class DraftModelDrafter:
             view = self.view(context)
             keep = min(common_prefix_length(self.cached, view), len(view) - 1)
         self.proposed, self.skipped_steps = True, 0
+        # The cache holds the view and all drafted tokens but the last: what its size leaves of k.
+        k = min(k, self.cache.max_len - len(view) + 1)
+        if k < 1:
+            return Proposal(tokens=[])
         self.cache.rollback(keep)
         del self.cached[keep:]
         feed = view[keep:]

@@ -13,6 +13,7 @@ from specdec import SpeculativeConfig
 from specdec.config import SamplingParams
 from specdec.drafters import build_drafter
 from specdec.drafters.draft_model import DraftModelDrafter, common_prefix_length
+from specdec.engine import Engine
 from specdec.models import LoadedModel, ModelRunner
 from specdec.sampling import logits_to_probs
 
@@ -146,3 +147,21 @@ def test_one_skipped_step_does_not_shorten_the_view(tiny_model: LoadedModel) -> 
 def test_resume_window_must_be_positive(tiny_model: LoadedModel) -> None:
     with pytest.raises(ValueError):
         DraftModelDrafter(tiny_model, resume_window=0)
+
+
+def test_a_draft_with_a_shorter_context_limits_speculation(tiny_model: LoadedModel) -> None:
+    # The draft sees 24 positions, the target 512: a request longer than the draft's context is
+    # served (the draft stops proposing when the sequence outgrows it), and stays lossless.
+    from tests.conftest import _tiny_llama
+
+    model = _tiny_llama(len(tiny_model.tokenizer), seed=5)
+    model.config.max_position_embeddings = 24
+    draft = LoadedModel.from_hf(model.eval(), tiny_model.tokenizer, name="short-draft", source="short-draft")
+    assert draft.max_positions == 24
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompt = list(range(10, 20))
+    result = Engine(tiny_model, DraftModelDrafter(draft), 3).generate(prompt, params)
+    assert result.token_ids == Engine(tiny_model).generate(prompt, params).token_ids
+    stats = result.stats
+    # It drafted at every step while the context (11 .. 24 tokens) fit in the draft's 24, then never.
+    assert stats.drafted_at[0] == 24 - len(prompt) and stats.undrafted_steps > 0
