@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,13 @@ class LLM:
         ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
+    def request_params(self, params: SamplingParams) -> SamplingParams:
+        """The config's drafter-invariant rule applies to every request, speculating or not."""
+        config = self.speculative_config
+        if config is not None and config.drafter_invariant and not params.drafter_invariant:
+            return dataclasses.replace(params, drafter_invariant=True)
+        return params
+
     def _engine(self, speculate: bool) -> Engine:
         return self.engine if speculate else self.plain_engine
 
@@ -111,7 +119,7 @@ class LLM:
         speculate: bool = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt in turn. speculate=False decodes plainly with the same engine."""
-        params = sampling_params or SamplingParams()
+        params = self.request_params(sampling_params or SamplingParams())
         batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else list(prompts)
         engine = self._engine(speculate)
         encoded = [self.encode(prompt) for prompt in batch]  # every prompt checked before any runs
@@ -130,4 +138,4 @@ class LLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, speculate: bool = True
     ) -> Iterator[StreamChunk]:
         """Yield text and token ids as each target step commits them."""
-        return self._engine(speculate).stream(self.encode(prompt), sampling_params or SamplingParams())
+        return self._engine(speculate).stream(self.encode(prompt), self.request_params(sampling_params or SamplingParams()))

@@ -24,6 +24,9 @@ class SamplingParams:
     """How to pick tokens. `temperature == 0` is greedy decoding.
 
     top_k = 0 and top_p = 1 and min_p = 0 turn those filters off.
+    drafter_invariant: sample each token as argmax(log p + Gumbel noise keyed by the seed and the
+        token's position), so a seeded request gives the same tokens whatever the drafter, k,
+        batch or load, speculation on or off (see `specdec.sampling.invariant`).
     """
 
     max_tokens: int = 128
@@ -34,6 +37,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    drafter_invariant: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +56,8 @@ class SamplingParams:
             raise ConfigError(f"min_p must be in [0, 1), got {self.min_p!r}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
+        if not isinstance(self.drafter_invariant, bool):
+            raise ConfigError(f"drafter_invariant must be true or false, got {self.drafter_invariant!r}")
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +84,8 @@ class SpeculativeConfig:
         Without either, the profile shipped for the model, else a default set.
     adaptive: let the number of drafted tokens follow acceptance (at most
         num_speculative_tokens), and switch speculation off for a while when it does not pay.
+    drafter_invariant: sample with the drafter-invariant rule (SamplingParams.drafter_invariant):
+        a seeded request gives the same tokens with speculation on or off.
     """
 
     method: str
@@ -89,6 +97,7 @@ class SpeculativeConfig:
     layers: tuple[int, ...] | None = None
     profile: str | None = None
     adaptive: bool = False
+    drafter_invariant: bool = False
 
     def __post_init__(self) -> None:
         # Imported here: the registry imports drafters, which import this module.
@@ -137,6 +146,8 @@ class SpeculativeConfig:
             raise ConfigError(f"layer_skip profile not found: {self.profile}")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
+        if not isinstance(self.drafter_invariant, bool):
+            raise ConfigError(f"drafter_invariant must be true or false, got {self.drafter_invariant!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:

@@ -146,6 +146,7 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k", help="0 is off.")] = 0,
     min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    drafter_invariant: Annotated[bool, typer.Option("--drafter-invariant", help="Sample so that a seed gives the same tokens with any drafter, k, or none (Gumbel-max keyed by seed and position).")] = False,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="A system message for chat.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Continue the prompt as raw text, without the chat template.")] = False,
@@ -159,8 +160,10 @@ def generate(
     if not prompt.strip():
         raise ConfigError("prompt is empty")
     spec = speculative_config(spec_json, method, k, draft_model)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop or ()))
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                            stop=tuple(stop or ()), drafter_invariant=drafter_invariant)
     llm = _load(model, spec, device, backend, dtype)
+    params = llm.request_params(params)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     request = prompt if raw else messages
     from specdec.engine import Generation

@@ -34,6 +34,7 @@ from specdec.models.loader import LoadedModel, default_model_path, load_model
 from specdec.models.quantize import quantize_int8, quantized_bytes
 from specdec.models.runner import ModelRunner
 from specdec.models.vocab import check_vocabulary_compatible
+from specdec.sampling.invariant import invariant_tokens
 from specdec.sampling.probs import logits_to_probs, sample
 
 
@@ -115,6 +116,9 @@ class DraftModelDrafter:
             self.cached.extend(feed)
             if params.greedy:
                 token = int(logits[0].argmax())
+            elif params.drafter_invariant:  # the target's noise at this position: a deterministic draft
+                token = invariant_tokens(logits_to_probs(logits, params), generator.initial_seed(),
+                                         len(context) + len(tokens))[0]
             else:
                 draft_probs = logits_to_probs(logits, params)  # [1, vocab]
                 token = int(sample(draft_probs, generator)[0])

@@ -42,6 +42,7 @@ from specdec.drafters.base import Proposal, register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
+from specdec.sampling.invariant import invariant_tokens
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -390,13 +391,17 @@ class EagleDrafter:
             logits = self._logits(state)[0]  # [draft_vocab]
             if params.greedy:
                 index = int(logits.argmax())
+                token = int(head.d2t[index]) + index
             else:
                 draft_probs = torch.softmax(logits / params.temperature, dim=-1)
-                index = int(torch.multinomial(draft_probs, 1, generator=generator))
                 full = torch.zeros(head.config.vocab_size)
                 full[head.draft_ids] = draft_probs
-                probs.append(full)
-            token = int(head.d2t[index]) + index
+                if params.drafter_invariant:  # the target's noise at this position: a deterministic draft
+                    token = invariant_tokens(full[None], generator.initial_seed(), len(context) + j)[0]
+                else:
+                    index = int(torch.multinomial(draft_probs, 1, generator=generator))
+                    token = int(head.d2t[index]) + index
+                    probs.append(full)
             drafted.append(token)
             if j + 1 < k:
                 state = self._run(state, torch.tensor([token]), self._length + j)

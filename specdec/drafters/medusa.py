@@ -33,6 +33,7 @@ from specdec.drafters.base import Proposal, register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
+from specdec.sampling.invariant import invariant_tokens
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -216,9 +217,11 @@ class MedusaDrafter:
         if params.greedy:
             return Proposal(tokens=ids[logits.argmax(-1)].tolist())
         draft_probs = torch.softmax(logits / params.temperature, dim=-1)
-        indices = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
         full = torch.zeros(len(logits), self.heads.config.vocab_size)
         full[:, ids] = draft_probs
+        if params.drafter_invariant:  # the target's noise at each position: a deterministic draft
+            return Proposal(tokens=invariant_tokens(full, generator.initial_seed(), len(context)))
+        indices = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
         return Proposal(tokens=ids[indices].tolist(), probs=full)
 
     def _logits(self, state: torch.Tensor, count: int) -> torch.Tensor:

@@ -177,7 +177,7 @@ class BatchEngine:
         if layers:
             seq.drafter.observe_target(_features({i: s[None] for i, s in states.items()}, layers, 0,
                                                  len(seq.prompt_ids)))
-        first = self._accept([seq], logits[None], [[]], [None]).row(0)
+        first = self._accept([seq], logits[None], [[]], [None], [len(seq.prompt_ids)]).row(0)
         seq.context = list(seq.prompt_ids) + first
         seq.row = self.cache.insert_row(prefill_cache)
         stats.prefill_time_s = time.perf_counter() - seq._start
@@ -247,7 +247,7 @@ class BatchEngine:
         logits = out.logits  # [rows, new, vocab]
 
         # 3. Accept, once for the step: each row a prefix of its draft, with its own parameters.
-        result = self._accept(seqs, logits, drafts, draft_probs)
+        result = self._accept(seqs, logits, drafts, draft_probs, [len(seq.context) for seq in seqs])
         num_accepted = result.num_accepted.tolist()
         verify_time = time.perf_counter() - start
 
@@ -268,13 +268,15 @@ class BatchEngine:
         return outputs
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
-                draft_probs: list[torch.Tensor | None]):
-        # logits: [rows, 1 + longest draft, vocab]
+                draft_probs: list[torch.Tensor | None], positions: list[int]):
+        # logits: [rows, 1 + longest draft, vocab]; positions: each row's first new token's index
         longest = max(len(d) for d in drafts)
         padded = torch.tensor([d + [PAD_TOKEN] * (longest - len(d)) for d in drafts], dtype=torch.long,
                               device=logits.device).reshape(len(drafts), longest)  # [rows, longest]
+        keys = [(s.generator.initial_seed(), pos) if s.params.drafter_invariant and s.generator is not None else None
+                for s, pos in zip(seqs, positions)]
         return accept_batch(logits[:, : longest + 1], padded, [len(d) for d in drafts], draft_probs,
-                            [s.params for s in seqs], [s.generator for s in seqs], self.sampling_rule)
+                            [s.params for s in seqs], [s.generator for s in seqs], self.sampling_rule, keys)
 
     def _emit(self, seq: Sequence, committed: list[int], drafted: int, accepted: int) -> SequenceOutput:
         """Apply the stop conditions to the committed tokens in token order: EOS, then the token

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SamplingParams
+from specdec.sampling.invariant import perturbed_log_probs
 from specdec.sampling.probs import logits_to_probs
 
 PAD_TOKEN = -1
@@ -140,6 +141,7 @@ def accept_batch(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     rule: SamplingRule = speculative_accept,
+    keys: list[tuple[int, int] | None] | None = None,
 ) -> AcceptResult:
     """One step's acceptance for every row of a batch, each with its own draft length, sampling
     parameters and generator.
@@ -149,6 +151,9 @@ def accept_batch(
     draft_tokens: [rows, n], PAD_TOKEN past each row's length.
     lengths: each row's draft length (<= n).
     draft_probs: per row, [length, vocab] for a sampled draft, or None (deterministic draft).
+    keys: per row, (seed, position of the row's first new token) for a drafter-invariant row
+        (params.drafter_invariant): its tokens are the Gumbel-max samples of
+        :mod:`specdec.sampling.invariant`, drafts kept while they equal them.
     Greedy rows are decided together (a padded position never matches an argmax); a sampled row
     goes through `rule` with its own filtered distributions and generator.
     """
@@ -167,6 +172,13 @@ def accept_batch(
             continue
         k = lengths[i]
         target_probs = logits_to_probs(target_logits[i, : k + 1], params[i])[None]  # [1, k + 1, vocab]
+        if params[i].drafter_invariant:
+            if keys is None or keys[i] is None:
+                raise ValueError("a drafter-invariant row needs its (seed, position) key")
+            perturbed = perturbed_log_probs(target_probs[0], *keys[i])[None]  # [1, k + 1, vocab]
+            result = greedy_accept(perturbed, draft_tokens[i : i + 1, :k])
+            tokens[i, : k + 1], num_accepted[i] = result.tokens[0], result.num_accepted[0]
+            continue
         probs = draft_probs[i]
         result = rule(target_probs, draft_tokens[i : i + 1, :k], None if probs is None else probs[None], generators[i])
         tokens[i, : k + 1], num_accepted[i] = result.tokens[0], result.num_accepted[0]

@@ -94,6 +94,8 @@ def _k(route: RouteConfig, override: bool | SpeculativeOverride | None) -> int:
     if override is False:
         return 0
     k = override.num_speculative_tokens
+    if k is None:
+        return route.k
     if k > 0 and route.speculative is None:
         raise APIError(400, f"route '{route.name}' does not speculate; only num_speculative_tokens 0 is allowed",
                        param="speculative.num_speculative_tokens", code="speculation_not_allowed")
@@ -103,15 +105,22 @@ def _k(route: RouteConfig, override: bool | SpeculativeOverride | None) -> int:
     return k
 
 
-def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
+def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
+            route: RouteConfig) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
     if len(stop) > 16:
         raise APIError(400, "at most 16 stop strings", param="stop")
     seed = None if body.seed is None else (body.seed + choice) % 2**63  # choices of one request differ
+    # The request's own choice, else the route's (drafter-invariant tokens are the same with or
+    # without speculation, so the rule may be asked for on any route).
+    invariant = route.speculative is not None and route.speculative.drafter_invariant
+    if isinstance(body.speculative, SpeculativeOverride) and body.speculative.drafter_invariant is not None:
+        invariant = body.speculative.drafter_invariant
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                          min_p=body.min_p, seed=seed, stop=stop, ignore_eos=body.ignore_eos)
+                          min_p=body.min_p, seed=seed, stop=stop, ignore_eos=body.ignore_eos,
+                          drafter_invariant=invariant)
 
 
 def _check_length(state: ServerState, prompt_ids: list[int], param: str) -> None:
@@ -286,7 +295,7 @@ def create_app(state: ServerState) -> FastAPI:
         prompts = await state.encode(_encode_completion, state, body)
         max_tokens = body.max_tokens or 16
         expanded = [ids for ids in prompts for _ in range(body.n)]
-        params = [_params(body, max_tokens, i % body.n) for i in range(len(expanded))]
+        params = [_params(body, max_tokens, i % body.n, route) for i in range(len(expanded))]
         job = _submit(state, request, route, expanded, params, k, arrival)
         prompt_tokens = sum(len(ids) for ids in prompts)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
@@ -307,7 +316,7 @@ def create_app(state: ServerState) -> FastAPI:
         ids = await state.encode(_encode_chat, state, body)
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
         prompts = [ids] * body.n
-        params = [_params(body, max_tokens, i) for i in range(body.n)]
+        params = [_params(body, max_tokens, i, route) for i in range(body.n)]
         job = _submit(state, request, route, prompts, params, k, arrival)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
         if body.stream:

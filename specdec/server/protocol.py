@@ -74,7 +74,8 @@ class _Strict(BaseModel):
 
 
 class SpeculativeOverride(_Strict):
-    num_speculative_tokens: int = Field(ge=0, le=64)
+    num_speculative_tokens: int | None = Field(default=None, ge=0, le=64)
+    drafter_invariant: StrictBool | None = None
 
 
 class StreamOptions(_Strict):
@@ -112,21 +113,27 @@ class _SamplingRequest(_Strict):
     @field_validator("speculative", mode="before")
     @classmethod
     def _speculative(cls, value: Any) -> Any:
-        """true, false, or {"num_speculative_tokens": k}; errors name the field at fault (a
-        union's own errors would name the union's first member: "speculative.bool")."""
+        """true, false, or {"num_speculative_tokens": k, "drafter_invariant": bool} (either or
+        both); errors name the field at fault (a union's own errors would name the union's first
+        member: "speculative.bool")."""
         if value is None or isinstance(value, (bool, SpeculativeOverride)):
             return value
+        shape = 'must be true, false or {"num_speculative_tokens": k, "drafter_invariant": true|false}'
         if not isinstance(value, dict):
-            raise field_error("speculative", 'must be true, false or {"num_speculative_tokens": k}')
+            raise field_error("speculative", shape)
         for name in value:
-            if name != "num_speculative_tokens":
-                raise field_error(f"speculative.{name}", "unknown field; the only one is num_speculative_tokens")
-        if "num_speculative_tokens" not in value:
-            raise field_error("speculative.num_speculative_tokens", "is required")
-        k = value["num_speculative_tokens"]
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
+            if name not in ("num_speculative_tokens", "drafter_invariant"):
+                raise field_error(f"speculative.{name}", "unknown field; the fields are num_speculative_tokens "
+                                                         "and drafter_invariant")
+        if not value:
+            raise field_error("speculative", shape)
+        k = value.get("num_speculative_tokens")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64):
             raise field_error("speculative.num_speculative_tokens", "must be an integer in 0..64")
-        return SpeculativeOverride(num_speculative_tokens=k)
+        invariant = value.get("drafter_invariant")
+        if invariant is not None and not isinstance(invariant, bool):
+            raise field_error("speculative.drafter_invariant", "must be true or false")
+        return SpeculativeOverride(num_speculative_tokens=k, drafter_invariant=invariant)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -24,6 +24,7 @@ from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
+from specdec.engine.batch import BatchEngine, Sequence
 from specdec.models import LoadedModel, ModelRunner
 from specdec.models.quantize import quantize_int8
 from specdec.sampling import AcceptResult, logits_to_probs
@@ -277,3 +278,65 @@ def test_same_seed_same_output(target: LoadedModel, draft: LoadedModel, speculat
     assert runs[0] == runs[2] and runs[1] == runs[3]
     outputs = {tuple(engine.generate(PROMPT, dataclasses.replace(params, seed=s)).token_ids) for s in range(10)}
     assert len(outputs) > 5
+
+
+# --- drafter-invariant sampling ---------------------------------------------------------------
+
+INVARIANT = dataclasses.replace(SAMPLED, drafter_invariant=True)
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "eagle", "adaptive", "resumed"])
+def test_drafter_invariant_tokens_do_not_depend_on_the_drafter(target: LoadedModel, draft: LoadedModel,
+                                                                drafter: str) -> None:
+    # The same seed gives the same tokens as plain decoding, whatever drafts them.
+    params = dataclasses.replace(INVARIANT, max_tokens=12)
+    engine, plain = make_engine(drafter, target, draft), Engine(target)
+    for seed in range(30):
+        seeded = dataclasses.replace(params, seed=seed)
+        assert engine.generate(PROMPT, seeded).token_ids == plain.generate(PROMPT, seeded).token_ids, seed
+
+
+def test_drafter_invariant_sampling_follows_target(target: LoadedModel, draft: LoadedModel) -> None:
+    samples = sample_sequences(make_engine("draft_model", target, draft), INVARIANT, 2500)
+    exact = exact_sequence_probs(target, SAMPLED)
+    assert chi2_pvalue(samples, exact) > 1e-3
+    for position in range(LENGTH):
+        assert marginal_tv(samples, exact, position) < 0.05
+
+
+def test_drafter_invariant_batch_rows_at_any_k(target: LoadedModel, draft: LoadedModel) -> None:
+    # Rows joining at different steps, one drafting 3 tokens a step, one not drafting at all:
+    # each row's tokens are its seed's plain tokens.
+    params = [dataclasses.replace(INVARIANT, max_tokens=10, seed=s) for s in (7, 8, 9)]
+    plain = [Engine(target).generate(PROMPT, p).token_ids for p in params]
+    engine = BatchEngine(target, max_rows=3, max_model_len=32, max_draft=3)
+    seqs = [Sequence(list(PROMPT), params[0], DraftModelDrafter(draft), k=3),
+            Sequence(list(PROMPT), params[1], None, k=0),
+            Sequence(list(PROMPT), params[2], NgramDrafter(1, 3), k=2)]
+    engine.add(seqs[0])
+    engine.step()
+    engine.add(seqs[1])
+    engine.step()
+    engine.add(seqs[2])
+    while not all(s.finished for s in seqs):
+        engine.step()
+    assert [s.result.token_ids for s in seqs] == plain
+
+
+def test_drafter_invariant_self_draft_accepts_everything(target: LoadedModel) -> None:
+    # A draft equal to the target picks the same Gumbel-max token: every draft is kept.
+    engine = Engine(target, DraftModelDrafter(target), 3)
+    for seed in range(10):
+        stats = engine.generate(PROMPT, dataclasses.replace(INVARIANT, max_tokens=12, seed=seed)).stats
+        assert stats.drafted_tokens > 0 and stats.acceptance_rate == 1.0
+
+
+def test_config_drafter_invariant_applies_with_and_without_speculation(target: LoadedModel) -> None:
+    from specdec import LLM
+
+    llm = LLM(loaded=target, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                 "drafter_invariant": True})
+    prompt = " ".join(f"t{t}" for t in PROMPT)
+    for seed in range(5):
+        params = dataclasses.replace(SAMPLED, max_tokens=12, seed=seed)  # the rule comes from the config
+        assert llm.generate(prompt, params)[0].token_ids == llm.generate(prompt, params, speculate=False)[0].token_ids

@@ -47,3 +47,24 @@ def test_server_greedy_matches_library(default_model: LoadedModel, client: opena
         batched = list(pool.map(ask, prompts))
     assert alone == expected[:ALONE]
     assert batched == expected
+
+
+@pytest.mark.parametrize("route", ["spec", "fixed", "plain"])
+def test_drafter_invariant_requests_give_the_plain_tokens(client: openai.OpenAI, route: str) -> None:
+    # Sampled at temperature 1 with a seed: the same text on every route, speculating or not, and
+    # whatever else runs in the batch (the rule is asked for per request).
+    messages = [{"role": "user", "content": "Tell me a story about a robot who learns to paint."}]
+
+    def ask(seed: int) -> str:
+        response = client.chat.completions.create(
+            model=route, messages=messages, max_tokens=24, temperature=1.0, seed=seed,
+            extra_body={"speculative": {"drafter_invariant": True}})
+        return response.choices[0].message.content
+
+    reference = [client.chat.completions.create(
+        model="plain", messages=messages, max_tokens=24, temperature=1.0, seed=seed,
+        extra_body={"speculative": {"drafter_invariant": True}}).choices[0].message.content for seed in (1, 2)]
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(ask, [1, 2, 1, 2]))
+    assert texts == reference * 2
+    assert reference[0] != reference[1]
