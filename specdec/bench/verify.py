@@ -6,11 +6,19 @@ reported in detail where there is one.
 Sampling: a two-sample test. For each prompt, many seeded continuations are sampled with
 speculation and as many without; at every position after the first (the first token comes
 from the prefill, before any draft), the token counts of the two samples are compared with a
-chi-square test of homogeneity, rare tokens pooled. The smallest p-value, Bonferroni-corrected
-for the number of tests, is the verdict: it passes when above the significance level. A
-self-check runs the same test on a deliberately wrong rule (accept every draft token) with the
-n-gram drafter, which disagrees with the target often, and must fail, or the test proved
-nothing.
+chi-square test of homogeneity, rare tokens pooled, and so are the pairs of consecutive tokens
+(joint behaviour, which per-position marginals miss). The smallest p-value, Bonferroni-corrected
+for the number of tests, is the verdict: it passes when above the significance level.
+
+The self-check runs the same test with the configured drafter on deliberately wrong rules and
+must reject each, or the test proved nothing: "accept every draft" (gross), and
+"residual from target" (the right acceptance test, but a rejected position's token drawn from
+the target instead of the residual: subtle). Each is sampled with more and more draws (doubling,
+up to 8 times `draws`) until the test rejects it; the draws it took are reported, a measure of
+the test's power against that error.
+
+Drafter-invariant sampling (SamplingParams.drafter_invariant) is checked token by token: with
+the same seed, speculation must give exactly the plain tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from scipy.stats import chi2_contingency
 from specdec.api import LLM, Message
 from specdec.bench.data import Record, load_records
 from specdec.config import SamplingParams
+from specdec.drafters import build_drafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine, Generation
 from specdec.sampling import AcceptResult
@@ -112,6 +121,28 @@ def accept_every_draft(
     return AcceptResult(tokens=torch.cat([draft_tokens, bonus], dim=1), num_accepted=torch.full((batch,), k))
 
 
+def residual_from_target(
+    target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, generator: torch.Generator | None
+) -> AcceptResult:
+    """A subtly WRONG rule for the self-check: the right acceptance test, but the token at a
+    rejected position is drawn from the target instead of the residual max(0, target - draft)."""
+    batch, k = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    if draft_probs is None:
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, vocab).to(target_probs.dtype)
+    index = draft_tokens[..., None]
+    ratio = target_probs[:, :k].gather(-1, index).squeeze(-1) / draft_probs.gather(-1, index).squeeze(-1).clamp_min(1e-30)
+    accepted = torch.rand((batch, k), generator=generator) < ratio
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    final = torch.multinomial(target_probs[torch.arange(batch), num_accepted], 1, generator=generator)  # [batch, 1]
+    tokens = torch.cat([draft_tokens, draft_tokens.new_full((batch, 1), -1)], dim=1)
+    tokens = torch.where(torch.arange(k + 1)[None] < num_accepted[:, None], tokens, -1).scatter(1, num_accepted[:, None], final)
+    return AcceptResult(tokens=tokens, num_accepted=num_accepted)
+
+
+WRONG_RULES = {"accept_every_draft": accept_every_draft, "residual_from_target": residual_from_target}
+
+
 def sample_continuations(engine: Engine, prompt_ids: list[int], params: SamplingParams, draws: int, seed0: int) -> list[Generation]:
     return [engine.generate(prompt_ids, dataclasses.replace(params, seed=seed0 + i)) for i in range(draws)]
 
@@ -141,6 +172,11 @@ class SamplingCheck:
     accepted: int
 
 
+def _pairs(samples: list[list[int]], position: int) -> list[int]:
+    # A pair of consecutive tokens as one category (tokens are < 2**32).
+    return [s[position - 1] << 32 | s[position] for s in samples]
+
+
 def compare_samples(
     llm: LLM,
     spec_engine: Engine,
@@ -152,8 +188,10 @@ def compare_samples(
     on_draws: Callable[[int], None] | None = None,
     plain_samples: dict[int, list[list[int]]] | None = None,
 ) -> SamplingCheck:
-    """Sample `draws` continuations of `length` tokens per prompt with and without speculation.
-    `plain_samples` (prompt index -> continuations) keeps the plain arm for another comparison."""
+    """Sample `draws` continuations of `length` tokens per prompt with and without speculation
+    and test each position's tokens and each pair of consecutive tokens. `plain_samples`
+    (prompt index -> continuations) keeps the plain arm for later comparisons; it is extended
+    when a comparison needs more draws than it holds."""
     params = dataclasses.replace(params, max_tokens=length, ignore_eos=True, stop=())
     pvalues = []
     drafted = accepted = 0
@@ -161,11 +199,11 @@ def compare_samples(
     for index, prompt in enumerate(prompts):
         prompt_ids = llm.encode([{"role": "user", "content": prompt}])
         # Different seeds for the two samples: the test compares distributions, not draws.
-        if index not in plain_samples:
-            plain_samples[index] = [
-                g.token_ids for g in sample_continuations(llm.plain_engine, prompt_ids, params, draws, 1_000_000 * index)
-            ]
-        plain = plain_samples[index]
+        held = plain_samples.setdefault(index, [])
+        if len(held) < draws:
+            held += [g.token_ids for g in sample_continuations(llm.plain_engine, prompt_ids, params, draws - len(held),
+                                                                1_000_000 * index + len(held))]
+        plain = held[:draws]
         spec_runs = sample_continuations(spec_engine, prompt_ids, params, draws, 1_000_000 * index + 500_000)
         spec = [g.token_ids for g in spec_runs]
         drafted += sum(g.stats.drafted_tokens for g in spec_runs)
@@ -174,8 +212,46 @@ def compare_samples(
             on_draws(2 * draws)
         for position in range(1, length):
             pvalues.append(homogeneity_pvalue([s[position] for s in plain], [s[position] for s in spec]))
+            pvalues.append(homogeneity_pvalue(_pairs(plain, position), _pairs(spec, position)))
     corrected = min(1.0, min(pvalues) * len(pvalues))
     return SamplingCheck(corrected, len(pvalues), corrected > alpha, drafted, accepted)
+
+
+@dataclass(frozen=True)
+class SelfCheck:
+    rule: str
+    rejected: bool
+    draws: int  # per prompt and arm, when rejected (or the most tried)
+    p_value: float
+
+
+@dataclass(frozen=True)
+class InvariantCheck:
+    """Drafter-invariant sampling: seeded continuations identical with and without speculation."""
+
+    seeds: int
+    identical: int
+    passed: bool
+    drafted: int
+    accepted: int
+
+
+def verify_invariant(llm: LLM, params: SamplingParams, draws: int, length: int,
+                     prompts: tuple[str, ...] = (), on_draws: Callable[[int], None] | None = None) -> InvariantCheck:
+    """The same seeds on both arms: every continuation must be token-identical."""
+    params = dataclasses.replace(params, max_tokens=length, ignore_eos=True, stop=())
+    identical = drafted = accepted = total = 0
+    for index, prompt in enumerate(prompts):
+        prompt_ids = llm.encode([{"role": "user", "content": prompt}])
+        plain = sample_continuations(llm.plain_engine, prompt_ids, params, draws, 1_000_000 * index)
+        spec = sample_continuations(llm.engine, prompt_ids, params, draws, 1_000_000 * index)
+        identical += sum(a.token_ids == b.token_ids for a, b in zip(plain, spec))
+        drafted += sum(g.stats.drafted_tokens for g in spec)
+        accepted += sum(g.stats.accepted_tokens for g in spec)
+        total += draws
+        if on_draws is not None:
+            on_draws(2 * draws)
+    return InvariantCheck(total, identical, identical == total, drafted, accepted)
 
 
 def verify_sampling(
@@ -186,16 +262,29 @@ def verify_sampling(
     alpha: float = 0.01,
     prompts: tuple[str, ...] = SAMPLING_PROMPTS,
     on_draws: Callable[[int], None] | None = None,
-) -> tuple[SamplingCheck, SamplingCheck]:
-    """The test on the configured speculation, then the self-check on the wrong rule."""
-    plain: dict[int, list[list[int]]] = {}  # one plain sample serves both comparisons
+    max_draws: int | None = None,
+) -> tuple[SamplingCheck, list[SelfCheck]]:
+    """The test on the configured speculation, then the self-check: each wrong rule with the
+    configured drafter, draws doubling from `draws` up to `max_draws` (8 x draws) until rejected."""
+    plain: dict[int, list[list[int]]] = {}  # one plain sample serves every comparison
     result = compare_samples(llm, llm.engine, params, prompts, draws, length, alpha, on_draws, plain)
-    wrong = Engine(llm.target, NgramDrafter(1, 6), num_speculative_tokens=4, sampling_rule=accept_every_draft)
-    self_check = compare_samples(llm, wrong, params, prompts, draws, length, alpha, on_draws, plain)
-    return result, self_check
+    config = llm.speculative_config
+    checks = []
+    for name, rule in WRONG_RULES.items():
+        drafter = build_drafter(config, llm.target) if config is not None else NgramDrafter(1, 6)
+        wrong = Engine(llm.target, drafter, num_speculative_tokens=4, sampling_rule=rule)
+        n = draws
+        while True:
+            check = compare_samples(llm, wrong, params, prompts, n, length, alpha, on_draws, plain)
+            if not check.passed or n >= (max_draws or 8 * draws):
+                break
+            n *= 2
+        checks.append(SelfCheck(name, not check.passed, n, check.p_value))
+    return result, checks
 
 
-def report(greedy: list[GreedyCheck] | None, sampling: tuple[SamplingCheck, SamplingCheck] | None) -> dict[str, Any]:
+def report(greedy: list[GreedyCheck] | None, sampling: tuple[SamplingCheck, list[SelfCheck]] | None,
+           invariant: InvariantCheck | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if greedy is not None:
         out["greedy"] = {
@@ -207,7 +296,9 @@ def report(greedy: list[GreedyCheck] | None, sampling: tuple[SamplingCheck, Samp
     if sampling is not None:
         result, self_check = sampling
         out["sampling"] = dataclasses.asdict(result)
-        out["self_check"] = dataclasses.asdict(self_check) | {"wrong_rule_rejected": not self_check.passed}
+        out["self_check"] = [dataclasses.asdict(c) for c in self_check]
+    if invariant is not None:
+        out["drafter_invariant"] = dataclasses.asdict(invariant)
     return out
 
 

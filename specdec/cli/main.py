@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -387,7 +388,10 @@ def verify(
     temperature: Annotated[float, typer.Option(help="0 runs the greedy check only; > 0 runs both checks, sampling at this temperature.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 is off.")] = 0,
+    min_p: Annotated[float, typer.Option("--min-p", help="0 is off.")] = 0.0,
+    drafter_invariant: Annotated[bool, typer.Option("--drafter-invariant", help="Check drafter-invariant sampling: seeded continuations token-identical with and without speculation.")] = False,
     draws: Annotated[int, typer.Option(help="Sampled continuations per prompt and arm.")] = 200,
+    max_draws: Annotated[Optional[int], typer.Option("--max-draws", help="Most draws per prompt and arm the self-check doubles up to before giving up on a wrong rule. [default: 8 x --draws]")] = None,
     length: Annotated[int, typer.Option(help="Tokens per sampled continuation.")] = 6,
     alpha: Annotated[float, typer.Option(help="Significance level of the sampling test.")] = 0.01,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
@@ -408,17 +412,23 @@ def verify(
     if not 0 < alpha < 1:
         raise ConfigError("--alpha must be in (0, 1)")
     records = load_records(data) if data is not None else v.builtin_prompts()
-    sampling_params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else None
+    sampling_params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p) if temperature > 0 else None
     llm = _load(model, spec, device, backend, dtype)
+    if sampling_params is not None:
+        sampling_params = llm.request_params(dataclasses.replace(sampling_params, drafter_invariant=drafter_invariant))
     label = spec.label
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err) as progress:
         task = progress.add_task(f"greedy ({label})", total=len(records))
         greedy = v.verify_greedy(llm, records, max_tokens, on_prompt=lambda: progress.advance(task))
-        sampling = None
-        if sampling_params is not None:
-            total = 2 * 2 * draws * len(v.SAMPLING_PROMPTS)
-            task = progress.add_task(f"sampling T={temperature} top_p={top_p} top_k={top_k}", total=total)
-            sampling = v.verify_sampling(llm, sampling_params, draws, length, alpha, on_draws=lambda n: progress.advance(task, n))
+        sampling = invariant = None
+        if sampling_params is not None and sampling_params.drafter_invariant:
+            task = progress.add_task(f"drafter-invariant T={temperature}", total=2 * draws * len(v.SAMPLING_PROMPTS))
+            invariant = v.verify_invariant(llm, sampling_params, draws, length, v.SAMPLING_PROMPTS,
+                                           on_draws=lambda n: progress.advance(task, n))
+        elif sampling_params is not None:
+            task = progress.add_task(f"sampling T={temperature} top_p={top_p} top_k={top_k} min_p={min_p}", total=None)
+            sampling = v.verify_sampling(llm, sampling_params, draws, length, alpha, on_draws=lambda n: progress.advance(task, n),
+                                         max_draws=max_draws)
     failed = False
     identical = sum(c.identical for c in greedy)
     out.print(f"greedy: {identical}/{len(greedy)} prompts token-identical to plain decoding ({label})")
@@ -432,21 +442,24 @@ def verify(
                 markup=False,
             )
     if sampling is not None:
-        result, self_check = sampling
+        result, self_checks = sampling
         verdict = "PASS" if result.passed else "FAIL"
         out.print(
-            f"sampling: {verdict}  p = {result.p_value:.4g} (Bonferroni over {result.tests} tests, alpha {alpha}); "
-            f"{result.accepted}/{result.drafted} drafted tokens accepted"
+            f"sampling: {verdict}  p = {result.p_value:.4g} (Bonferroni over {result.tests} tests of tokens and token "
+            f"pairs, alpha {alpha}); {result.accepted}/{result.drafted} drafted tokens accepted"
         )
-        rejected = not self_check.passed
-        out.print(
-            f"self-check: the wrong rule (accept every draft) {'is rejected' if rejected else 'was NOT rejected'}, "
-            f"p = {self_check.p_value:.4g}"
-        )
-        failed |= not result.passed or not rejected
+        for check in self_checks:
+            outcome = (f"is rejected with {check.draws} draws per prompt" if check.rejected
+                       else f"was NOT rejected even with {check.draws} draws per prompt")
+            out.print(f"self-check: the wrong rule {check.rule} with this drafter {outcome}, p = {check.p_value:.4g}")
+        failed |= not result.passed or not all(c.rejected for c in self_checks)
+    if invariant is not None:
+        out.print(f"drafter-invariant: {invariant.identical}/{invariant.seeds} seeded continuations token-identical "
+                  f"to plain decoding; {invariant.accepted}/{invariant.drafted} drafted tokens accepted")
+        failed |= not invariant.passed
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(v.dumps(v.report(greedy, sampling) | {"config": spec.to_dict(), "model": llm.target.name}))
+        json_path.write_text(v.dumps(v.report(greedy, sampling, invariant) | {"config": spec.to_dict(), "model": llm.target.name}))
     if failed:
         raise typer.Exit(1)
 
@@ -627,8 +640,6 @@ def train_draft(
 def _resumed_config(out_dir: Path, fresh):
     """The settings of the run a --resume continues; its budget too, unless this command
     gives one (--max-time, --max-tokens: a larger one trains longer)."""
-    import dataclasses
-
     import torch
 
     from specdec.training.heads import BUDGET_FIELDS, CHECKPOINT_FILE, TrainConfig

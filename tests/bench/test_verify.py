@@ -20,6 +20,8 @@ from specdec.bench.verify import (
     compare_samples,
     first_divergence,
     homogeneity_pvalue,
+    residual_from_target,
+    verify_invariant,
     verify_sampling,
 )
 from specdec.config import SamplingParams
@@ -91,7 +93,7 @@ def small_llm(small_model_factory) -> LLM:
 
 def test_compare_samples_accepts_the_same_distribution(small_llm: LLM) -> None:
     check = compare_samples(small_llm, small_llm.engine, SamplingParams(temperature=1.0), PROMPTS, draws=200, length=4, alpha=0.01)
-    assert check.passed and check.p_value > 0.01 and check.tests == 3
+    assert check.passed and check.p_value > 0.01 and check.tests == 6  # 3 positions, 3 pairs
     assert check.drafted > 0  # speculation ran: the comparison was of two different engines
 
 
@@ -103,7 +105,48 @@ def test_compare_samples_rejects_a_clearly_different_sample(small_llm: LLM) -> N
     assert not check.passed and check.p_value < 1e-6
 
 
-def test_verify_sampling_passes_the_right_rule_and_rejects_the_wrong_one(small_llm: LLM) -> None:
-    result, self_check = verify_sampling(small_llm, SamplingParams(temperature=1.0), draws=200, length=4, prompts=PROMPTS)
+def test_verify_sampling_passes_the_right_rule_and_rejects_the_wrong_ones(small_llm: LLM) -> None:
+    result, self_checks = verify_sampling(small_llm, SamplingParams(temperature=1.0), draws=200, length=4, prompts=PROMPTS)
     assert result.passed and result.p_value > 0.01
-    assert not self_check.passed and self_check.p_value < 0.01 and self_check.accepted == self_check.drafted > 0
+    assert [c.rule for c in self_checks] == ["accept_every_draft", "residual_from_target"]
+    for check in self_checks:
+        assert check.rejected and check.p_value < 0.01 and 200 <= check.draws <= 1600, check
+
+
+def test_residual_from_target_differs_from_the_exact_rule_only_at_rejections() -> None:
+    # A draft the target accepts surely (target = draft) is kept by both; a rejected one is
+    # followed by a token drawn from the target, which may be the rejected token itself.
+    target = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]])
+    sure = residual_from_target(target, torch.tensor([[0]]), torch.tensor([[[0.5, 0.5, 0.0]]]), torch.Generator().manual_seed(0))
+    assert sure.num_accepted.tolist() == [1] and sure.row(0) == [0, 2]
+    draws = [residual_from_target(target, torch.tensor([[0]]), None, torch.Generator().manual_seed(s)) for s in range(400)]
+    rejected = [d.row(0)[0] for d in draws if d.num_accepted.item() == 0]
+    assert 0 in rejected  # the exact rule's residual never gives back the rejected token
+
+
+def test_drafter_invariant_check_is_token_by_token(small_llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, drafter_invariant=True)
+    check = verify_invariant(small_llm, params, draws=30, length=6, prompts=PROMPTS)
+    assert check.passed and check.identical == check.seeds == 30 and check.drafted > 0
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_verify_cli_sampling_json(run_cli, tiny_model_dir: Path, tmp_path: Path, invariant: bool) -> None:
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"id": "a", "category": "x", "turns": ["one two three one two three"]}) + "\n")
+    out = tmp_path / "v.json"
+    args = ["verify", "--model", str(tiny_model_dir), "--data", str(data), "--max-tokens", "4", "--temperature", "1",
+            "--min-p", "0.01", "--draws", "10", "--length", "3", "--max-draws", "20", "--json", str(out)]
+    code, stdout, stderr = run_cli(*args, *(["--drafter-invariant"] if invariant else []))
+    report = json.loads(out.read_text())
+    if invariant:
+        assert code == 0, stderr
+        assert report["drafter_invariant"]["identical"] == report["drafter_invariant"]["seeds"] == 30
+        assert "30/30 seeded continuations token-identical" in stdout
+    else:
+        # The random tiny model's near-uniform distributions hide any rule: the self-check says
+        # it could not tell them apart within 20 draws, and verify fails rather than vouch.
+        checks = report["self_check"]
+        assert [c["rule"] for c in checks] == ["accept_every_draft", "residual_from_target"]
+        assert all(set(c) == {"rule", "rejected", "draws", "p_value"} for c in checks)
+        assert code == (0 if all(c["rejected"] for c in checks) else 1)
