@@ -2,8 +2,9 @@
 
 It is the reference the native backend is tested against, and the path for models the native
 backend does not run. A layer subset (self-speculation) runs the decoder stack's own modules
-for Llama-style models; batched steps pass the cache's boolean mask, which the model is loaded
-to apply with SDPA (eager attention would add a boolean mask instead of applying it).
+for Llama-style models; batched steps pass the cache's boolean mask. SDPA (what the loader picks)
+applies it as is; any other attention implementation (eager, which a model built in memory may
+use) adds its mask to the scores, so it gets the same mask as 0 / -inf (`_model_mask`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ class HFBackend:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def _model_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """A boolean mask (True: attend) as the model's attention implementation applies it."""
+        if mask is None or mask.dtype != torch.bool or self.model.config._attn_implementation == "sdpa":
+            return mask
+        return torch.zeros(mask.shape, dtype=self.kv_dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(self.kv_dtype).min)
+
     def input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight.detach().float()
 
@@ -64,6 +72,7 @@ class HFBackend:
         hidden: bool = False,
         hidden_layers: Sequence[int] = (),
     ) -> ForwardOutput:
+        mask = self._model_mask(mask)
         if layers is not None:
             return self._forward_layers(cache, input_ids, positions, mask, layers, last_only, hidden, hidden_layers)
         states: dict[int, torch.Tensor] = {}

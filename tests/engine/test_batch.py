@@ -189,3 +189,24 @@ def test_eos_inside_an_accepted_draft_ends_the_output_there(tiny_any: LoadedMode
     assert seqs[0].result.token_ids == output[:position]
     assert seqs[0].result.finish_reason == "stop"
     assert seqs[0].result.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_batched_masks_hold_under_every_attention_implementation(tiny_model_dir, attention: str) -> None:
+    # A model handed in with eager attention (which adds masks instead of applying boolean
+    # ones) must batch rows of different lengths exactly as each decodes alone.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention).eval()
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_model_dir)
+    loaded = LoadedModel.from_hf(model, tokenizer, name="tiny", source=str(tiny_model_dir))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 20, 21, 20]]
+    alone = [Engine(loaded).generate(p, params).token_ids for p in prompts]
+    engine = BatchEngine(loaded, max_rows=3, max_model_len=64, max_draft=3)
+    seqs = [Sequence(p, params, NgramDrafter(1, 3), k=3) for p in prompts]
+    for seq in seqs:
+        engine.add(seq)
+    while not all(s.finished for s in seqs):
+        engine.step()
+    assert [s.result.token_ids for s in seqs] == alone
