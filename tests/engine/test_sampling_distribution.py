@@ -340,3 +340,29 @@ def test_config_drafter_invariant_applies_with_and_without_speculation(target: L
     for seed in range(5):
         params = dataclasses.replace(SAMPLED, max_tokens=12, seed=seed)  # the rule comes from the config
         assert llm.generate(prompt, params)[0].token_ids == llm.generate(prompt, params, speculate=False)[0].token_ids
+
+
+class MinPMismatchDrafter(DraftModelDrafter):
+    """A WRONG draft: samples from its distribution without min_p but reports the min_p-filtered
+    one as the distribution it sampled from."""
+
+    def propose(self, context, k, params, generator):
+        unfiltered = dataclasses.replace(params, min_p=0.0)
+        proposal = super().propose(context, k, unfiltered, generator)
+        logits = torch.stack([ModelRunner(self.runner.loaded).score(context + proposal.tokens[:i])[-1]
+                              for i in range(len(proposal.tokens))])
+        return dataclasses.replace(proposal, probs=logits_to_probs(logits, params))
+
+
+def test_min_p_draft_must_report_what_it_sampled_from(target: LoadedModel, draft: LoadedModel) -> None:
+    # With a strong min_p the right draft passes and the mismatched one fails the same test.
+    # A high temperature flattens the distributions, so min_p leaves several tokens and removes
+    # real mass from the draft's. The error is the drafter's, not the backend's: one backend.
+    if target.model is None:
+        pytest.skip("checked on the hf backend")
+    params = SamplingParams(temperature=3.0, min_p=0.2, max_tokens=4, ignore_eos=True)
+    exact = exact_sequence_probs(target, params)
+    right = sample_sequences(Engine(target, DraftModelDrafter(draft), 2), params, 1500)
+    assert chi2_pvalue(right, exact) > 1e-3
+    wrong = sample_sequences(Engine(target, MinPMismatchDrafter(draft), 2), params, 5000, first_seed=10_000)
+    assert chi2_pvalue(wrong, exact) < 1e-5
