@@ -86,6 +86,9 @@ class SpeculativeConfig:
         num_speculative_tokens), and switch speculation off for a while when it does not pay.
     drafter_invariant: sample with the drafter-invariant rule (SamplingParams.drafter_invariant):
         a seeded request gives the same tokens with speculation on or off.
+    tree_width, tree_nodes: for `eagle` and `hybrid`, draft a token tree instead of a chain:
+        the head's top `tree_width` tokens at each of the `tree_width` best nodes of each depth
+        (num_speculative_tokens deep), the `tree_nodes` best kept (default 4 x width). 1: a chain.
     """
 
     method: str
@@ -98,6 +101,8 @@ class SpeculativeConfig:
     profile: str | None = None
     adaptive: bool = False
     drafter_invariant: bool = False
+    tree_width: int = 1
+    tree_nodes: int | None = None
 
     def __post_init__(self) -> None:
         # Imported here: the registry imports drafters, which import this module.
@@ -148,6 +153,16 @@ class SpeculativeConfig:
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         if not isinstance(self.drafter_invariant, bool):
             raise ConfigError(f"drafter_invariant must be true or false, got {self.drafter_invariant!r}")
+        for name in ("tree_width", "tree_nodes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tree_width is None:
+            raise ConfigError("tree_width must be an integer >= 1, got None")
+        if (self.tree_width > 1 or self.tree_nodes is not None) and self.method not in ("eagle", "hybrid"):
+            raise ConfigError("'tree_width' and 'tree_nodes' apply to methods 'eagle' and 'hybrid' only")
+        if self.tree_width > 1 and self.tree_width * self.num_speculative_tokens > 64:
+            raise ConfigError("a tree of tree_width x num_speculative_tokens > 64 expanded nodes is too large")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
@@ -182,6 +197,8 @@ class SpeculativeConfig:
         elif self.layers is not None:
             parts.append(f"{len(self.layers)} layers")
         parts.append(f"k={self.num_speculative_tokens}")
+        if self.tree_width > 1:
+            parts.append(f"tree {self.tree_width}x{self.tree_nodes or 4 * self.tree_width}")
         if self.adaptive:
             parts.append("adaptive")
         return " ".join(parts)

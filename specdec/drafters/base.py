@@ -24,10 +24,13 @@ if TYPE_CHECKING:
 class Proposal:
     """tokens: the drafted tokens, at most k (may be empty: nothing worth proposing).
     probs: [len(tokens), vocab], the distribution each token was sampled from, or None when
-    the drafter is deterministic (each token proposed with probability one)."""
+    the drafter is deterministic (each token proposed with probability one).
+    parents: for a token tree, each token's parent (-1: the last committed token; parents
+    before children, siblings distinct); None for a chain. k bounds the tree's depth."""
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    parents: tuple[int, ...] | None = None
 
 
 class Drafter(Protocol):

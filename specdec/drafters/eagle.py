@@ -46,6 +46,7 @@ from specdec.sampling.invariant import invariant_tokens
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+TREE_SLOTS = 64  # cache slots for a tree's expanded nodes (tree_width x depth at most)
 
 
 def default_target_layers(num_layers: int) -> tuple[int, ...]:
@@ -339,9 +340,15 @@ class EagleDrafter:
     """One sequence's EAGLE drafting: the head's KV cache over the committed positions, built
     from the target's features, plus the drafted positions past them."""
 
-    def __init__(self, head: EagleHead, weight_format: str = "int8") -> None:
+    def __init__(self, head: EagleHead, weight_format: str = "int8", tree_width: int = 1,
+                 tree_nodes: int | None = None) -> None:
+        if tree_width < 1 or (tree_nodes is not None and tree_nodes < 1):
+            raise ConfigError("tree_width and tree_nodes must be >= 1")
         self.head = head
         self.weight_format = weight_format
+        self.tree_width = tree_width  # 1: a chain
+        self.tree_nodes = tree_nodes or 4 * tree_width
+        self.proposal_size = self.tree_nodes if tree_width > 1 else 0  # most tokens a proposal holds beyond k
         self.target_layers = head.config.target_layers
         self.added_memory_bytes = self.weights.nbytes()
         self._keys: torch.Tensor | None = None  # [kv_heads, max_len, head_dim]
@@ -357,7 +364,8 @@ class EagleDrafter:
 
     def begin(self, prompt_ids: list[int], max_len: int) -> None:
         c = self.head.config
-        self._keys = torch.zeros(c.num_kv_heads, max_len + 1, c.head_dim)
+        # Drafted entries sit past the committed ones: a chain's k, a tree's expanded nodes.
+        self._keys = torch.zeros(c.num_kv_heads, max_len + 1 + TREE_SLOTS, c.head_dim)
         self._values = torch.zeros_like(self._keys)
         self._length, self._pending, self._state = 0, [], None
 
@@ -383,6 +391,8 @@ class EagleDrafter:
             self._length, self._pending = start + n, []
         if self._state is None or k < 1:
             return Proposal(tokens=[])
+        if self.tree_width > 1:
+            return self._propose_tree(k)
 
         # 2. k tokens, each from the head's output one position on; a drafted position's entry
         #    is written past the committed length and forgotten when the next step overwrites it.
@@ -407,25 +417,80 @@ class EagleDrafter:
                 state = self._run(state, torch.tensor([token]), self._length + j)
         return Proposal(tokens=drafted, probs=torch.stack(probs) if probs else None)
 
+    def _propose_tree(self, depth: int) -> Proposal:
+        """A token tree (EAGLE-2's dynamic tree): expand the `tree_width` most probable
+        candidates of each depth by the head's top `tree_width` tokens, scoring every candidate
+        by its path's total log-probability under the head, then keep the `tree_nodes` best
+        candidates. Scores fall along a path, so the kept set holds every kept node's parent.
+        Children are the head's top tokens, deterministic: verified with one-hot drafts."""
+        head, width, length = self.head, self.tree_width, self._length
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        slot_of: dict[int, int] = {}  # expanded candidate -> its cache slot
+        states: dict[int, torch.Tensor] = {-1: self._state}  # expanded candidate -> its output [1, hidden]
+        frontier, base = [-1], 0.0
+        for level in range(1, depth + 1):
+            if level > 1:
+                # Run the head on this depth's frontier, each entry at position length - 1 + depth
+                # of the node, seeing the committed entries, its ancestors' and itself.
+                slots = torch.arange(len(slot_of), len(slot_of) + len(frontier)) + length
+                for node, slot in zip(frontier, slots.tolist()):
+                    slot_of[node] = slot
+                mask = torch.zeros(len(frontier), int(slots.max()) + 1, dtype=torch.bool)
+                mask[:, :length] = True
+                for row, node in enumerate(frontier):
+                    walk = node
+                    while walk >= 0:
+                        mask[row, slot_of[walk]] = True
+                        walk = parents[walk]
+                outputs = self._run_at(torch.cat([states[parents[f]] for f in frontier]),
+                                       torch.tensor([tokens[f] for f in frontier]),
+                                       torch.full((len(frontier),), length + level - 2), slots, mask)
+                for row, node in enumerate(frontier):
+                    states[node] = outputs[row : row + 1]
+            logp = torch.log_softmax(self._logits(torch.cat([states[f] for f in frontier])), dim=-1)  # [w, draft_vocab]
+            top = logp.topk(width, dim=-1)
+            level_nodes = []
+            for row, node in enumerate(frontier):
+                base = 0.0 if node < 0 else scores[node]
+                for value, index in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                    tokens.append(int(head.d2t[index]) + index)
+                    parents.append(node)
+                    scores.append(base + value)
+                    level_nodes.append(len(tokens) - 1)
+            frontier = sorted(level_nodes, key=lambda n: -scores[n])[:width]
+        keep = sorted(sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[: self.tree_nodes])
+        where = {old: new for new, old in enumerate(keep)}
+        return Proposal(tokens=[tokens[n] for n in keep],
+                        parents=tuple(-1 if parents[n] < 0 else where[parents[n]] for n in keep))
+
     def _run(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """The layer over positions start .. start + n - 1, writing their entries; attends to
-        every entry before them. features: [n, hidden]; tokens: [n]. Returns [n, hidden].
-        The same arithmetic as :meth:`EagleHead.project` and :meth:`EagleHead.finish`, with the
-        packed matrices."""
+        """The layer over positions start .. start + n - 1, writing their entries at those slots;
+        each attends to every entry before it. features: [n, hidden]; tokens: [n]. Returns
+        [n, hidden]."""
+        n = features.shape[0]
+        mask = torch.ones(n, start + n, dtype=torch.bool).tril(start) if n > 1 else None
+        return self._run_at(features, tokens, torch.arange(start, start + n), torch.arange(start, start + n), mask)
+
+    def _run_at(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """The layer over n entries at these positions, written at these cache slots, each
+        attending to the slots its row of `mask` ([n, span], span = 1 + the last slot) allows
+        (None: all up to the last slot). The same arithmetic as :meth:`EagleHead.project` and
+        :meth:`EagleHead.finish`, with the packed matrices."""
         c, layer, w = self.head.config, self.head.midlayer, self.weights
         n = features.shape[0]
         x = torch.cat([_rms_norm(self.head.embed[tokens], layer.input_layernorm, c.rms_norm_eps),
                        _rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [n, 2 * hidden]
         qkv = w.qkv(x).float().view(n, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(0, 1)
         q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads])  # [heads or kv_heads, n, head_dim]
-        cos, sin = self.head.rope(torch.arange(start, start + n))
+        cos, sin = self.head.rope(positions)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        self._keys[:, start : start + n] = k
-        self._values[:, start : start + n] = v
-        keys, values = self._keys[:, : start + n], self._values[:, : start + n]
-        mask = None
-        if n > 1:  # causal among the new positions; every earlier entry is visible
-            mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+        self._keys[:, slots] = k
+        self._values[:, slots] = v
+        span = int(slots.max()) + 1
+        keys, values = self._keys[:, :span], self._values[:, :span]
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=q.shape[0] != keys.shape[0])  # [heads, n, head_dim]
         x = features + w.o(attended.transpose(0, 1).reshape(n, -1)).float()
@@ -453,4 +518,4 @@ def load_head(config: SpeculativeConfig, target: LoadedModel) -> EagleHead:
 
 @register("eagle")
 def _build(config: SpeculativeConfig, target: LoadedModel) -> EagleDrafter:
-    return EagleDrafter(load_head(config, target))
+    return EagleDrafter(load_head(config, target), tree_width=config.tree_width, tree_nodes=config.tree_nodes)

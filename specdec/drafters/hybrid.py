@@ -27,6 +27,7 @@ class HybridDrafter:
         self.lookup = lookup
         self.target_layers = eagle.target_layers
         self.added_memory_bytes = eagle.added_memory_bytes
+        self.proposal_size = eagle.proposal_size
         self.used_lookup = 0  # steps drafted by lookup (the rest by the head)
 
     def begin(self, prompt_ids: list[int], max_len: int) -> None:
@@ -53,5 +54,6 @@ class HybridDrafter:
 @register("hybrid")
 def _build(config: SpeculativeConfig, target: LoadedModel) -> HybridDrafter:
     n_min = max(config.prompt_lookup_min, MIN_MATCH)
-    return HybridDrafter(EagleDrafter(load_head(config, target)),
+    return HybridDrafter(EagleDrafter(load_head(config, target), tree_width=config.tree_width,
+                                      tree_nodes=config.tree_nodes),
                          NgramDrafter(n_min, max(config.prompt_lookup_max, n_min)))

@@ -44,6 +44,9 @@ from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
 from specdec.sampling import SamplingRule, accept_batch, speculative_accept
 from specdec.sampling.acceptance import PAD_TOKEN
+from specdec.sampling.invariant import perturbed_log_probs
+from specdec.sampling.probs import logits_to_probs
+from specdec.sampling.tree import TokenTree, accept_tree_greedy, accept_tree_sampling
 
 _ids = itertools.count()
 
@@ -102,9 +105,11 @@ def target_layers(drafter: Drafter | None) -> tuple[int, ...]:
     return tuple(getattr(drafter, "target_layers", ()))
 
 
-def _features(states: dict[int, torch.Tensor], layers: tuple[int, ...], row: int, count: int) -> torch.Tensor:
-    """[count, len(layers) * hidden]: a row's first `count` positions of these layers' outputs."""
-    return torch.cat([states[i][row, :count] for i in layers], dim=-1)
+def _features(states: dict[int, torch.Tensor], layers: tuple[int, ...], row: int, offsets: list[int]) -> torch.Tensor:
+    """[len(offsets), len(layers) * hidden]: a row's outputs of these layers at these new-token
+    offsets (the fed token's and its accepted drafts')."""
+    index = torch.tensor(offsets)
+    return torch.cat([states[i][row, index] for i in layers], dim=-1)
 
 
 class BatchEngine:
@@ -176,7 +181,7 @@ class BatchEngine:
         prefill_cache, logits, states = self._prefill(list(seq.prompt_ids), layers)  # logits: [1, vocab]
         if layers:
             seq.drafter.observe_target(_features({i: s[None] for i, s in states.items()}, layers, 0,
-                                                 len(seq.prompt_ids)))
+                                                 list(range(len(seq.prompt_ids)))))
         first = self._accept([seq], logits[None], [[]], [None], [len(seq.prompt_ids)]).row(0)
         seq.context = list(seq.prompt_ids) + first
         seq.row = self.cache.insert_row(prefill_cache)
@@ -217,55 +222,96 @@ class BatchEngine:
             return []
         seqs = list(self.sequences)
 
-        # 1. Draft: each row proposes up to its k, never more than it can still use.
+        # 1. Draft: each row proposes up to its k, never more than it can still use. A tree's
+        #    depth is bounded by k, its size by the most tokens a row may verify.
         drafts: list[list[int]] = []
         draft_probs: list[torch.Tensor | None] = []
+        trees: list[TokenTree | None] = []
         draft_times: list[float] = []
         for seq in seqs:
             start = time.perf_counter()
             wish = seq.policy.next_k() if seq.policy is not None else seq.k
             room = min(wish, seq.k, self.max_draft, seq.budget - len(seq.result.token_ids) - 1,
                        self.max_model_len - len(seq.context))
-            tokens, probs = [], None
+            tokens, probs, tree = [], None, None
             if seq.drafter is not None and room > 0:
                 proposal = seq.drafter.propose(seq.context, room, seq.params, seq.generator)
-                tokens = proposal.tokens[:room]
-                probs = proposal.probs[: len(tokens)] if proposal.probs is not None and tokens else None
+                if proposal.parents is not None:
+                    tree = TokenTree(tuple(proposal.tokens), tuple(proposal.parents)).truncated(self.max_draft, room)
+                    tokens = list(tree.tokens)
+                    probs = proposal.probs[: len(tokens)] if proposal.probs is not None and tokens else None
+                else:
+                    tokens = proposal.tokens[:room]
+                    probs = proposal.probs[: len(tokens)] if proposal.probs is not None and tokens else None
             drafts.append(tokens)
             draft_probs.append(probs)
+            trees.append(tree if tokens else None)
             draft_times.append(time.perf_counter() - start)
 
         # 2. Verify: one target pass over [rows, new]; each row feeds its last committed token and
         #    its draft, padded at the end (padding sits after every real token, so causality hides it).
+        #    A tree's nodes sit at positions by depth and see only their ancestors.
         start = time.perf_counter()
         new = 1 + max(len(d) for d in drafts)
         feed = [[seq.context[-1], *draft] + [seq.context[-1]] * (new - 1 - len(draft)) for seq, draft in zip(seqs, drafts)]
         input_ids = torch.tensor(feed, dtype=torch.long, device=self.runner.device)  # [rows, new]
         positions, mask = self.cache.step_inputs(new)  # [rows, new], [rows, 1, new, longest + new]
+        for i, tree in enumerate(trees):
+            if tree is not None:
+                self.cache.tree_inputs(positions, mask, i, tree.depths(), tree.ancestors_mask())
         layers = sorted({i for seq in seqs for i in target_layers(seq.drafter)})
         out = self.target.backend.forward(self.cache, input_ids, positions, mask, hidden_layers=layers)
         logits = out.logits  # [rows, new, vocab]
 
-        # 3. Accept, once for the step: each row a prefix of its draft, with its own parameters.
-        result = self._accept(seqs, logits, drafts, draft_probs, [len(seq.context) for seq in seqs])
-        num_accepted = result.num_accepted.tolist()
+        # 3. Accept, once for the step: each chain row a prefix of its draft, with its own
+        #    parameters; each tree row a branch of its tree.
+        chains = [[] if tree is not None else draft for draft, tree in zip(drafts, trees)]
+        result = self._accept(seqs, logits, chains, draft_probs, [len(seq.context) for seq in seqs])
+        kept: list[list[int]] = []  # per row: the new-token offsets it keeps after the fed token
+        committed_rows: list[list[int]] = []
+        for i, (seq, tree) in enumerate(zip(seqs, trees)):
+            if tree is None:
+                committed_rows.append(result.row(i))
+                kept.append(list(range(1, int(result.num_accepted[i]) + 1)))
+                continue
+            path, final = self._accept_tree(seq, logits[i, : 1 + len(tree.tokens)], tree, draft_probs[i])
+            committed_rows.append([tree.tokens[j] for j in path] + [final])
+            kept.append([1 + j for j in path])
+            self.cache.keep_path(i, kept[-1])
         verify_time = time.perf_counter() - start
 
         # 4. Commit: a row keeps its fed token and accepted drafts; its length forgets the rest.
-        self.cache.commit(new, result.num_accepted + 1)
+        self.cache.commit(new, torch.tensor([1 + len(k) for k in kept]))
         outputs = []
-        for i, (seq, draft, accepted) in enumerate(zip(seqs, drafts, num_accepted)):
-            committed = result.row(i)
+        for i, (seq, tree, committed) in enumerate(zip(seqs, trees, committed_rows)):
+            accepted = len(committed) - 1
+            drafted = tree.depth if tree is not None else len(drafts[i])  # positions drafted, for a tree its depth
             seq.context.extend(committed)
             if seq.drafter is not None:
                 if own := target_layers(seq.drafter):  # the fed token's and accepted drafts' states
-                    seq.drafter.observe_target(_features(out.layer_states, own, i, accepted + 1))
+                    seq.drafter.observe_target(_features(out.layer_states, own, i, [0, *kept[i]]))
                 seq.drafter.commit(seq.context, accepted)
             if seq.policy is not None:
-                seq.policy.observe(len(draft), accepted, draft_times[i], verify_time)
-            seq.result.stats.record_step(len(draft), accepted, draft_times[i], verify_time)
-            outputs.append(self._emit(seq, committed, drafted=len(draft), accepted=accepted))
+                seq.policy.observe(drafted, accepted, draft_times[i], verify_time)
+            seq.result.stats.record_step(drafted, accepted, draft_times[i], verify_time)
+            outputs.append(self._emit(seq, committed, drafted=drafted, accepted=accepted))
         return outputs
+
+    def _accept_tree(self, seq: Sequence, logits: torch.Tensor, tree: TokenTree,
+                     draft_probs: torch.Tensor | None) -> tuple[list[int], int]:
+        """One row's token tree. logits: [1 + n, vocab], after the fed token and each node."""
+        params = seq.params
+        if params.greedy:
+            return accept_tree_greedy(logits, tree)
+        target_probs = logits_to_probs(logits, params)  # [1 + n, vocab]
+        if params.drafter_invariant:
+            # The Gumbel-max token after each node is the one at the node's position + 1.
+            base = len(seq.context)
+            seed = seq.generator.initial_seed()
+            rows = [perturbed_log_probs(target_probs[r : r + 1], seed, base + depth)[0]
+                    for r, depth in enumerate([0, *tree.depths()])]
+            return accept_tree_greedy(torch.stack(rows), tree)
+        return accept_tree_sampling(target_probs, tree, draft_probs, seq.generator)
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
                 draft_probs: list[torch.Tensor | None], positions: list[int]):

@@ -58,7 +58,9 @@ class Engine:
     def _engine(self, max_len: int) -> BatchEngine:
         """A one-row batch engine whose cache holds `max_len` tokens (kept while big enough)."""
         if self._batch is None or self._batch.max_model_len < max_len:
-            self._batch = BatchEngine(self.target, max_rows=1, max_model_len=max_len, max_draft=max(self.k, 1),
+            # A tree drafter may propose more tokens than its depth k.
+            size = max(self.k, getattr(self.drafter, "proposal_size", 0), 1)
+            self._batch = BatchEngine(self.target, max_rows=1, max_model_len=max_len, max_draft=size,
                                       sampling_rule=self.sampling_rule)
         return self._batch
 

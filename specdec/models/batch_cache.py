@@ -9,9 +9,10 @@ rollback does. There are no holes, so a backend can attend over a row's prefix a
 bitwise what the row's own sequence would get alone (the native backend does).
 
 A forward pass reads `[rows, kv_heads, longest + new, head_dim]` with a mask that hides, for each
-row, the slots past its own tokens. Two operations copy KV, each a named, tested method:
-:meth:`BatchCache.insert_row` (a prefilled prompt joins) and :meth:`BatchCache.remove_row` (the
-last row moves into the slot of one that left, keeping rows contiguous).
+row, the slots past its own tokens. Three operations copy KV, each a named, tested method:
+:meth:`BatchCache.insert_row` (a prefilled prompt joins), :meth:`BatchCache.remove_row` (the
+last row moves into the slot of one that left, keeping rows contiguous) and
+:meth:`BatchCache.keep_path` (a token tree's accepted branch moves up behind the fed token).
 """
 
 from __future__ import annotations
@@ -186,6 +187,33 @@ class BatchCache(Cache):
         mask = slots[None, None, :] <= positions[:, :, None]  # [rows, new, span]
         self.write_index(new)
         return positions, mask[:, None]
+
+    def tree_inputs(self, positions: torch.Tensor, mask: torch.Tensor, row: int, depths: list[int],
+                    ancestors: torch.Tensor) -> None:
+        """Make row `row` of a step's inputs (from :meth:`step_inputs`) verify a token tree: its
+        fed token and n nodes sit at slots lengths[row] .. + n; node i's position is the row's
+        length + depths[i], and the tree's nodes see only their ancestors among the new slots.
+        positions: [rows, new]; mask: [rows, 1, new, span], changed in place; ancestors:
+        [1 + n, 1 + n] (TokenTree.ancestors_mask)."""
+        n = len(depths)
+        length = int(self.lengths[row])
+        positions[row, 1 : 1 + n] = length + torch.tensor(depths, device=positions.device)
+        mask[row, 0, : 1 + n, length : length + 1 + n] = ancestors.to(mask.device)
+
+    def keep_path(self, row: int, offsets: list[int]) -> None:
+        """Copy KV within row `row`'s last step: the entries at new-token offsets `offsets`
+        (an accepted tree branch, increasing) move to offsets 1, 2, ... right after the fed
+        token, so that :meth:`commit` keeps them. Each source is at or after its destination,
+        so copying in order never overwrites a source still to be read."""
+        length = int(self.lengths[row])
+        for j, offset in enumerate(offsets, start=1):
+            if offset < j:
+                raise ValueError(f"offsets must be increasing and >= their rank, got {offsets}")
+            if offset == j:
+                continue
+            for key_buf, value_buf in self._buffers:
+                key_buf[row, :, length + j] = key_buf[row, :, length + offset]
+                value_buf[row, :, length + j] = value_buf[row, :, length + offset]
 
     def commit(self, new: int, keep: torch.Tensor) -> None:
         """After a forward pass over `new` tokens per row: row i keeps the first keep[i] of them

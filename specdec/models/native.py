@@ -60,19 +60,21 @@ class NativeLayer:
 PER_QUERY_MAX = 32
 
 
-def _prefix_lengths(mask: torch.Tensor | None, cached: int, new: int) -> list[list[int]] | None:
-    """How many leading slots each query of each row sees, when every query sees a prefix of its
-    row (a plain step, a chain verification, a batch without holes); None otherwise (a long
-    block, or a mask that is not a prefix, such as a tree's)."""
+def _visible_slots(mask: torch.Tensor | None, cached: int, new: int) -> list[list[int | torch.Tensor]] | None:
+    """Per row and query, the slots it sees: an int n for a prefix (slots 0 .. n - 1: a plain
+    step, a chain verification, a batch without holes), else the slot indices (a token tree's
+    node sees the row's prefix and its ancestors). None for a long block (prefill)."""
     if new > PER_QUERY_MAX:
         return None
     if mask is None:  # one row: the new tokens follow everything cached
         return [[cached + i + 1 for i in range(new)]]
     counts = mask.sum(dim=-1)  # [rows, 1, new]
     slots = torch.arange(mask.shape[-1], device=mask.device)
-    if not bool((mask == (slots < counts[..., None])).all()):
-        return None
-    return counts[:, 0].tolist()
+    prefix = (mask == (slots < counts[..., None])).all(dim=-1)[:, 0]  # [rows, new]
+    if bool(prefix.all()):
+        return counts[:, 0].tolist()
+    return [[int(counts[r, 0, i]) if bool(prefix[r, i]) else mask[r, 0, i].nonzero()[:, 0] for i in range(new)]
+            for r in range(mask.shape[0])]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -218,7 +220,7 @@ class NativeBackend:
     ) -> ForwardOutput:
         rows, new = input_ids.shape
         cached = cache.layers[(layers or [0])[0]].get_seq_length()  # before this pass writes
-        visible = _prefix_lengths(mask, cached, new)
+        visible = _visible_slots(mask, cached, new)
         if visible is not None:
             mask = None
         elif mask is None:  # a long block (prefill) of one row: causal over the cache, built once
@@ -257,13 +259,18 @@ class NativeBackend:
         keys, values = cache_layer.update(k, v)  # [rows, kv_heads, cached + new, head_dim]
         gqa = self.heads != self.kv_heads
         if visible is not None:
-            # Each query of each row attends alone over its row's prefix, exactly as a one-token
+            # Each query of each row attends alone over its row's visible slots, exactly as a one-token
             # step of that sequence alone would, so its attention (and so its bfloat16-rounded
             # activations) are bitwise those of plain decoding, whatever else is in the pass.
+            # A tree node's slots (its row's prefix, its ancestors, itself) are gathered in order:
+            # the same keys in the same order as the plain step at its position would read.
             out = torch.cat([
                 torch.cat([
-                    F.scaled_dot_product_attention(q[r : r + 1, :, i : i + 1], keys[r : r + 1, :, :seen],
-                                                   values[r : r + 1, :, :seen], enable_gqa=gqa)
+                    F.scaled_dot_product_attention(
+                        q[r : r + 1, :, i : i + 1],
+                        keys[r : r + 1, :, :seen] if isinstance(seen, int) else keys[r : r + 1, :, seen],
+                        values[r : r + 1, :, :seen] if isinstance(seen, int) else values[r : r + 1, :, seen],
+                        enable_gqa=gqa)
                     for i, seen in enumerate(row)
                 ], dim=2)
                 for r, row in enumerate(visible)

@@ -48,6 +48,19 @@ class TokenTree:
     def chain(cls, tokens: list[int]) -> TokenTree:
         return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
 
+    def truncated(self, max_nodes: int, max_depth: int) -> TokenTree:
+        """The nodes among the first `max_nodes` no deeper than `max_depth` (still a tree:
+        ancestors come first and are shallower)."""
+        depths = self.depths()
+        keep = [i for i in range(min(max_nodes, len(self.tokens))) if depths[i] <= max_depth]
+        where = {old: new for new, old in enumerate(keep)}
+        return TokenTree(tuple(self.tokens[i] for i in keep),
+                         tuple(-1 if self.parents[i] < 0 else where[self.parents[i]] for i in keep))
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths(), default=0)
+
     def children(self, node: int) -> list[int]:
         return [i for i, parent in enumerate(self.parents) if parent == node]
 

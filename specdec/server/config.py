@@ -194,7 +194,13 @@ class ServerConfig:
 
     @property
     def max_draft(self) -> int:
-        return max((r.k_cap for r in self.routes), default=0)
+        """The most tokens a row drafts in a step: a route's k cap, or its tree's size."""
+        def size(route: RouteConfig) -> int:
+            spec = route.speculative
+            tree = (spec.tree_nodes or 4 * spec.tree_width) if spec is not None and spec.tree_width > 1 else 0
+            return max(route.k_cap, tree)
+
+        return max((size(r) for r in self.routes), default=0)
 
 
 def default_config(**overrides: Any) -> ServerConfig:

@@ -200,3 +200,56 @@ def test_a_forked_drafter_shares_the_weights(tiny_native: LoadedModel) -> None:
     assert forked.head is prototype.head and forked.weights is prototype.weights
     forked.begin([1, 2], 8)
     assert prototype._keys is None and forked._keys is not None
+
+
+@pytest.mark.parametrize("width,nodes", [(2, 3), (3, 8)])
+def test_tree_drafts_are_verified_losslessly(tiny_native: LoadedModel, width: int, nodes: int) -> None:
+    # A random head's trees on the native backend, alone and in a batch with a chain row: the
+    # output is plain decoding's, and the trees are trees (a node with two children somewhere).
+    head = random_head(tiny_native, 512, seed=2)
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    plain = [Engine(tiny_native).generate(p, GREEDY).token_ids for p in prompts]
+    drafter = EagleDrafter(head, tree_width=width, tree_nodes=nodes)
+    drafter.begin(prompts[0], 64)
+    drafter.observe_target(torch.randn(len(prompts[0]) - 1, 3 * head.config.hidden_size))
+    proposal = drafter.propose(prompts[0], 3, GREEDY, None)
+    assert len(proposal.tokens) == nodes and proposal.parents.count(-1) == width
+    assert Engine(tiny_native, EagleDrafter(head, tree_width=width, tree_nodes=nodes), 3).generate(
+        prompts[0], GREEDY).token_ids == plain[0]
+    engine = BatchEngine(tiny_native, max_rows=2, max_model_len=64, max_draft=8)
+    seqs = [Sequence(prompts[0], GREEDY, EagleDrafter(head, tree_width=width, tree_nodes=nodes), k=3),
+            Sequence(prompts[1], GREEDY, EagleDrafter(head), k=3)]
+    for seq in seqs:
+        engine.add(seq)
+    while not all(s.finished for s in seqs):
+        engine.step()
+    assert [s.result.token_ids for s in seqs] == plain
+
+
+def test_an_oracle_tree_is_accepted_along_its_right_branch(tiny_native: LoadedModel) -> None:
+    # A test drafter proposing a tree whose second root child (not the first) is the plain
+    # continuation, with the continuation's next tokens under it: every step must accept that
+    # branch whole, so each step commits depth + 1 tokens.
+    from specdec.drafters import Proposal
+
+    prompt = [3, 4, 5, 6]
+    params = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)
+    reference = prompt + Engine(tiny_native).generate(prompt, params).token_ids
+
+    class Oracle:
+        proposal_size = 4  # a tree of 4 tokens, 3 deep
+
+        def begin(self, prompt_ids, max_len):
+            pass
+
+        def propose(self, context, k, params, generator):
+            right = reference[len(context) : len(context) + 3]
+            wrong = (right[0] + 1) % 500
+            return Proposal(tokens=[wrong, right[0], right[1], right[2]], parents=(-1, -1, 1, 2))
+
+        def commit(self, context, num_accepted):
+            pass
+
+    result = Engine(tiny_native, Oracle(), 3).generate(prompt, params)
+    assert result.token_ids == reference[len(prompt):]
+    assert result.stats.target_steps == 3  # 1 from the prefill, then 4 tokens a step

@@ -222,6 +222,8 @@ REAL_DRAFTERS = [
     pytest.param({"method": "ngram", "num_speculative_tokens": 6, "adaptive": True}, id="ngram-adaptive-k6"),
     pytest.param({"method": "eagle", "model": "RANDOM_EAGLE", "num_speculative_tokens": 4}, id="eagle-random-k4"),
     pytest.param({"method": "hybrid", "model": "RANDOM_EAGLE", "num_speculative_tokens": 3}, id="hybrid-random-k3"),
+    pytest.param({"method": "eagle", "model": "RANDOM_EAGLE", "num_speculative_tokens": 3, "tree_width": 2,
+                  "tree_nodes": 5}, id="eagle-random-tree"),
     pytest.param({"method": "medusa", "model": "RANDOM_MEDUSA", "num_speculative_tokens": 3}, id="medusa-random-k3"),
     pytest.param({"method": "draft_model", "model": "target", "quantization": "int8", "num_speculative_tokens": 5,
                   "adaptive": True}, id="int8-self-adaptive-k5"),
@@ -280,6 +282,8 @@ def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_med
             # The int8 copy of the target agrees with it most of the time (hf's, whose activations
             # are int8 too, not always).
             assert 0.5 < stats.acceptance_rate <= (1.0 if target.model is None else 0.99)
+        elif config.get("tree_width", 1) > 1:
+            assert stats.drafted_tokens > 0  # a tree's depth per step
         elif config["method"] in ("eagle", "medusa"):
             # A head drafts its k every step but the last few, which the token budget cuts short.
             assert stats.drafted_tokens >= k * (stats.target_steps - k)

@@ -185,6 +185,8 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
         return Engine(target, ResumedDrafter(draft, sink=2, resume_window=4), 2)
     if name == "eagle":
         return Engine(target, EagleDrafter(eagle_head(target)), 2)
+    if name == "eagle-tree":  # top-2 children at the 2 best nodes of each depth, 3 nodes kept
+        return Engine(target, EagleDrafter(eagle_head(target), tree_width=2, tree_nodes=3), 2)
     if name == "medusa":
         heads = new_head(target, torch.arange(6), TrainConfig(arch="medusa", medusa_heads=2, draft_vocab_size=6))
         with torch.no_grad():
@@ -222,7 +224,7 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle",
-                                     "hybrid", "medusa"])
+                                     "eagle-tree", "hybrid", "medusa"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str
 ) -> None:
@@ -285,7 +287,7 @@ def test_same_seed_same_output(target: LoadedModel, draft: LoadedModel, speculat
 INVARIANT = dataclasses.replace(SAMPLED, drafter_invariant=True)
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "eagle", "adaptive", "resumed"])
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "eagle", "eagle-tree", "adaptive", "resumed"])
 def test_drafter_invariant_tokens_do_not_depend_on_the_drafter(target: LoadedModel, draft: LoadedModel,
                                                                 drafter: str) -> None:
     # The same seed gives the same tokens as plain decoding, whatever drafts them.
