@@ -140,7 +140,37 @@ def residual_from_target(
     return AcceptResult(tokens=tokens, num_accepted=num_accepted)
 
 
-WRONG_RULES = {"accept_every_draft": accept_every_draft, "residual_from_target": residual_from_target}
+def tree_accept_first_branch(target_probs, tree, draft_probs, generator):
+    """WRONG (accept every draft, for trees): follow each node's first child to a leaf, then
+    draw a bonus token from the target."""
+    path, node = [], -1
+    while children := tree.children(node):
+        node = children[0]
+        path.append(node)
+    return path, int(torch.multinomial(target_probs[node + 1], 1, generator=generator))
+
+
+def tree_residual_from_target(target_probs, tree, draft_probs, generator):
+    """WRONG (residual from target, for trees): the right test for each child, but against the
+    target itself, never the residual; when all are rejected, the token comes from the target."""
+    path, node = [], -1
+    while True:
+        accepted = None
+        for child in tree.children(node):
+            token = tree.tokens[child]
+            q = 1.0 if draft_probs is None else float(draft_probs[child, token])
+            if float(torch.rand((), generator=generator)) * q < float(target_probs[node + 1, token]):
+                accepted = child
+                break
+        if accepted is None:
+            return path, int(torch.multinomial(target_probs[node + 1], 1, generator=generator))
+        path.append(accepted)
+        node = accepted
+
+
+# name -> (the chain rule, the same error for trees)
+WRONG_RULES = {"accept_every_draft": (accept_every_draft, tree_accept_first_branch),
+               "residual_from_target": (residual_from_target, tree_residual_from_target)}
 
 
 def sample_continuations(engine: Engine, prompt_ids: list[int], params: SamplingParams, draws: int, seed0: int) -> list[Generation]:
@@ -270,9 +300,10 @@ def verify_sampling(
     result = compare_samples(llm, llm.engine, params, prompts, draws, length, alpha, on_draws, plain)
     config = llm.speculative_config
     checks = []
-    for name, rule in WRONG_RULES.items():
+    for name, (rule, tree_rule) in WRONG_RULES.items():
         drafter = build_drafter(config, llm.target) if config is not None else NgramDrafter(1, 6)
-        wrong = Engine(llm.target, drafter, num_speculative_tokens=4, sampling_rule=rule)
+        k = config.num_speculative_tokens if config is not None else 4
+        wrong = Engine(llm.target, drafter, num_speculative_tokens=k, sampling_rule=rule, tree_rule=tree_rule)
         n = draws
         while True:
             check = compare_samples(llm, wrong, params, prompts, n, length, alpha, on_draws, plain)

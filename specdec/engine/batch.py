@@ -46,7 +46,7 @@ from specdec.sampling import SamplingRule, accept_batch, speculative_accept
 from specdec.sampling.acceptance import PAD_TOKEN
 from specdec.sampling.invariant import perturbed_log_probs
 from specdec.sampling.probs import logits_to_probs
-from specdec.sampling.tree import TokenTree, accept_tree_greedy, accept_tree_sampling
+from specdec.sampling.tree import TokenTree, TreeRule, accept_tree_greedy, accept_tree_sampling
 
 _ids = itertools.count()
 
@@ -117,14 +117,15 @@ class BatchEngine:
 
     max_model_len: the longest sequence (prompt + output) a row may hold.
     max_draft: the most tokens any row drafts in a step.
-    sampling_rule: how sampled rows accept (the exact rule; `specdec verify` swaps in wrong ones).
+    sampling_rule, tree_rule: how sampled chain and tree rows accept (the exact rules; `specdec
+    verify` swaps in wrong ones).
 
     When a sequence has the same prompt as the one prefilled before it (many samples of one
     prompt), that prompt's KV and first-token logits are reused instead of computed again.
     """
 
     def __init__(self, target: LoadedModel, max_rows: int, max_model_len: int, max_draft: int = 16,
-                 sampling_rule: SamplingRule = speculative_accept) -> None:
+                 sampling_rule: SamplingRule = speculative_accept, tree_rule: TreeRule = accept_tree_sampling) -> None:
         if max_model_len > target.max_positions:
             raise PromptError(f"max_model_len {max_model_len} exceeds {target.name}'s context of {target.max_positions}")
         self.target = target
@@ -133,6 +134,7 @@ class BatchEngine:
         self.max_model_len = max_model_len
         self.max_draft = max_draft
         self.sampling_rule = sampling_rule
+        self.tree_rule = tree_rule
         # A row's last step may write a draft and padding past its last kept token.
         self.cache = BatchCache.for_backend(target.backend, max_rows, max_model_len + max_draft + 1)
         self.sequences: list[Sequence] = []  # index == row
@@ -311,7 +313,7 @@ class BatchEngine:
             rows = [perturbed_log_probs(target_probs[r : r + 1], seed, base + depth)[0]
                     for r, depth in enumerate([0, *tree.depths()])]
             return accept_tree_greedy(torch.stack(rows), tree)
-        return accept_tree_sampling(target_probs, tree, draft_probs, seq.generator)
+        return self.tree_rule(target_probs, tree, draft_probs, seq.generator)
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
                 draft_probs: list[torch.Tensor | None], positions: list[int]):

@@ -20,6 +20,7 @@ from specdec.errors import PromptError
 from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
 from specdec.sampling import SamplingRule, speculative_accept
+from specdec.sampling.tree import TreeRule, accept_tree_sampling
 
 __all__ = ["Engine", "Generation", "StreamChunk"]
 
@@ -33,6 +34,7 @@ class Engine:
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 0,
         sampling_rule: SamplingRule = speculative_accept,
+        tree_rule: TreeRule = accept_tree_sampling,
         adaptive: bool = False,
     ) -> None:
         if drafter is not None and num_speculative_tokens < 1:
@@ -44,6 +46,7 @@ class Engine:
         self.adaptive = adaptive and drafter is not None
         self.adaptive_state: AdaptiveState | None = None  # what adaptive k learned, kept across requests
         self.sampling_rule = sampling_rule
+        self.tree_rule = tree_rule
         self._batch: BatchEngine | None = None
         self._busy = False
 
@@ -61,7 +64,7 @@ class Engine:
             # A tree drafter may propose more tokens than its depth k.
             size = max(self.k, getattr(self.drafter, "proposal_size", 0), 1)
             self._batch = BatchEngine(self.target, max_rows=1, max_model_len=max_len, max_draft=size,
-                                      sampling_rule=self.sampling_rule)
+                                      sampling_rule=self.sampling_rule, tree_rule=self.tree_rule)
         return self._batch
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, result: Generation | None = None) -> Iterator[StreamChunk]:

@@ -21,6 +21,7 @@ the final token (recovered, or bonus after a leaf):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -126,3 +127,8 @@ def accept_tree_sampling(target_probs: torch.Tensor, tree: TokenTree, draft_prob
             return path, final
         path.append(accepted)
         node = accepted
+
+
+# (target_probs [1 + n, vocab], tree, draft_probs [n, vocab] | None, generator) -> (path, final
+# token). Engines use accept_tree_sampling; `specdec verify` swaps in deliberately wrong rules.
+TreeRule = Callable[[torch.Tensor, TokenTree, torch.Tensor | None, torch.Generator | None], tuple[list[int], int]]

@@ -150,3 +150,21 @@ def test_verify_cli_sampling_json(run_cli, tiny_model_dir: Path, tmp_path: Path,
         assert [c["rule"] for c in checks] == ["accept_every_draft", "residual_from_target"]
         assert all(set(c) == {"rule", "rejected", "draws", "p_value"} for c in checks)
         assert code == (0 if all(c["rejected"] for c in checks) else 1)
+
+
+def test_verify_sampling_on_a_tree_config(small_llm: LLM, tmp_path: Path) -> None:
+    # An EAGLE head drafting trees: the exact tree rule passes, both wrong tree rules are rejected.
+    from specdec.training.heads import TrainConfig, new_head
+
+    head = new_head(small_llm.target, torch.arange(8), TrainConfig(draft_vocab_size=8, seed=3))
+    with torch.no_grad():
+        head.fc.weight.mul_(8.0)  # peaked drafts, far from the target's
+    head.save(tmp_path)
+    llm = LLM(loaded=small_llm.target, speculative_config={"method": "eagle", "model": str(tmp_path),
+                                                          "num_speculative_tokens": 2, "tree_width": 2, "tree_nodes": 3})
+    # The subtle error shows only when a tree's first child is rejected: it takes more draws.
+    result, self_checks = verify_sampling(llm, SamplingParams(temperature=1.0), draws=200, length=4, prompts=PROMPTS,
+                                          max_draws=6400)
+    assert result.passed and result.drafted > 0
+    assert [c.rule for c in self_checks] == ["accept_every_draft", "residual_from_target"]
+    assert all(c.rejected for c in self_checks), self_checks
