@@ -49,6 +49,10 @@ class Drafter(Protocol):
         """After verification: `context` now holds the committed tokens; `num_accepted` of the
         proposal were accepted."""
 
+    def fork(self) -> Drafter:
+        """A drafter for another sequence: the same weights (shared, not copied) and options,
+        none of this one's per-sequence state."""
+
 
 DrafterFactory = Callable[["SpeculativeConfig", "LoadedModel"], Drafter]
 _REGISTRY: dict[str, DrafterFactory] = {}

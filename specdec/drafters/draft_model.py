@@ -127,6 +127,10 @@ class DraftModelDrafter:
             feed = [token]
         return Proposal(tokens=tokens, probs=torch.stack(probs) if probs else None)
 
+    def fork(self) -> DraftModelDrafter:
+        return DraftModelDrafter(self.runner.loaded, self.runner.layers, self.added_memory_bytes, self.sink,
+                                 self.resume_window)
+
     def commit(self, context: list[int], num_accepted: int) -> None:
         # The next propose() rolls the cache back to what the context kept.
         if not self.proposed:

@@ -504,6 +504,9 @@ class EagleDrafter:
     def commit(self, context: list[int], num_accepted: int) -> None:
         pass  # the target's features for the committed positions arrive through observe_target
 
+    def fork(self) -> EagleDrafter:
+        return EagleDrafter(self.head, self.weight_format, self.tree_width, self.tree_nodes)
+
 
 def load_head(config: SpeculativeConfig, target: LoadedModel) -> EagleHead:
     """The head a config names (`model`: a directory), else the one shipped for the target."""

@@ -50,6 +50,9 @@ class HybridDrafter:
         self.eagle.commit(context, num_accepted)
         self.lookup.commit(context, num_accepted)
 
+    def fork(self) -> HybridDrafter:
+        return HybridDrafter(self.eagle.fork(), self.lookup.fork())
+
 
 @register("hybrid")
 def _build(config: SpeculativeConfig, target: LoadedModel) -> HybridDrafter:

@@ -237,6 +237,9 @@ class MedusaDrafter:
     def commit(self, context: list[int], num_accepted: int) -> None:
         pass  # the committed positions' states arrive through observe_target
 
+    def fork(self) -> MedusaDrafter:
+        return MedusaDrafter(self.heads, self.target_layers[0] + 1, self.weight_format)
+
 
 def load_heads(config: SpeculativeConfig, target: LoadedModel) -> MedusaHeads:
     directory = Path(config.model).expanduser() if config.model else shipped_heads_dir(target.name)

@@ -62,6 +62,9 @@ class NgramDrafter:
     def commit(self, context: list[int], num_accepted: int) -> None:
         pass
 
+    def fork(self) -> NgramDrafter:
+        return NgramDrafter(self.n_min, self.n_max)
+
 
 @register("ngram")
 def _build(config: SpeculativeConfig, target: LoadedModel) -> NgramDrafter:

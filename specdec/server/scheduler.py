@@ -8,7 +8,6 @@ Cancelled requests (client gone, shutdown) leave the batch before the next step.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import queue
@@ -26,7 +25,6 @@ from specdec.engine.adaptive import AdaptiveK, AdaptiveState, SpeculationPolicy
 from specdec.engine.batch import BatchEngine, Sequence, SequenceOutput
 from specdec.engine.stats import RequestStats
 from specdec.errors import SpecDecError
-from specdec.models.loader import LoadedModel
 from specdec.server.config import RouteConfig
 from specdec.server.metrics import ServerMetrics
 
@@ -74,23 +72,8 @@ class ServerRequest:
 
 
 def fork_drafter(prototype: Drafter) -> Drafter:
-    """A fresh drafter configured like `prototype` (which must never have run a request),
-    sharing its models' weights: modules, tensors and loaded models are shared, everything
-    else (per-request state such as a draft KV cache) is copied."""
-    memo: dict[int, object] = {}
-
-    def share(obj: object, depth: int) -> None:
-        for value in getattr(obj, "__dict__", {}).values():
-            if isinstance(value, (torch.nn.Module, torch.Tensor, LoadedModel)):
-                memo[id(value)] = value
-                if isinstance(value, LoadedModel):
-                    memo[id(value.backend)] = value.backend
-                    memo[id(value.tokenizer)] = value.tokenizer
-            elif depth > 0:
-                share(value, depth - 1)
-
-    share(prototype, 2)
-    return copy.deepcopy(prototype, memo)
+    """A fresh drafter configured like `prototype`, sharing its weights, for one request."""
+    return prototype.fork()
 
 
 class QueueFullError(SpecDecError):
