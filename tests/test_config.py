@@ -14,7 +14,7 @@ from specdec.errors import ConfigError, SpecDecError
 
 
 def test_registered_methods() -> None:
-    assert registered_methods() == ["draft_model", "layer_skip", "ngram"]
+    assert registered_methods() == ["draft_model", "eagle", "hybrid", "layer_skip", "medusa", "ngram"]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -46,7 +46,11 @@ def test_config_is_frozen_and_round_trips() -> None:
         ),
         ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer >= 1, got '4'"),
         ({"method": "ngram", "num_speculative_tokens": 65}, "num_speculative_tokens must be <= 64, got 65"),
-        ({"method": "eagle"}, "unknown speculative method 'eagle'; choose one of: draft_model, layer_skip, ngram"),
+        ({"method": "hydra"}, "unknown speculative method 'hydra'; choose one of: draft_model, eagle, hybrid, layer_skip, "
+                              "medusa, ngram"),
+        ({"method": "ngram", "tree_width": 2}, "'tree_width' and 'tree_nodes' apply to methods 'eagle' and 'hybrid' only"),
+        ({"method": "eagle", "tree_width": 0}, "tree_width must be an integer >= 1, got 0"),
+        ({"method": "eagle", "drafter_invariant": "yes"}, "drafter_invariant must be true or false, got 'yes'"),
         ({"method": "draft_model"}, "method 'draft_model' needs a draft model"),
         ({"method": "draft_model", "model": ""}, "method 'draft_model' needs a draft model"),
         (
@@ -62,7 +66,7 @@ def test_invalid_speculative_config(kwargs: dict, message: str) -> None:
         SpeculativeConfig(**kwargs)
     assert message in str(info.value)
     # The same through the dict and JSON forms.
-    with pytest.raises(ConfigError, match="speculative|num_speculative_tokens|prompt_lookup|draft"):
+    with pytest.raises(ConfigError, match="speculative|num_speculative_tokens|prompt_lookup|draft|tree_width"):
         SpeculativeConfig.from_dict(kwargs)
 
 
@@ -83,7 +87,7 @@ def test_invalid_json_config(text: str, message: str) -> None:
 
 
 def test_unknown_keys_are_all_named() -> None:
-    with pytest.raises(ConfigError, match=r"unknown speculative config key\(s\): draft, k; known: adaptive, layers, method, model, "):
+    with pytest.raises(ConfigError, match=r"unknown speculative config key\(s\): draft, k; known: adaptive, drafter_invariant, layers, method, model, "):
         SpeculativeConfig.from_dict({"method": "ngram", "k": 3, "draft": "x"})
 
 

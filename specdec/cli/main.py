@@ -574,6 +574,7 @@ def train_draft(
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="EAGLE: draft depths unrolled in training (training-time test).")] = 3,
     medusa_heads: Annotated[int, typer.Option("--medusa-heads", help="Medusa: heads (tokens drafted per step).")] = 3,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    init: Annotated[Optional[Path], typer.Option("--init", help="Start from this head's weights and draft vocabulary (a head directory) instead of fresh ones.")] = None,
     answers_from: Annotated[Optional[Path], typer.Option("--answers-from", help="Train on the answers an earlier run wrote (its answers.jsonl) instead of answering.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out (same settings).")] = False,
     backend: BackendOpt = "auto",
@@ -630,11 +631,11 @@ def train_draft(
             err.print(f"training: step {p.steps}, {p.tokens} tokens, epoch {p.epoch}, {int(p.elapsed_s)}s, "
                       f"loss {p.loss:.3f}, agreement {p.agreement:.3f}", highlight=False)
 
-    result = train_head(target, records, out_dir, config, resume=resume, on_progress=report)
+    result = train_head(target, records, out_dir, config, resume=resume, init=init, on_progress=report)
     agreement = ", ".join(f"{a:.3f}" for a in result["validation_agreement"])
     out.print(f"trained on {result['tokens']} tokens ({result['epochs']} epochs, {result['seconds']} s); "
-              f"validation top-1 agreement per draft position: {agreement}; head {result['head_bytes'] / 1e6:.1f} MB "
-              f"in {out_dir}")
+              f"validation top-1 agreement per draft position (answer tokens): {agreement}; "
+              f"head {result['head_bytes'] / 1e6:.1f} MB in {out_dir}")
 
 
 def _resumed_config(out_dir: Path, fresh):

@@ -52,6 +52,7 @@ BUDGET_FIELDS = ("max_tokens", "max_time", "checkpoint_every_s")
 
 
 ARCHS = ("eagle", "medusa")
+LOSS_ON = ("answers", "all")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class TrainConfig:
     checkpoint_every_s: float = 120.0
     validation_fraction: float = 0.03
     max_validation_sequences: int = 64
+    loss_on: str = "answers"  # "answers": positions predicting answer tokens; "all": every position
+    cache_top: int = 64  # keep each sequence's target view for later epochs (0: recompute it)
 
 
 def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
@@ -139,42 +142,79 @@ def ttt_forward(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, d
     return logits
 
 
-class TargetView:
-    """The target's states and next-token distributions over a sequence, one prefill pass."""
+@dataclass(frozen=True)
+class TargetSample:
+    """What the target says about one sequence, row t for position t:
+    features [n, F] (its states at t), probs [n, draft_vocab] (its distribution of token t + 2
+    over the draft vocabulary) and top [n] (its most likely token t + 2, a target id)."""
 
-    def __init__(self, target: LoadedModel, layers: tuple[int, ...]) -> None:
+    features: torch.Tensor
+    probs: torch.Tensor
+    top: torch.Tensor
+
+
+class TargetView:
+    """The target's view of sequences, one prefill pass each.
+
+    cache_top > 0 keeps what a sequence's pass gave for the next epochs, compressed: the states
+    in bfloat16 and the `cache_top` most likely draft tokens' probabilities (the rest of the
+    distribution, a small tail on the target's own text, counts as 0). Later epochs then skip
+    the target's pass, which is most of a training step's cost.
+    """
+
+    def __init__(self, target: LoadedModel, layers: tuple[int, ...], draft_ids: torch.Tensor, cache_top: int = 0) -> None:
         self.runner = ModelRunner(target)
         self.layers = layers
+        self.draft_ids = draft_ids
+        self.cache_top = cache_top
+        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[len - 1, F] features at positions 0 .. len - 2 and [len - 1, vocab] the target's
-        logits at positions 1 .. len - 1 (the distribution of the token after next)."""
+    def __call__(self, ids: list[int], key: str | None = None) -> TargetSample:
+        """The sample for `ids`; with a key (and cache_top > 0), the compressed one, the same on
+        every epoch (and in a resumed run, which starts with an empty cache)."""
+        if key is not None and key in self._cache:
+            features, index, values, top = self._cache[key]
+            probs = torch.zeros(len(top), len(self.draft_ids)).scatter_(1, index.long(), values.float())
+            return TargetSample(features.float(), probs, top.long())
         with torch.inference_mode():
             out = self.runner.forward(self.runner.new_cache(len(ids)), ids, hidden_layers=self.layers)
-            features = torch.cat([out.layer_states[i] for i in self.layers], dim=-1)[:-1]
-            logits = out.logits[1:]
-        return features.clone(), logits.clone()
+            features = torch.cat([out.layer_states[i] for i in self.layers], dim=-1)[:-1]  # positions 0 .. len - 2
+            logits = out.logits[1:]  # positions 1 .. len - 1: the distribution of the token after next
+            probs = torch.softmax(logits, dim=-1)[:, self.draft_ids]
+            top = logits.argmax(-1)
+        if key is not None and self.cache_top > 0:
+            values, index = probs.topk(min(self.cache_top, probs.shape[-1]), dim=-1)
+            self._cache[key] = (features.to(torch.bfloat16), index.to(torch.int16 if len(self.draft_ids) < 2**15 else torch.int32),
+                                values.to(torch.bfloat16), top.to(torch.int32))
+            return self(ids, key)
+        return TargetSample(features.clone(), probs.clone(), top.clone())
 
 
-def sequence_losses(head: EagleHead | MedusaHeads, view: TargetView, ids: list[int], depth: int):
-    """Per draft position (EAGLE: depth; Medusa: head) (loss, correct count, positions) for one
-    sequence."""
-    features, target_logits = view(ids)
-    with torch.no_grad():
-        target_probs = torch.softmax(target_logits, dim=-1)[:, head.draft_ids]  # [n, draft_vocab]
-        target_top = target_logits.argmax(-1)  # [n]
+def answer_start(record: dict) -> int:
+    """The first position whose prediction (token t + 2) is an answer token: training and
+    evaluation count these, what drafting will face (the prompt is context only)."""
+    return max(0, len(record["prompt_ids"]) - 2) if record.get("answer_ids") else 0
+
+
+def sequence_losses(head: EagleHead | MedusaHeads, sample: TargetSample, ids: list[int], depth: int, start: int = 0):
+    """Per draft position (EAGLE: depth; Medusa: head) (loss, correct count, positions counted)
+    for one sequence, counting positions from `start`."""
     n = len(ids) - 1
     if isinstance(head, MedusaHeads):
-        # Head i at position t: the target's distribution at t + 1 + i (logits row t + i).
-        all_logits = head(features)  # [heads, n, draft_vocab]
-        pairs = [(all_logits[i, : n - i], slice(i, n)) for i in range(head.config.num_heads)]
+        # Head i at position t: the target's distribution at t + 1 + i (sample row t + i).
+        all_logits = head(sample.features)  # [heads, n, draft_vocab]
+        pairs = [(all_logits[i, start : n - i], slice(start + i, n)) for i in range(head.config.num_heads)]
     else:
         # Depth j is meaningful from position j on.
-        pairs = [(logits[j:], slice(j, n)) for j, logits in enumerate(ttt_forward(head, features, torch.tensor(ids[1:]), depth))]
+        unrolled = ttt_forward(head, sample.features, torch.tensor(ids[1:]), depth)
+        pairs = [(logits[max(j, start):], slice(max(j, start), n)) for j, logits in enumerate(unrolled)]
     results = []
     for logits, rows in pairs:
-        loss = -(target_probs[rows] * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-        correct = (head.draft_ids[logits.argmax(-1)] == target_top[rows]).sum()
+        if logits.shape[0] == 0:
+            results.append((logits.sum() * 0.0, 0, 0))
+            continue
+        loss = -(sample.probs[rows] * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+        correct = (head.draft_ids[logits.argmax(-1)] == sample.top[rows]).sum()
         results.append((loss, int(correct), logits.shape[0]))
     return results
 
@@ -226,12 +266,17 @@ def train_head(
     config: TrainConfig,
     *,
     resume: bool = False,
+    init: Path | None = None,
     on_progress: Callable[[Progress], None] = lambda p: None,
 ) -> dict[str, Any]:
     """Train (or resume training) a head of `config.arch` on `records` ({"id", "prompt_ids",
-    "answer_ids"}), write it to `out` and return the report (also written as report.json)."""
+    "answer_ids"}), write it to `out` and return the report (also written as report.json).
+    init: a head directory to start from (its weights and draft vocabulary) instead of fresh
+    weights; a resumed run ignores it (its checkpoint holds the weights)."""
     if config.arch not in ARCHS:
         raise ConfigError(f"unknown head architecture {config.arch!r}; train-draft trains: {', '.join(ARCHS)}")
+    if config.loss_on not in LOSS_ON:
+        raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {config.loss_on!r}")
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / CHECKPOINT_FILE
     train_ids = [r for r in records if split_of(r["id"], config.validation_fraction) == "train"]
@@ -255,6 +300,17 @@ def train_head(
         head.load_state_dict(saved["head"])
         progress = Progress(**saved["progress"])
         coverage = saved["coverage"]
+    elif init is not None:
+        start_from = MedusaHeads.load(init, target) if config.arch == "medusa" else EagleHead.load(init, target)
+        d2t_ids = start_from.draft_ids
+        if len(d2t_ids) != config.draft_vocab_size:
+            raise ConfigError(f"--init head has a draft vocabulary of {len(d2t_ids)}; this run asks for {config.draft_vocab_size}")
+        counts = Counter(token for r in train_ids for token in sequence(r))
+        kept = set(d2t_ids.tolist())
+        coverage = sum(c for t, c in counts.items() if t in kept) / max(1, sum(counts.values()))
+        head = new_head(target, d2t_ids, config)
+        head.load_state_dict(start_from.state_dict())
+        saved = None
     else:
         d2t_ids, coverage = draft_vocabulary([sequence(r) for r in train_ids], config.draft_vocab_size,
                                              target.backend.vocab_size)
@@ -264,7 +320,7 @@ def train_head(
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     if saved is not None:
         optimizer.load_state_dict(saved["optimizer"])
-    view = TargetView(target, _view_layers(head, target))
+    view = TargetView(target, _view_layers(head, target), head.draft_ids, config.cache_top)
 
     def checkpoint() -> None:
         state = {"config": asdict(config), "d2t_ids": d2t_ids, "coverage": coverage, "head": head.state_dict(),
@@ -290,11 +346,13 @@ def train_head(
         for _ in range(config.batch_sequences):
             if progress.cursor >= len(order):
                 progress.cursor, progress.epoch = 0, progress.epoch + 1
-            ids = sequence(train_ids[order[progress.cursor]])
+            record = train_ids[order[progress.cursor]]
+            ids = sequence(record)
             progress.cursor += 1
             if len(ids) < positions + 2:
                 continue
-            results = sequence_losses(head, view, ids, config.ttt_steps)
+            start = answer_start(record) if config.loss_on == "answers" else 0
+            results = sequence_losses(head, view(ids, record["id"]), ids, config.ttt_steps, min(start, len(ids) - 2))
             loss = sum(w * r[0] for w, r in zip(weights, results)) / config.batch_sequences
             loss.backward()
             total_loss += float(loss.detach())
@@ -314,7 +372,7 @@ def train_head(
 
     checkpoint()
     head.eval()
-    agreement = evaluate(head, view, [sequence(r) for r in validation[: config.max_validation_sequences]],
+    agreement = evaluate(head, view, [(sequence(r), answer_start(r)) for r in validation[: config.max_validation_sequences]],
                          config.ttt_steps)
     head.config.training.update({
         "sequences": len(train_ids), "tokens": progress.tokens, "steps": progress.steps,
@@ -331,15 +389,17 @@ def train_head(
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead | MedusaHeads, view: TargetView, sequences: list[list[int]], depth: int) -> list[float]:
+def evaluate(head: EagleHead | MedusaHeads, view: TargetView, sequences: list[tuple[list[int], int]],
+             depth: int) -> list[float]:
     """Top-1 agreement with the target per draft position (EAGLE: the (j + 1)-th drafted token,
-    the earlier ones right; Medusa: head j) over these sequences."""
+    the earlier ones right; Medusa: head j), over (sequence, first position counted) pairs: the
+    answer positions of held-out records."""
     positions = head.config.num_heads if isinstance(head, MedusaHeads) else depth
     correct, counted = [0] * positions, [0] * positions
-    for ids in sequences:
+    for ids, start in sequences:
         if len(ids) < positions + 2:
             continue
-        for j, (_, c, n) in enumerate(sequence_losses(head, view, ids, depth)):
+        for j, (_, c, n) in enumerate(sequence_losses(head, view(ids), ids, depth, min(start, len(ids) - 2))):
             correct[j] += c
             counted[j] += n
     return [round(c / n, 4) if n else float("nan") for c, n in zip(correct, counted)]

@@ -20,7 +20,7 @@ def test_train_then_draft_with_the_head(run_cli: CliRun, tiny_model_dir: Path, t
     out = tmp_path / "head"
     code, stdout, stderr = _train(run_cli, tiny_model_dir, out, "--max-tokens", "200")
     assert code == 0, stderr
-    assert "validation top-1 agreement per draft position" in stdout
+    assert "validation top-1 agreement per draft position (answer tokens)" in stdout
     answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
     assert len(answers) == 6 and all(a["id"].startswith("stdlib/") and a["answer_ids"] for a in answers)
     report = json.loads((out / "report.json").read_text())

@@ -184,8 +184,8 @@ def test_training_learns(small_model_factory, tmp_path) -> None:
     train_head(target, records, tmp_path, config)
     head = EagleHead.load(tmp_path, target)
     untrained = random_head(target)
-    view = TargetView(target, head.config.target_layers)
-    sequences = [r["prompt_ids"] + r["answer_ids"] for r in records]
+    view = TargetView(target, head.config.target_layers, head.draft_ids)
+    sequences = [(r["prompt_ids"] + r["answer_ids"], 0) for r in records]
     trained, before = evaluate(head, view, sequences, 2), evaluate(untrained, view, sequences, 2)
     assert trained[0] > before[0] + 0.3 and trained[1] > before[1] + 0.2, (trained, before)
 
@@ -253,3 +253,44 @@ def test_an_oracle_tree_is_accepted_along_its_right_branch(tiny_native: LoadedMo
     result = Engine(tiny_native, Oracle(), 3).generate(prompt, params)
     assert result.token_ids == reference[len(prompt):]
     assert result.stats.target_steps == 3  # 1 from the prefill, then 4 tokens a step
+
+
+def test_target_view_cache_keeps_the_top_of_each_distribution(tiny_native: LoadedModel) -> None:
+    head = random_head(tiny_native, 512)
+    view = TargetView(tiny_native, head.config.target_layers, head.draft_ids, cache_top=16)
+    ids = list(range(40, 70))
+    first = view(ids, "a")
+    forward = view.runner.forward
+    view.runner.forward = None  # a cached sequence must not run the target again
+    again = view(ids, "a")
+    view.runner.forward = forward
+    torch.testing.assert_close(again.features, first.features, rtol=1e-2, atol=1e-2)  # kept in bfloat16
+    assert torch.equal(again.top, first.top)
+    top16 = first.probs.topk(16, dim=-1)
+    torch.testing.assert_close(again.probs.gather(1, top16.indices), top16.values, rtol=1e-2, atol=1e-3)
+    assert int((again.probs > 0).sum(dim=-1).max()) <= 16
+
+
+def test_loss_counts_answer_positions_only(tiny_native: LoadedModel) -> None:
+    from specdec.training.heads import answer_start, sequence_losses
+
+    record = {"id": "x", "prompt_ids": list(range(10, 22)), "answer_ids": list(range(30, 38))}
+    ids = record["prompt_ids"] + record["answer_ids"]
+    head = random_head(tiny_native, 256)
+    sample = TargetView(tiny_native, head.config.target_layers, head.draft_ids)(ids)
+    start = answer_start(record)
+    assert start == 10  # position 10 predicts token 12, the first answer token
+    counted = [n for _, _, n in sequence_losses(head, sample, ids, 3, start)]
+    assert counted == [len(ids) - 1 - start] * 3
+    assert [n for _, _, n in sequence_losses(head, sample, ids, 3)] == [len(ids) - 1 - j for j in range(3)]
+
+
+def test_init_starts_from_a_head(tiny_native: LoadedModel, tmp_path) -> None:
+    start = random_head(tiny_native, 128, seed=9)
+    start.save(tmp_path / "start")
+    records = [{"id": f"r{i}", "prompt_ids": list(range(3, 20)), "answer_ids": list(range(40, 50))} for i in range(4)]
+    config = TrainConfig(draft_vocab_size=128, batch_sequences=1, max_tokens=20, validation_fraction=0.0, lr=0.0)
+    train_head(tiny_native, records, tmp_path / "out", config, init=tmp_path / "start")
+    a = load_file(str(tmp_path / "start" / "model.safetensors"))
+    b = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(torch.equal(a[name], b[name]) for name in a)  # lr 0: the starting weights, saved again

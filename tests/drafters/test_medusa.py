@@ -98,8 +98,8 @@ def test_training_learns(small_model_factory, tmp_path) -> None:
     report = train_head(target, records, tmp_path, config)
     assert report["arch"] == "medusa" and len(report["validation_agreement"]) == 2
     heads = MedusaHeads.load(tmp_path, target)
-    view = TargetView(target, (target.num_layers - 1,))
-    sequences = [r["prompt_ids"] + r["answer_ids"] for r in records]
+    view = TargetView(target, (target.num_layers - 1,), heads.draft_ids)
+    sequences = [(r["prompt_ids"] + r["answer_ids"], 0) for r in records]
     untrained = new_head(target, torch.arange(8), config)
     trained, before = evaluate(heads, view, sequences, 2), evaluate(untrained, view, sequences, 2)
     assert trained[0] > before[0] + 0.2, (trained, before)
