@@ -351,8 +351,8 @@ def train_head(
             progress.cursor += 1
             if len(ids) < positions + 2:
                 continue
-            start = answer_start(record) if config.loss_on == "answers" else 0
-            results = sequence_losses(head, view(ids, record["id"]), ids, config.ttt_steps, min(start, len(ids) - 2))
+            first = answer_start(record) if config.loss_on == "answers" else 0
+            results = sequence_losses(head, view(ids, record["id"]), ids, config.ttt_steps, min(first, len(ids) - 2))
             loss = sum(w * r[0] for w, r in zip(weights, results)) / config.batch_sequences
             loss.backward()
             total_loss += float(loss.detach())

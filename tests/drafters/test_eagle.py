@@ -294,3 +294,10 @@ def test_init_starts_from_a_head(tiny_native: LoadedModel, tmp_path) -> None:
     a = load_file(str(tmp_path / "start" / "model.safetensors"))
     b = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert all(torch.equal(a[name], b[name]) for name in a)  # lr 0: the starting weights, saved again
+
+
+def test_a_time_budget_stops_training_on_time(tiny_native: LoadedModel, tmp_path) -> None:
+    records = [{"id": f"r{i}", "prompt_ids": list(range(3, 20)), "answer_ids": list(range(40, 60))} for i in range(8)]
+    config = TrainConfig(draft_vocab_size=128, batch_sequences=1, max_time=3.0, validation_fraction=0.0)
+    report = train_head(tiny_native, records, tmp_path, config)
+    assert report["steps"] > 1 and 3 <= report["seconds"] <= 30
