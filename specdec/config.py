@@ -201,6 +201,8 @@ class SpeculativeConfig:
             parts.append(f"tree {self.tree_width}x{self.tree_nodes or 4 * self.tree_width}")
         if self.adaptive:
             parts.append("adaptive")
+        if self.drafter_invariant:
+            parts.append("invariant")
         return " ".join(parts)
 
     @classmethod

@@ -202,6 +202,8 @@ def bench(
     peer_names: Annotated[Optional[list[str]], typer.Option("--peer", help="Only this peer: transformers or llama.cpp (repeatable; implies --peers).")] = None,
     compare: Annotated[Optional[list[str]], typer.Option("--compare", help="Another speculative config (JSON or file) to run side by side on the same target (repeatable).")] = None,
     other_backends: Annotated[Optional[list[str]], typer.Option("--plain-on", help="Also decode plainly on another backend and weight format, BACKEND[:DTYPE], e.g. hf:float32 (repeatable).")] = None,
+    temperature: Annotated[float, typer.Option(help="Sample at this temperature (0: greedy); specdec's systems only.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (each prompt's request uses it).")] = None,
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -216,7 +218,9 @@ def bench(
     spec = speculative_config(spec_json, method, k, draft_model)
     if spec is None:
         raise ConfigError("bench compares speculation with plain decoding: give a method other than 'none'")
-    params = SamplingParams(max_tokens=max_tokens)
+    if temperature > 0 and (peers or peer_names):
+        raise ConfigError("the peers decode greedily: --peers and --temperature > 0 do not go together")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     llm = _load(model, spec, device, backend, dtype)
     systems = [System(PLAIN, specdec_runner(llm, params, False)), System(SPEC, specdec_runner(llm, params, True), PLAIN)]
     for text in compare or []:

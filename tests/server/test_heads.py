@@ -29,7 +29,7 @@ PROMPTS = [
 def head_server(default_model: LoadedModel) -> Iterator[ServerThread]:
     routes = (RouteConfig("eagle", SpeculativeConfig("eagle", 3), None, 3),
               RouteConfig("hybrid", SpeculativeConfig("hybrid", 3), None, 3))
-    running = ServerThread(build_state(ServerConfig(routes=routes, max_model_len=256, max_num_seqs=4,
+    running = ServerThread(build_state(ServerConfig(routes=routes, max_model_len=256, max_num_seqs=8,
                                                     graceful_shutdown_s=2), loaded=default_model)).start()
     yield running
     running.stop()
@@ -56,3 +56,23 @@ def test_head_route_is_lossless_in_the_batch(default_model: LoadedModel, head_se
     metrics = httpx.get(f"{head_server.url}/metrics").text
     for position in range(3):
         assert f'specdec_drafted_at_position_total{{position="{position}",route="{route}"}}' in metrics
+
+
+@pytest.mark.parametrize("route", ["eagle", "hybrid"])
+def test_drafter_invariant_requests_in_a_batch_of_8(default_model: LoadedModel, head_server: ServerThread,
+                                                    route: str) -> None:
+    client = openai.OpenAI(base_url=f"{head_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    llm = LLM(loaded=default_model)
+    messages = [[{"role": "user", "content": p}] for p in PROMPTS] * 2
+    seeds = list(range(8))
+    expected = [llm.generate([m], SamplingParams(max_tokens=16, temperature=0.7, seed=s, drafter_invariant=True),
+                             speculate=False)[0].text for m, s in zip(messages, seeds)]
+
+    def ask(item: tuple[list[dict[str, str]], int]) -> str:
+        m, seed = item
+        r = client.chat.completions.create(model=route, messages=m, max_tokens=16, temperature=0.7, seed=seed,
+                                           extra_body={"speculative": {"drafter_invariant": True}})
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(ask, zip(messages, seeds))) == expected
