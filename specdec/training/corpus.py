@@ -74,7 +74,7 @@ def stdlib_prompts(limit: int, seed: int = 0, per_module: int = 3) -> list[Promp
             if not doc or len(doc) < 40:
                 continue
             summary = doc.split("\n\n")[0].replace("\n", " ")
-            ident = f"stdlib/{path.stem}.{node.name}"
+            ident = f"stdlib/{path.stem}.{node.name}:{node.lineno}"  # names repeat within a module
             code = ast.get_source_segment(source, node) or ""
             if rng.random() < 0.5 or len(code.splitlines()) > 30:
                 text = f"Write a Python function `{node.name}({ast.unparse(node.args)})` that does this: {summary}"

@@ -346,13 +346,15 @@ def train_head(
         for _ in range(config.batch_sequences):
             if progress.cursor >= len(order):
                 progress.cursor, progress.epoch = 0, progress.epoch + 1
-            record = train_ids[order[progress.cursor]]
+            index = order[progress.cursor]
+            record = train_ids[index]
             ids = sequence(record)
             progress.cursor += 1
             if len(ids) < positions + 2:
                 continue
             first = answer_start(record) if config.loss_on == "answers" else 0
-            results = sequence_losses(head, view(ids, record["id"]), ids, config.ttt_steps, min(first, len(ids) - 2))
+            # Keyed by the record's place in the training list: ids may repeat.
+            results = sequence_losses(head, view(ids, str(index)), ids, config.ttt_steps, min(first, len(ids) - 2))
             loss = sum(w * r[0] for w, r in zip(weights, results)) / config.batch_sequences
             loss.backward()
             total_loss += float(loss.detach())

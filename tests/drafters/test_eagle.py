@@ -301,3 +301,11 @@ def test_a_time_budget_stops_training_on_time(tiny_native: LoadedModel, tmp_path
     config = TrainConfig(draft_vocab_size=128, batch_sequences=1, max_time=3.0, validation_fraction=0.0)
     report = train_head(tiny_native, records, tmp_path, config)
     assert report["steps"] > 1 and 3 <= report["seconds"] <= 30
+
+
+def test_records_sharing_an_id_train_over_several_epochs(tiny_native: LoadedModel, tmp_path) -> None:
+    # The target-view cache is keyed by place, not id: two records with one id but different
+    # texts must each keep their own view (a shared key fed one record's states to the other).
+    records = [{"id": "same", "prompt_ids": list(range(3, 3 + n)), "answer_ids": list(range(50, 60))} for n in (8, 14)]
+    config = TrainConfig(draft_vocab_size=64, batch_sequences=2, max_tokens=4 * 42, validation_fraction=0.0)
+    assert train_head(tiny_native, records, tmp_path, config)["epochs"] >= 3
