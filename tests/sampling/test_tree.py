@@ -7,6 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specdec.bench.verify import tree_residual_from_target  # WRONG: siblings tested against the target, not the residual
 from specdec.sampling.tree import TokenTree, accept_tree_greedy, accept_tree_sampling
 
 VOCAB = 5
@@ -68,24 +69,7 @@ def _check(samples: list[tuple[int, int | None]], tree: TokenTree, target: torch
     return min(pvalues)
 
 
-def _wrong_rule(target_probs, tree, draft_probs, generator):
-    """WRONG: every child is tested against the target itself, never the residual."""
-    path, node = [], -1
-    while True:
-        accepted = None
-        for child in tree.children(node):
-            token = tree.tokens[child]
-            q = 1.0 if draft_probs is None else float(draft_probs[child, token])
-            if float(torch.rand((), generator=generator)) * q < float(target_probs[node + 1, token]):
-                accepted = child
-                break
-        if accepted is None:
-            return path, int(torch.multinomial(target_probs[node + 1], 1, generator=generator))
-        path.append(accepted)
-        node = accepted
-
-
-@pytest.mark.parametrize("rule", [accept_tree_sampling, _wrong_rule])
+@pytest.mark.parametrize("rule", [accept_tree_sampling, tree_residual_from_target])
 def test_deterministic_children_sample_the_target(rule) -> None:
     # Root children 3 and 1 (top-2 style, deterministic), node 0 has children 0 and 2, node 2
     # one child: the first two committed tokens must follow the target exactly.
