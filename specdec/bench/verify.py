@@ -10,7 +10,23 @@ chi-square test of homogeneity, rare tokens pooled, and so are the pairs of cons
 (joint behaviour, which per-position marginals miss). The smallest p-value, Bonferroni-corrected
 for the number of tests, is the verdict: it passes when above the significance level.
 
-The self-check runs the same test with the configured drafter on deliberately wrong rules and
+The conditional test watches the acceptance rule at work in the speculative arm. At every
+sampled position it knows what the rule was given (the target's distribution p, the draft
+token d and the draft's distribution q) and so the exact distribution the token must follow:
+at a drafted position d with probability a = min(1, p(d)/q(d)), otherwise the residual
+max(0, p - q) renormalised; after a fully accepted draft, p. Two statistics are summed over
+every position of every continuation: whether the token is the draft (mean a) and the
+token's probability under that distribution (the likelihood, mean sum r^2). Each term has a
+known mean and variance given the past, so each sum is a martingale and its z-score is
+normal under the right rule: no pooling, no dilution across different prefixes, and the
+power grows with every position. A third statistic counts impossible tokens, ones that
+distribution gives probability 0 (a rejected position's token where the target is not above
+the draft); the right rule makes none but through float round-off, bounded by a rate of
+1e-6 per position. It sees the rule only; the two-sample test sees the whole
+pipeline (how drafts are made and reported), so both count, Bonferroni-corrected together.
+Token trees go through the two-sample test alone.
+
+The self-check runs the same tests with the configured drafter on deliberately wrong rules and
 must reject each, or the test proved nothing: "accept every draft" (gross), and
 "residual from target" (the right acceptance test, but a rejected position's token drawn from
 the target instead of the residual: subtle). Each is sampled with more and more draws (doubling,
@@ -32,7 +48,7 @@ from importlib import resources
 from typing import Any
 
 import torch
-from scipy.stats import chi2_contingency
+from scipy.stats import chi2_contingency, norm, poisson
 
 from specdec.api import LLM, Message
 from specdec.bench.data import Record, load_records
@@ -40,7 +56,8 @@ from specdec.config import SamplingParams
 from specdec.drafters import build_drafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine, Generation
-from specdec.sampling import AcceptResult
+from specdec.sampling import AcceptResult, SamplingRule, speculative_accept
+from specdec.sampling.tree import TreeRule, accept_tree_sampling
 
 # Prompts whose answers repeat themselves, so that drafters propose often at every position.
 SAMPLING_PROMPTS: tuple[str, ...] = (
@@ -173,6 +190,66 @@ WRONG_RULES = {"accept_every_draft": (accept_every_draft, tree_accept_first_bran
                "residual_from_target": (residual_from_target, tree_residual_from_target)}
 
 
+class RecordingRule:
+    """Wraps a chain acceptance rule and sums, over every position it decides, the terms of the
+    conditional test: (value, mean, variance) of each statistic given what the rule was given."""
+
+    STATISTICS = ("draft_kept", "likelihood")
+    ROUND_OFF = 1e-6  # the most impossible tokens per position that float round-off could make
+
+    def __init__(self, rule: SamplingRule = speculative_accept) -> None:
+        self.rule = rule
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = {name: [0.0, 0.0, 0.0] for name in self.STATISTICS}  # sum value, sum mean, sum variance
+        self.positions = 0
+        self.impossible = 0
+
+    def __call__(self, target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                 generator: torch.Generator | None) -> AcceptResult:
+        result = self.rule(target_probs, draft_tokens, draft_probs, generator)
+        for row in range(draft_tokens.shape[0]):
+            self._observe(target_probs[row].double(), draft_tokens[row].tolist(),
+                          None if draft_probs is None else draft_probs[row].double(), result.row(row))
+        return result
+
+    def _add(self, name: str, value: float, mean: float, variance: float) -> None:
+        s = self.sums[name]
+        s[0] += value
+        s[1] += mean
+        s[2] += variance
+
+    def _observe(self, p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, tokens: list[int]) -> None:
+        # p: [k + 1, vocab]; q: [k, vocab] or None (one-hot drafts); tokens: what the rule committed.
+        for i, token in enumerate(tokens):
+            if i < len(drafts):
+                d = drafts[i]
+                q_i = torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).double() if q is None else q[i]
+                a = min(1.0, float(p[i, d]) / float(q_i[d])) if float(q_i[d]) > 0 else 1.0
+                residual = (p[i] - q_i).clamp_min(0)
+                mass = float(residual.sum())
+                residual = residual / mass if mass > 0 else p[i]
+                r = (1 - a) * residual
+                r[d] += a
+                self._add("draft_kept", float(token == d), a, a * (1 - a))
+            else:
+                r = p[i]  # the bonus token after a fully accepted draft
+            r2 = float((r * r).sum())
+            self._add("likelihood", float(r[token]), r2, max(0.0, float((r * r * r).sum()) - r2 * r2))
+            self.impossible += float(r[token]) == 0.0
+            self.positions += 1
+
+    def pvalues(self) -> dict[str, float]:
+        """Two-sided p-value of each statistic's z-score (1 where it has no variance)."""
+        out = {}
+        for name, (value, mean, variance) in self.sums.items():
+            out[name] = float(2 * norm.sf(abs(value - mean) / variance**0.5)) if variance > 0 else 1.0
+        # P(at least this many) when round-off alone makes them
+        out["impossible"] = float(poisson.sf(self.impossible - 1, self.positions * self.ROUND_OFF)) if self.impossible else 1.0
+        return out
+
+
 def sample_continuations(engine: Engine, prompt_ids: list[int], params: SamplingParams, draws: int, seed0: int) -> list[Generation]:
     return [engine.generate(prompt_ids, dataclasses.replace(params, seed=seed0 + i)) for i in range(draws)]
 
@@ -200,6 +277,8 @@ class SamplingCheck:
     passed: bool
     drafted: int
     accepted: int
+    smallest: str  # the test with the smallest p-value: tokens, pairs, draft_kept, likelihood or impossible
+    conditional: dict[str, float] | None = None  # the conditional test's uncorrected p-values, by statistic
 
 
 def _pairs(samples: list[list[int]], position: int) -> list[int]:
@@ -219,13 +298,17 @@ def compare_samples(
     plain_samples: dict[int, list[list[int]]] | None = None,
 ) -> SamplingCheck:
     """Sample `draws` continuations of `length` tokens per prompt with and without speculation
-    and test each position's tokens and each pair of consecutive tokens. `plain_samples`
+    and test each position's tokens and each pair of consecutive tokens; when the speculative
+    engine's rule is a RecordingRule, the conditional test too. `plain_samples`
     (prompt index -> continuations) keeps the plain arm for later comparisons; it is extended
     when a comparison needs more draws than it holds."""
     params = dataclasses.replace(params, max_tokens=length, ignore_eos=True, stop=())
-    pvalues = []
+    pvalues: list[tuple[str, float]] = []  # (test, uncorrected p-value)
     drafted = accepted = 0
     plain_samples = {} if plain_samples is None else plain_samples
+    recorder = spec_engine.sampling_rule if isinstance(spec_engine.sampling_rule, RecordingRule) else None
+    if recorder is not None:
+        recorder.reset()
     for index, prompt in enumerate(prompts):
         prompt_ids = llm.encode([{"role": "user", "content": prompt}])
         # Different seeds for the two samples: the test compares distributions, not draws.
@@ -241,10 +324,14 @@ def compare_samples(
         if on_draws is not None:
             on_draws(2 * draws)
         for position in range(1, length):
-            pvalues.append(homogeneity_pvalue([s[position] for s in plain], [s[position] for s in spec]))
-            pvalues.append(homogeneity_pvalue(_pairs(plain, position), _pairs(spec, position)))
-    corrected = min(1.0, min(pvalues) * len(pvalues))
-    return SamplingCheck(corrected, len(pvalues), corrected > alpha, drafted, accepted)
+            pvalues.append(("tokens", homogeneity_pvalue([s[position] for s in plain], [s[position] for s in spec])))
+            pvalues.append(("pairs", homogeneity_pvalue(_pairs(plain, position), _pairs(spec, position))))
+    conditional = recorder.pvalues() if recorder is not None and recorder.positions else None
+    if conditional is not None:
+        pvalues += conditional.items()
+    smallest, p_min = min(pvalues, key=lambda item: item[1])
+    corrected = min(1.0, p_min * len(pvalues))
+    return SamplingCheck(corrected, len(pvalues), corrected > alpha, drafted, accepted, smallest, conditional)
 
 
 @dataclass(frozen=True)
@@ -253,6 +340,7 @@ class SelfCheck:
     rejected: bool
     draws: int  # per prompt and arm, when rejected (or the most tried)
     p_value: float
+    test: str  # the test with the smallest p-value
 
 
 @dataclass(frozen=True)
@@ -297,20 +385,27 @@ def verify_sampling(
     """The test on the configured speculation, then the self-check: each wrong rule with the
     configured drafter, draws doubling from `draws` up to `max_draws` (8 x draws) until rejected."""
     plain: dict[int, list[list[int]]] = {}  # one plain sample serves every comparison
-    result = compare_samples(llm, llm.engine, params, prompts, draws, length, alpha, on_draws, plain)
     config = llm.speculative_config
-    checks = []
-    for name, (rule, tree_rule) in WRONG_RULES.items():
+
+    def engine(rule: SamplingRule, tree_rule: TreeRule) -> Engine:
+        """The configured speculation (ngram k=4 without one), deciding with `rule`, watched."""
         drafter = build_drafter(config, llm.target) if config is not None else NgramDrafter(1, 6)
         k = config.num_speculative_tokens if config is not None else 4
-        wrong = Engine(llm.target, drafter, num_speculative_tokens=k, sampling_rule=rule, tree_rule=tree_rule)
+        return Engine(llm.target, drafter, num_speculative_tokens=k, sampling_rule=RecordingRule(rule),
+                      tree_rule=tree_rule, adaptive=config is not None and config.adaptive)
+
+    result = compare_samples(llm, engine(speculative_accept, accept_tree_sampling), params, prompts, draws, length,
+                             alpha, on_draws, plain)
+    checks = []
+    for name, (rule, tree_rule) in WRONG_RULES.items():
+        wrong = engine(rule, tree_rule)
         n = draws
         while True:
             check = compare_samples(llm, wrong, params, prompts, n, length, alpha, on_draws, plain)
             if not check.passed or n >= (max_draws or 8 * draws):
                 break
             n *= 2
-        checks.append(SelfCheck(name, not check.passed, n, check.p_value))
+        checks.append(SelfCheck(name, not check.passed, n, check.p_value, check.smallest))
     return result, checks
 
 

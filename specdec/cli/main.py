@@ -404,7 +404,8 @@ def verify(
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Check that speculation leaves the output unchanged: greedy identity, and (temperature > 0)
-    a two-sample test of the sampled distribution with a self-check against a wrong rule."""
+    a two-sample test of the sampled distribution and a test of each token given its draft, with a
+    self-check that both wrong rules are rejected."""
     from specdec.bench import verify as v
     from specdec.bench.data import load_records
 
@@ -449,13 +450,15 @@ def verify(
         result, self_checks = sampling
         verdict = "PASS" if result.passed else "FAIL"
         out.print(
-            f"sampling: {verdict}  p = {result.p_value:.4g} (Bonferroni over {result.tests} tests of tokens and token "
-            f"pairs, alpha {alpha}); {result.accepted}/{result.drafted} drafted tokens accepted"
+            f"sampling: {verdict}  p = {result.p_value:.4g} (Bonferroni over {result.tests} tests: tokens and token "
+            f"pairs against plain sampling, and the rule's tokens given their drafts; alpha {alpha}); "
+            f"{result.accepted}/{result.drafted} drafted tokens accepted"
         )
         for check in self_checks:
             outcome = (f"is rejected with {check.draws} draws per prompt" if check.rejected
                        else f"was NOT rejected even with {check.draws} draws per prompt")
-            out.print(f"self-check: the wrong rule {check.rule} with this drafter {outcome}, p = {check.p_value:.4g}")
+            out.print(f"self-check: the wrong rule {check.rule} with this drafter {outcome}, p = {check.p_value:.4g} "
+                      f"({check.test})")
         failed |= not result.passed or not all(c.rejected for c in self_checks)
     if invariant is not None:
         out.print(f"drafter-invariant: {invariant.identical}/{invariant.seeds} seeded continuations token-identical "

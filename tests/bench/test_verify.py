@@ -15,6 +15,7 @@ import torch
 
 from specdec.api import LLM
 from specdec.bench.verify import (
+    RecordingRule,
     accept_every_draft,
     builtin_prompts,
     compare_samples,
@@ -26,6 +27,7 @@ from specdec.bench.verify import (
 )
 from specdec.config import SamplingParams
 from specdec.models import LoadedModel
+from specdec.sampling import speculative_accept
 
 
 def test_homogeneity_accepts_one_distribution_and_rejects_two() -> None:
@@ -45,6 +47,49 @@ def test_wrong_rule_keeps_every_draft() -> None:
     result = accept_every_draft(target, draft, None, torch.Generator().manual_seed(0))
     assert result.num_accepted.tolist() == [2, 2]
     assert result.tokens[:, :2].tolist() == draft.tolist()
+
+
+def _watch(rule, calls: int, sampled_draft: bool) -> RecordingRule:
+    """`calls` decisions of `rule` on random target and draft distributions over 6 tokens, k = 2."""
+    recorder = RecordingRule(rule)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(calls):
+        target = torch.softmax(3 * torch.randn(1, 3, 6, generator=gen), -1)
+        if sampled_draft:
+            draft_probs = torch.softmax(3 * torch.randn(1, 2, 6, generator=gen), -1)
+            draft = torch.multinomial(draft_probs[0], 1, generator=gen).T  # [1, 2]
+        else:
+            draft_probs, draft = None, torch.randint(0, 6, (1, 2), generator=gen)
+        recorder(target, draft, draft_probs, gen)
+    return recorder
+
+
+@pytest.mark.parametrize("sampled_draft", [False, True])
+def test_conditional_test_passes_the_exact_rule_and_rejects_both_wrong_ones(sampled_draft: bool) -> None:
+    exact = _watch(speculative_accept, 3000, sampled_draft)
+    assert exact.positions > 3000 and exact.impossible == 0
+    assert min(exact.pvalues().values()) > 0.001, exact.pvalues()
+    for rule in (residual_from_target, accept_every_draft):
+        wrong = _watch(rule, 3000, sampled_draft)
+        assert min(wrong.pvalues().values()) < 1e-6, (rule.__name__, wrong.pvalues())
+    # The subtle rule's tell: with a sampled draft, a rejected position's token drawn from the
+    # target lands where the target is not above the draft, which the residual never does.
+    assert (_watch(residual_from_target, 300, sampled_draft).impossible > 0) == sampled_draft
+
+
+def test_conditional_test_expects_the_acceptance_probability() -> None:
+    # Target 0.3 at a one-hot draft: kept with probability 0.3 exactly; a rule keeping it
+    # half the time is off by 0.2 per position, 10 standard deviations in 1000.
+    target = torch.tensor([[[0.3, 0.7], [0.5, 0.5]]])
+    recorder = RecordingRule(lambda p, d, q, g: speculative_accept(p, d, q, g))
+    half = RecordingRule(lambda p, d, q, g: speculative_accept(p.new_tensor([[[0.5, 0.5], [0.5, 0.5]]]), d, q, g))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(1000):
+        recorder(target, torch.tensor([[0]]), None, gen)
+        half(target, torch.tensor([[0]]), None, gen)
+    assert recorder.sums["draft_kept"][1] == pytest.approx(300.0)  # the sum of the means
+    assert recorder.pvalues()["draft_kept"] > 0.001
+    assert half.pvalues()["draft_kept"] < 1e-10
 
 
 def test_builtin_prompts_cover_every_category() -> None:
@@ -94,6 +139,7 @@ def small_llm(small_model_factory) -> LLM:
 def test_compare_samples_accepts_the_same_distribution(small_llm: LLM) -> None:
     check = compare_samples(small_llm, small_llm.engine, SamplingParams(temperature=1.0), PROMPTS, draws=200, length=4, alpha=0.01)
     assert check.passed and check.p_value > 0.01 and check.tests == 6  # 3 positions, 3 pairs
+    assert check.conditional is None  # the engine's rule is not watched
     assert check.drafted > 0  # speculation ran: the comparison was of two different engines
 
 
@@ -108,6 +154,7 @@ def test_compare_samples_rejects_a_clearly_different_sample(small_llm: LLM) -> N
 def test_verify_sampling_passes_the_right_rule_and_rejects_the_wrong_ones(small_llm: LLM) -> None:
     result, self_checks = verify_sampling(small_llm, SamplingParams(temperature=1.0), draws=200, length=4, prompts=PROMPTS)
     assert result.passed and result.p_value > 0.01
+    assert result.tests == 9 and set(result.conditional) == {"draft_kept", "likelihood", "impossible"}
     assert [c.rule for c in self_checks] == ["accept_every_draft", "residual_from_target"]
     for check in self_checks:
         assert check.rejected and check.p_value < 0.01 and 200 <= check.draws <= 1600, check
@@ -148,7 +195,7 @@ def test_verify_cli_sampling_json(run_cli, tiny_model_dir: Path, tmp_path: Path,
         # it could not tell them apart within 20 draws, and verify fails rather than vouch.
         checks = report["self_check"]
         assert [c["rule"] for c in checks] == ["accept_every_draft", "residual_from_target"]
-        assert all(set(c) == {"rule", "rejected", "draws", "p_value"} for c in checks)
+        assert all(set(c) == {"rule", "rejected", "draws", "p_value", "test"} for c in checks)
         assert code == (0 if all(c["rejected"] for c in checks) else 1)
 
 
