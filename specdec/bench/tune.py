@@ -49,8 +49,7 @@ from specdec.bench.data import Record
 from specdec.engine.estimate import expected_tokens_per_step
 from specdec.bench.runner import RunResult, Runner, System, run_bench, specdec_runner
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.drafters.eagle import shipped_head_dir
-from specdec.drafters.medusa import shipped_heads_dir
+from specdec.drafters.head_files import shipped_dir
 from specdec.engine.stats import RequestStats
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
@@ -78,9 +77,9 @@ def default_methods(target) -> list[dict[str, Any]]:
     the hybrid, and Medusa, when such heads ship for the target."""
     quantized = target.backend.weight_format.startswith(("int8", "int4"))
     methods = [dict(m) for m in DEFAULT_METHODS if not (quantized and m.get("quantization") == "int8")]
-    if shipped_head_dir(target.name) is not None:
+    if shipped_dir("eagle", target.name) is not None:
         methods += [dict(m) for m in HEAD_METHODS]
-    if shipped_heads_dir(target.name) is not None:
+    if shipped_dir("medusa", target.name) is not None:
         methods.append({"method": "medusa"})
     return methods
 DEFAULT_MODEL_KS = (1, 2, 3, 4)

@@ -26,26 +26,22 @@ rows for its draft vocabulary (`tied_lm_head`), and ships without them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters import head_files
 from specdec.drafters.base import Proposal, register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
 from specdec.sampling.invariant import invariant_tokens
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 TREE_SLOTS = 64  # cache slots for a tree's expanded nodes (tree_width x depth at most)
 
 
@@ -273,45 +269,28 @@ class EagleHead(nn.Module):
     # --- files --------------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / CONFIG_FILE).write_text(json.dumps(self.config.to_json(), indent=2) + "\n", encoding="utf-8")
-        tensors = {name: t.detach().to(torch.bfloat16).contiguous() if t.is_floating_point() else t.contiguous()
-                   for name, t in self.state_dict().items()}
-        tensors["d2t"] = self.d2t.contiguous()
-        save_file(tensors, str(directory / WEIGHTS_FILE))
+        head_files.save(directory, self.config.to_json(), {**self.state_dict(), "d2t": self.d2t})
 
     @classmethod
     def load(cls, directory: str | Path, target: LoadedModel) -> EagleHead:
         """A head from `directory` (EAGLE-3 layout) for this target."""
-        directory = Path(directory).expanduser()
-        config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-        if not config_path.is_file() or not weights_path.is_file():
-            raise ConfigError(f"not an EAGLE head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}): {directory}")
-        config = EagleHeadConfig.from_json(json.loads(config_path.read_text(encoding="utf-8")), target.num_layers)
-        backend = target.backend
-        if config.hidden_size != backend.hidden_size or config.vocab_size != backend.vocab_size:
-            raise ConfigError(
-                f"EAGLE head at {directory} is for a target with hidden size {config.hidden_size} and vocabulary "
-                f"{config.vocab_size}; {target.name} has {backend.hidden_size} and {backend.vocab_size}"
-            )
+        directory, data, state = head_files.read("EAGLE", directory)
+        config = EagleHeadConfig.from_json(data, target.num_layers)
+        head_files.check_target("EAGLE", directory, config.hidden_size, config.vocab_size, target)
         if max(config.target_layers) >= target.num_layers:
             raise ConfigError(f"EAGLE head reads layer {max(config.target_layers)}; {target.name} has {target.num_layers}")
-        state = load_file(str(weights_path))
         d2t = state.pop("d2t", None)
         if d2t is None:  # a head over the whole vocabulary
             d2t = torch.zeros(config.draft_vocab_size, dtype=torch.long)
         state.pop("t2d", None)
-        state = {name.replace("layers.0.", "midlayer."): t.float() for name, t in state.items()}
         state.pop("embed_tokens.weight", None)  # some heads ship the target's embedding: it is the target's
+        state = {name.replace("layers.0.", "midlayer."): t for name, t in state.items()}
+        backend = target.backend
         head = cls(config, backend.input_embeddings(), d2t,
                    backend.output_embeddings()[torch.arange(config.draft_vocab_size) + d2t.long()]
                    if config.tied_lm_head else None)
         missing, unexpected = head.load_state_dict(state, strict=False)
-        missing = [m for m in missing if m not in ("d2t", "t2d")]
-        if missing or unexpected:
-            raise ConfigError(f"EAGLE head at {directory} does not match its config: missing {missing}, "
-                              f"unexpected {unexpected}")
+        head_files.check_state("EAGLE", directory, [m for m in missing if m not in ("d2t", "t2d")], unexpected)
         return head.eval()
 
 
@@ -328,12 +307,6 @@ class PackedHead:
 
     def nbytes(self) -> int:
         return sum(m.nbytes for m in (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm))
-
-
-def shipped_head_dir(model_name: str) -> Path | None:
-    """The head trained for a model and shipped with specdec, if there is one."""
-    resource = resources.files("specdec.data").joinpath("heads", "eagle", model_name)
-    return Path(str(resource)) if resource.joinpath(CONFIG_FILE).is_file() else None
 
 
 class EagleDrafter:
@@ -510,13 +483,7 @@ class EagleDrafter:
 
 def load_head(config: SpeculativeConfig, target: LoadedModel) -> EagleHead:
     """The head a config names (`model`: a directory), else the one shipped for the target."""
-    directory = Path(config.model).expanduser() if config.model else shipped_head_dir(target.name)
-    if directory is None:
-        raise ConfigError(
-            f"no EAGLE head ships for {target.name}: train one with `specdec train-draft --arch eagle` "
-            "and set 'model' to its directory"
-        )
-    return EagleHead.load(directory, target)
+    return EagleHead.load(head_files.config_dir("eagle", config, target), target)
 
 
 @register("eagle")

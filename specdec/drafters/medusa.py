@@ -17,26 +17,22 @@ model.safetensors (`medusa_head.{i}.0.linear.weight` / `.bias`, optionally
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters import head_files
 from specdec.drafters.base import Proposal, register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
 from specdec.sampling.invariant import invariant_tokens
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 
 
 @dataclass(frozen=True)
@@ -134,34 +130,19 @@ class MedusaHeads(nn.Module):
         return cache[fmt]
 
     def save(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / CONFIG_FILE).write_text(json.dumps(self.config.to_json(), indent=2) + "\n", encoding="utf-8")
-        tensors = {name: t.detach().to(torch.bfloat16).contiguous() if t.is_floating_point() else t.contiguous()
-                   for name, t in self.state_dict().items()}
-        save_file(tensors, str(directory / WEIGHTS_FILE))
+        head_files.save(directory, self.config.to_json(), self.state_dict())
 
     @classmethod
     def load(cls, directory: str | Path, target: LoadedModel) -> MedusaHeads:
-        directory = Path(directory).expanduser()
-        if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
-            raise ConfigError(f"not a Medusa head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}): {directory}")
-        config = MedusaConfig.from_json(json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")))
-        backend = target.backend
-        if config.hidden_size != backend.hidden_size or config.vocab_size != backend.vocab_size:
-            raise ConfigError(
-                f"Medusa heads at {directory} are for a target with hidden size {config.hidden_size} and vocabulary "
-                f"{config.vocab_size}; {target.name} has {backend.hidden_size} and {backend.vocab_size}"
-            )
-        state = {name: t if name == "d2t" else t.float() for name, t in load_file(str(directory / WEIGHTS_FILE)).items()}
+        directory, data, state = head_files.read("Medusa", directory)
+        config = MedusaConfig.from_json(data)
+        head_files.check_target("Medusa", directory, config.hidden_size, config.vocab_size, target)
         d2t = state.pop("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        backend = target.backend
         rows = backend.output_embeddings()[torch.arange(len(d2t)) + d2t] if config.tied_lm_head else None
         heads = cls(config, backend.final_norm_weight(), d2t, rows)
         missing, unexpected = heads.load_state_dict(state, strict=False)
-        missing = [m for m in missing if m != "d2t"]
-        if missing or unexpected:
-            raise ConfigError(f"Medusa heads at {directory} do not match their config: missing {missing}, "
-                              f"unexpected {unexpected}")
+        head_files.check_state("Medusa", directory, [m for m in missing if m != "d2t"], unexpected)
         return heads.eval()
 
 
@@ -173,11 +154,6 @@ class PackedMedusa:
 
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.blocks + self.lm) + sum(b.numel() * 4 for b in self.biases)
-
-
-def shipped_heads_dir(model_name: str) -> Path | None:
-    resource = resources.files("specdec.data").joinpath("heads", "medusa", model_name)
-    return Path(str(resource)) if resource.joinpath(CONFIG_FILE).is_file() else None
 
 
 class MedusaDrafter:
@@ -242,13 +218,8 @@ class MedusaDrafter:
 
 
 def load_heads(config: SpeculativeConfig, target: LoadedModel) -> MedusaHeads:
-    directory = Path(config.model).expanduser() if config.model else shipped_heads_dir(target.name)
-    if directory is None:
-        raise ConfigError(
-            f"no Medusa heads ship for {target.name}: train them with `specdec train-draft --arch medusa` "
-            "and set 'model' to their directory"
-        )
-    return MedusaHeads.load(directory, target)
+    """The heads a config names (`model`: a directory), else the ones shipped for the target."""
+    return MedusaHeads.load(head_files.config_dir("medusa", config, target), target)
 
 
 @register("medusa")

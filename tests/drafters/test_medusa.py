@@ -83,16 +83,10 @@ def test_round_trip_and_refusals(tiny_native: LoadedModel, default_model: Loaded
     assert MedusaConfig.from_json({"medusa_num_heads": 4, "hidden_size": 8, "vocab_size": 10}).draft_vocab_size == 10
 
 
-def test_training_learns(small_model_factory, tmp_path) -> None:
+def test_training_learns(self_distilled, tmp_path) -> None:
     # As for EAGLE: fitting the target's own greedy text lifts agreement far above the start
     # (zero blocks: each head guesses the target's next token, not the ones after it).
-    target = small_model_factory(seed=4, vocab_size=8)
-    generator = torch.Generator().manual_seed(0)
-    engine = Engine(target)
-    records = []
-    for i in range(12):
-        prompt = torch.randint(0, 8, (6,), generator=generator).tolist()
-        records.append({"id": f"r{i}", "prompt_ids": prompt, "answer_ids": engine.generate(prompt, GREEDY).token_ids})
+    target, records = self_distilled(16)
     config = TrainConfig(arch="medusa", medusa_heads=2, draft_vocab_size=8, batch_sequences=4,
                          max_tokens=22 * 4 * 80, validation_fraction=0.0, lr=1e-2)
     report = train_head(target, records, tmp_path, config)
