@@ -15,7 +15,7 @@ from typing import Any
 from specdec.errors import ConfigError
 
 # Defaults per method, chosen by measurement (see README, "Choosing k").
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 1, "eagle": 4, "hybrid": 4, "medusa": 3}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 1, "eagle": 4, "hybrid": 4, "medusa": 3, "mtp": 1}
 QUANTIZATIONS = ("int8",)
 
 
@@ -68,12 +68,15 @@ class SamplingParams:
 class SpeculativeConfig:
     """What drafts the guesses and how many.
 
-    method: a registered drafter name (`ngram`, `draft_model`, `layer_skip`, `eagle`, `hybrid`).
+    method: a registered drafter name (`ngram`, `draft_model`, `layer_skip`, `eagle`, `hybrid`,
+        `medusa`, `mtp`).
     num_speculative_tokens: k, the most tokens drafted per target step (>= 1).
     model: the draft model for `draft_model`: the same forms as the target (a GGUF path, a
         Hugging Face model directory, `default`), or `target` for the target's own weights.
         For `eagle` and `hybrid`: a head directory (`specdec train-draft`, or a published
-        EAGLE-3 head); without it, the head shipped for the target.
+        EAGLE-3 head); without it, the head shipped for the target. For `medusa` likewise.
+        For `mtp`: a checkpoint directory holding a multi-token-prediction layer (DeepSeek-V3
+        layout); without it, the target's own directory.
     quantization: `int8` quantizes the draft model's linear layers (weight-only int8 with
         dynamic activation scaling) in a copy that shares the target's embeddings; with
         `model: target` this is the quantized self-draft.
@@ -86,7 +89,7 @@ class SpeculativeConfig:
         num_speculative_tokens), and switch speculation off for a while when it does not pay.
     drafter_invariant: sample with the drafter-invariant rule (SamplingParams.drafter_invariant):
         a seeded request gives the same tokens with speculation on or off.
-    tree_width, tree_nodes: for `eagle` and `hybrid`, draft a token tree instead of a chain:
+    tree_width, tree_nodes: for `eagle`, `hybrid` and `mtp`, draft a token tree instead of a chain:
         the head's top `tree_width` tokens at each of the `tree_width` best nodes of each depth
         (num_speculative_tokens deep), the `tree_nodes` best kept (default 4 x width). 1: a chain.
     """
@@ -159,8 +162,8 @@ class SpeculativeConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.tree_width is None:
             raise ConfigError("tree_width must be an integer >= 1, got None")
-        if (self.tree_width > 1 or self.tree_nodes is not None) and self.method not in ("eagle", "hybrid"):
-            raise ConfigError("'tree_width' and 'tree_nodes' apply to methods 'eagle' and 'hybrid' only")
+        if (self.tree_width > 1 or self.tree_nodes is not None) and self.method not in ("eagle", "hybrid", "mtp"):
+            raise ConfigError("'tree_width' and 'tree_nodes' apply to methods 'eagle', 'hybrid' and 'mtp' only")
         if self.tree_width > 1 and self.tree_width * self.num_speculative_tokens > 64:
             raise ConfigError("a tree of tree_width x num_speculative_tokens > 64 expanded nodes is too large")
 
@@ -188,7 +191,7 @@ class SpeculativeConfig:
     def label(self) -> str:
         """A short name for tables: method, what drafts, k, adaptive."""
         parts = [self.method]
-        if self.method in ("draft_model", "eagle", "hybrid", "medusa") and self.model:
+        if self.method in ("draft_model", "eagle", "hybrid", "medusa", "mtp") and self.model:
             parts.append("self" if self.model == "target" else Path(self.model).name)
         if self.quantization:
             parts.append(self.quantization)

@@ -355,7 +355,7 @@ class EagleDrafter:
         # 1. Entries for the committed positions whose target features arrived since last step:
         #    position t reads the target's states at t and token t + 1.
         if self._pending:
-            features = self.weights.fc(torch.cat(self._pending)).float()  # [n, hidden]
+            features = self._entry_features(torch.cat(self._pending))  # [n, hidden]
             start, n = self._length, features.shape[0]
             if start + n != len(context) - 1:
                 raise RuntimeError(f"EAGLE drafter has features for {start + n} positions; the context has {len(context)} tokens")
@@ -438,6 +438,10 @@ class EagleDrafter:
         return Proposal(tokens=[tokens[n] for n in keep],
                         parents=tuple(-1 if parents[n] < 0 else where[parents[n]] for n in keep))
 
+    def _entry_features(self, target_states: torch.Tensor) -> torch.Tensor:
+        """[n, len(target_layers) * hidden] target states -> [n, hidden], the layer's features."""
+        return self.weights.fc(target_states).float()
+
     def _run(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """The layer over positions start .. start + n - 1, writing their entries at those slots;
         each attends to every entry before it. features: [n, hidden]; tokens: [n]. Returns
@@ -478,7 +482,7 @@ class EagleDrafter:
         pass  # the target's features for the committed positions arrive through observe_target
 
     def fork(self) -> EagleDrafter:
-        return EagleDrafter(self.head, self.weight_format, self.tree_width, self.tree_nodes)
+        return type(self)(self.head, self.weight_format, self.tree_width, self.tree_nodes)
 
 
 def load_head(config: SpeculativeConfig, target: LoadedModel) -> EagleHead:

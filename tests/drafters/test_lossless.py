@@ -225,6 +225,7 @@ REAL_DRAFTERS = [
     pytest.param({"method": "eagle", "model": "RANDOM_EAGLE", "num_speculative_tokens": 3, "tree_width": 2,
                   "tree_nodes": 5}, id="eagle-random-tree"),
     pytest.param({"method": "medusa", "model": "RANDOM_MEDUSA", "num_speculative_tokens": 3}, id="medusa-random-k3"),
+    pytest.param({"method": "mtp", "model": "RANDOM_MTP", "num_speculative_tokens": 2}, id="mtp-random-k2"),
     pytest.param({"method": "draft_model", "model": "target", "quantization": "int8", "num_speculative_tokens": 5,
                   "adaptive": True}, id="int8-self-adaptive-k5"),
 ]
@@ -251,14 +252,23 @@ def random_medusa_dir(default_model: LoadedModel, tmp_path_factory: pytest.TempP
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def random_mtp_dir(default_model: LoadedModel, mtp_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random MTP layer for the default model, in a checkpoint directory (DeepSeek-V3 layout)."""
+    return str(mtp_checkpoint(default_model, tmp_path_factory.mktemp("mtp-random"))[0])
+
+
 @pytest.mark.parametrize("config", REAL_DRAFTERS)
-def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_medusa_dir, plain, config: dict) -> None:
+def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_medusa_dir, random_mtp_dir, plain,
+                            config: dict) -> None:
     if config.get("model") == "TINY":
         config = config | {"model": str(tiny_model_dir)}
     if config.get("model") == "RANDOM_EAGLE":
         config = config | {"model": random_eagle_dir}
     if config.get("model") == "RANDOM_MEDUSA":
         config = config | {"model": random_medusa_dir}
+    if config.get("model") == "RANDOM_MTP":
+        config = config | {"model": random_mtp_dir}
     if config.get("quantization") == "int8" and target.backend.weight_format.startswith(("int8", "int4")):
         with pytest.raises(ConfigError, match="would cost as much as the target"):
             LLM(loaded=target, speculative_config=SpeculativeConfig.from_dict(config))
@@ -284,7 +294,7 @@ def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_med
             assert 0.5 < stats.acceptance_rate <= (1.0 if target.model is None else 0.99)
         elif config.get("tree_width", 1) > 1:
             assert stats.drafted_tokens > 0  # a tree's depth per step
-        elif config["method"] in ("eagle", "medusa"):
+        elif config["method"] in ("eagle", "medusa", "mtp"):
             # A head drafts its k every step but the last few, which the token budget cuts short.
             assert stats.drafted_tokens >= k * (stats.target_steps - k)
         elif config["method"] == "draft_model":
