@@ -120,3 +120,18 @@ def test_what_cannot_run_is_refused(tiny_native: LoadedModel, default_model: Loa
     refused(tmp_path / "empty", tiny_native, "no MTP module in")
     with pytest.raises(ConfigError, match="a GGUF file keeps no MTP layers"):
         LLM(loaded=default_model, speculative_config={"method": "mtp"})
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_drafter_invariant_sampling_gives_the_plain_tokens(tiny_native: LoadedModel, mtp_checkpoint, tmp_path: Path,
+                                                          temperature: float) -> None:
+    directory, _ = mtp_checkpoint(tiny_native, tmp_path, scale=0.3)
+    llm = LLM(loaded=tiny_native, speculative_config={"method": "mtp", "model": str(directory),
+                                                     "num_speculative_tokens": 2, "drafter_invariant": True})
+    drafted = 0
+    for seed, prompt in enumerate(([5, 17, 300, 5, 17], [9, 9, 9, 40], [1000, 2000, 3000])):
+        params = llm.request_params(SamplingParams(max_tokens=20, temperature=temperature, seed=seed, ignore_eos=True))
+        spec = llm.engine.generate(prompt, params)
+        assert spec.token_ids == llm.plain_engine.generate(prompt, params).token_ids
+        drafted += spec.stats.drafted_tokens
+    assert drafted > 0
