@@ -15,7 +15,7 @@ from typing import Any
 from specdec.errors import ConfigError
 
 # Defaults per method, chosen by measurement (see README, "Choosing k").
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 1, "eagle": 4, "hybrid": 4, "medusa": 3, "mtp": 1}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 1, "eagle": 4, "hybrid": 4, "medusa": 3, "mtp": 1, "suffix": 6}
 QUANTIZATIONS = ("int8",)
 
 
@@ -69,7 +69,7 @@ class SpeculativeConfig:
     """What drafts the guesses and how many.
 
     method: a registered drafter name (`ngram`, `draft_model`, `layer_skip`, `eagle`, `hybrid`,
-        `medusa`, `mtp`).
+        `medusa`, `mtp`, `suffix`).
     num_speculative_tokens: k, the most tokens drafted per target step (>= 1).
     model: the draft model for `draft_model`: the same forms as the target (a GGUF path, a
         Hugging Face model directory, `default`), or `target` for the target's own weights.
@@ -89,6 +89,9 @@ class SpeculativeConfig:
         num_speculative_tokens), and switch speculation off for a while when it does not pay.
     drafter_invariant: sample with the drafter-invariant rule (SamplingParams.drafter_invariant):
         a seeded request gives the same tokens with speculation on or off.
+    suffix_decoding_*: for `suffix` (names as in vLLM): the longest suffix matched, the most
+        tokens proposed per matched token, the least empirical probability of a proposal, and the
+        route's cache of earlier outputs: at most so many requests and MiB (0 requests: no cache).
     tree_width, tree_nodes: for `eagle`, `hybrid` and `mtp`, draft a token tree instead of a chain:
         the head's top `tree_width` tokens at each of the `tree_width` best nodes of each depth
         (num_speculative_tokens deep), the `tree_nodes` best kept (default 4 x width). 1: a chain.
@@ -106,6 +109,11 @@ class SpeculativeConfig:
     drafter_invariant: bool = False
     tree_width: int = 1
     tree_nodes: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_cache_mib: float = 64.0
 
     def __post_init__(self) -> None:
         # Imported here: the registry imports drafters, which import this module.
@@ -164,6 +172,17 @@ class SpeculativeConfig:
             raise ConfigError("tree_width must be an integer >= 1, got None")
         if (self.tree_width > 1 or self.tree_nodes is not None) and self.method not in ("eagle", "hybrid", "mtp"):
             raise ConfigError("'tree_width' and 'tree_nodes' apply to methods 'eagle', 'hybrid' and 'mtp' only")
+        for name, low in (("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_max_cache_mib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        value = self.suffix_decoding_min_token_prob
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ConfigError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {value!r}")
         if self.tree_width > 1 and self.tree_width * self.num_speculative_tokens > 64:
             raise ConfigError("a tree of tree_width x num_speculative_tokens > 64 expanded nodes is too large")
 

@@ -226,6 +226,9 @@ REAL_DRAFTERS = [
                   "tree_nodes": 5}, id="eagle-random-tree"),
     pytest.param({"method": "medusa", "model": "RANDOM_MEDUSA", "num_speculative_tokens": 3}, id="medusa-random-k3"),
     pytest.param({"method": "mtp", "model": "RANDOM_MTP", "num_speculative_tokens": 2}, id="mtp-random-k2"),
+    pytest.param({"method": "suffix", "num_speculative_tokens": 6}, id="suffix-k6"),
+    pytest.param({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_spec_factor": 2.0,
+                  "suffix_decoding_min_token_prob": 0.0}, id="suffix-k8-eager"),
     pytest.param({"method": "draft_model", "model": "target", "quantization": "int8", "num_speculative_tokens": 5,
                   "adaptive": True}, id="int8-self-adaptive-k5"),
 ]
@@ -306,7 +309,7 @@ def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_med
         # request's handful of drafts before the switch-off is too few to bound.
         drafted = sum(o.stats.drafted_tokens for o in outputs)
         assert sum(o.stats.accepted_tokens for o in outputs) > 0.4 * drafted
-    if config["method"] == "ngram" or config.get("adaptive"):
+    if config["method"] in ("ngram", "suffix") or config.get("adaptive"):
         # The prompts repeat themselves enough for lookup to find something; an adaptive drafter
         # drafts at least until it has judged its first window.
         assert sum(o.stats.drafted_tokens for o in outputs) > 0

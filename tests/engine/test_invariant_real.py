@@ -16,7 +16,7 @@ from specdec.models import LoadedModel
 
 MAX_TOKENS = 8
 DRAFTERS = [{"method": "ngram"}, {"method": "layer_skip"}, {"method": "eagle"}, {"method": "hybrid"},
-            {"method": "medusa"}]
+            {"method": "medusa"}, {"method": "suffix"}]
 
 
 @pytest.fixture(scope="module")

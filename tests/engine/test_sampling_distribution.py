@@ -22,7 +22,9 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter, EagleHead
 from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.medusa import MedusaDrafter
+from specdec.drafters.mtp import MtpDrafter, load_mtp
 from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.models import LoadedModel, ModelRunner
@@ -165,7 +167,7 @@ class ResumedDrafter(DraftModelDrafter):
         self.skipped_steps = 2
 
 
-def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
+def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoint=None, tmp_path=None) -> Engine:
     """Every drafter family on the tiny models: a separate draft, prompt lookup, a subset of
     the target's layers (self-speculation), the target in int8, a draft with adaptive k, and a
     draft resumed on a window of the context."""
@@ -193,6 +195,10 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel) -> Engine:
             for param in heads.parameters():
                 param.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
         return Engine(target, MedusaDrafter(heads.eval(), target.num_layers), 2)
+    if name == "mtp":
+        return Engine(target, MtpDrafter(load_mtp(mtp_checkpoint(target, tmp_path, scale=1.0)[0], target)), 2)
+    if name == "suffix":  # the engine's one drafter: later samples draft from the outputs of earlier ones
+        return Engine(target, SuffixDrafter(SuffixCache(10_000, 2**26), min_prob=0.0), 2)
     if name == "hybrid":  # lookup where a 2-token match exists (the prompt repeats), the head elsewhere
         return Engine(target, HybridDrafter(EagleDrafter(eagle_head(target)), NgramDrafter(2, 3)), 2)
     raise ValueError(name)
@@ -224,12 +230,12 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle",
-                                     "eagle-tree", "hybrid", "medusa"])
+                                     "eagle-tree", "hybrid", "medusa", "mtp", "suffix"])
 def test_speculative_sampling_follows_target(
-    target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str
+    target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str, mtp_checkpoint, tmp_path
 ) -> None:
     model = deep_target if drafter == "layer_skip" else target
-    engine = make_engine(drafter, model, draft)
+    engine = make_engine(drafter, model, draft, mtp_checkpoint, tmp_path)
     samples = sample_sequences(engine, SAMPLED, 2500)
     exact = exact_sequence_probs(model, SAMPLED)
     assert chi2_pvalue(samples, exact) > 1e-3
