@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.api import LLM
 from specdec.config import SamplingParams
+from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine.stats import RequestStats
 from specdec.errors import PromptError
 from specdec.server.config import RouteConfig, ServerConfig
@@ -269,13 +270,21 @@ def create_app(state: ServerState) -> FastAPI:
             "running": state.scheduler.running,
             "waiting": state.scheduler.waiting,
             "threads": state.scheduler.torch_threads,
-            "memory": state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes},
+            "memory": state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes,
+                                                "suffix_cache_bytes": {route: cache.nbytes for route, cache in suffix_caches()}},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    def suffix_caches() -> list[tuple[str, SuffixCache]]:
+        """Each suffix route's cache of earlier outputs (shared by its requests' drafters)."""
+        return [(route, d.cache) for route, d in state.scheduler.drafters.items() if isinstance(d, SuffixDrafter)]
 
     @app.get("/metrics")
     async def metrics() -> Response:
         state.metrics.refresh_rates()
+        for route, cache in suffix_caches():
+            state.metrics.suffix_cache.labels(route).set(cache.nbytes)
+            state.metrics.suffix_cache_requests.labels(route).set(cache.requests)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

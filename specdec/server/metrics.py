@@ -29,7 +29,9 @@ machine. Definitions (the same names and meanings as :mod:`specdec.engine.stats`
   is the one it named, or "" when it named none that is served (or could not be read).
 - machine-wide: `specdec_queue_length` (requests waiting for a row), `specdec_running_sequences`
   (rows in the batch; also per route as `specdec_route_running_sequences`), and the memory plan
-  gauges `specdec_memory_bytes{part}` and `specdec_max_concurrent_sequences{with_draft}`.
+  gauges `specdec_memory_bytes{part}` and `specdec_max_concurrent_sequences{with_draft}`; a
+  `suffix` route's cache of earlier outputs as `specdec_suffix_cache_bytes` and
+  `specdec_suffix_cache_requests`.
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ class ServerMetrics:
         self.queue_length = Gauge("specdec_queue_length", "Requests waiting for a row in the batch", registry=r)
         self.running = Gauge("specdec_running_sequences", "Sequences in the batch", registry=r)
         self.memory = Gauge("specdec_memory_bytes", "Memory plan: weights, KV per token, budget", ["part"], registry=r)
+        self.suffix_cache = Gauge("specdec_suffix_cache_bytes", "Estimated memory of a suffix route's cache of earlier outputs", route, registry=r)
+        self.suffix_cache_requests = Gauge("specdec_suffix_cache_requests", "Requests whose outputs a suffix route's cache holds", route, registry=r)
         self.max_sequences = Gauge("specdec_max_concurrent_sequences", "Sequences that fit the cache budget at max_model_len", ["with_draft"], registry=r)
         self._drift_config = drift
         self._drift: dict[str, AcceptanceDrift] = {}
