@@ -15,8 +15,13 @@ from specdec.engine.batch import BatchEngine, Sequence
 from specdec.models import LoadedModel
 
 MAX_TOKENS = 8
+# "TINY": a separate draft model, the tests' random 2-layer Llama with the default model's vocabulary.
 DRAFTERS = [{"method": "ngram"}, {"method": "layer_skip"}, {"method": "eagle"}, {"method": "hybrid"},
-            {"method": "medusa"}, {"method": "suffix"}]
+            {"method": "medusa"}, {"method": "suffix"}, {"method": "draft_model", "model": "TINY"}]
+
+
+def _config(drafter: dict, tiny_model_dir) -> dict:
+    return drafter | {"model": str(tiny_model_dir)} if drafter.get("model") == "TINY" else drafter
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +48,10 @@ def _params(temperature: float, index: int) -> SamplingParams:
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize(("k", "adaptive"), [(1, False), (4, False), (4, True)])
 @pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: d["method"])
-def test_alone(default_model: LoadedModel, prompts, plain, drafter: dict, k: int, adaptive: bool,
+def test_alone(default_model: LoadedModel, tiny_model_dir, prompts, plain, drafter: dict, k: int, adaptive: bool,
                temperature: float) -> None:
-    llm = LLM(loaded=default_model, speculative_config=drafter | {"num_speculative_tokens": k, "adaptive": adaptive})
+    config = _config(drafter, tiny_model_dir) | {"num_speculative_tokens": k, "adaptive": adaptive}
+    llm = LLM(loaded=default_model, speculative_config=config)
     outputs = [llm.engine.generate(ids, _params(temperature, i)) for i, ids in enumerate(prompts)]
     assert [o.token_ids for o in outputs] == plain[temperature]
     assert sum(o.stats.drafted_tokens for o in outputs) > 0
@@ -54,8 +60,9 @@ def test_alone(default_model: LoadedModel, prompts, plain, drafter: dict, k: int
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: d["method"])
-def test_in_a_batch_of_8(default_model: LoadedModel, prompts, plain, drafter: dict, temperature: float) -> None:
-    llm = LLM(loaded=default_model, speculative_config=drafter | {"num_speculative_tokens": 4})
+def test_in_a_batch_of_8(default_model: LoadedModel, tiny_model_dir, prompts, plain, drafter: dict,
+                         temperature: float) -> None:
+    llm = LLM(loaded=default_model, speculative_config=_config(drafter, tiny_model_dir) | {"num_speculative_tokens": 4})
     engine = BatchEngine(default_model, max_rows=8, max_model_len=1024, max_draft=8)
     seqs = [Sequence(ids, _params(temperature, i), llm.engine.drafter.fork(), k=4) for i, ids in enumerate(prompts)]
     waiting, done = list(seqs), []
