@@ -296,27 +296,45 @@ def bench(
 
 @app.command()
 def estimate(
-    acceptance: Annotated[float, typer.Option("--acceptance", "-a", help="Probability that each drafted token is accepted, in [0, 1].")],
-    k: Annotated[int, typer.Option("--num-speculative-tokens", "-k", help="Tokens drafted per target step, >= 1.")],
-    draft_cost: Annotated[float, typer.Option("--draft-cost", help="One draft pass over one plain target step, >= 0 (about 0 for ngram).")],
-    verify_cost: Annotated[float, typer.Option("--verify-cost", help="A target pass over k + 1 tokens over a plain step, > 0 (specdec costs measures it).")] = 1.0,
+    acceptance: Annotated[Optional[float], typer.Option("--acceptance", "-a", help="Probability that each drafted token is accepted, in [0, 1].")] = None,
+    k: Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Tokens drafted per target step, >= 1.")] = None,
+    per_position: Annotated[Optional[str], typer.Option("--per-position", help="Instead of -a and -k: the measured acceptance at each draft position, comma-separated (per_position_acceptance of --stats; for a token tree, per depth).")] = None,
+    draft_cost: Annotated[float, typer.Option("--draft-cost", help="One draft pass over one plain target step, >= 0 (about 0 for ngram).")] = 0.0,
+    verify_cost: Annotated[float, typer.Option("--verify-cost", help="A target pass over the drafted tokens + 1 (a tree: all its nodes + 1) over a plain step, > 0 (specdec costs measures it).")] = 1.0,
 ) -> None:
     """Expected tokens per target step and speedup over plain decoding, from acceptance and
-    costs: E = (1 - a^(k + 1)) / (1 - a), speedup = E / (k * draft cost + verify cost)."""
+    costs: E = (1 - a^(k + 1)) / (1 - a), or 1 + p_1 + ... + p_d from per-position acceptance
+    (chains or trees); speedup = E / (k * draft cost + verify cost)."""
     import math
 
-    from specdec.engine.estimate import expected_speedup, expected_tokens_per_step
+    from specdec.engine.estimate import expected_tokens_from_positions, expected_tokens_per_step
 
-    if not 0 <= acceptance <= 1:
-        raise ConfigError(f"--acceptance must be in [0, 1], got {acceptance}")
-    if k < 1:
-        raise ConfigError(f"-k must be >= 1, got {k}")
+    if per_position is not None:
+        if acceptance is not None or k is not None:
+            raise ConfigError("give --per-position, or -a and -k, not both")
+        try:
+            positions = [float(part) for part in per_position.split(",")]
+        except ValueError:
+            raise ConfigError(f"--per-position must be comma-separated numbers, got {per_position!r}") from None
+        try:
+            tokens = expected_tokens_from_positions(positions)
+        except ValueError as exc:
+            raise ConfigError(f"--per-position: {exc}") from None
+        k = len(positions)
+    else:
+        if acceptance is None or k is None:
+            raise ConfigError("give -a/--acceptance and -k, or --per-position")
+        if not 0 <= acceptance <= 1:
+            raise ConfigError(f"--acceptance must be in [0, 1], got {acceptance}")
+        if k < 1:
+            raise ConfigError(f"-k must be >= 1, got {k}")
+        tokens = expected_tokens_per_step(acceptance, k)
     if not (math.isfinite(draft_cost) and draft_cost >= 0):
         raise ConfigError(f"--draft-cost must be a number >= 0, got {draft_cost}")
     if not (math.isfinite(verify_cost) and verify_cost > 0):
         raise ConfigError(f"--verify-cost must be a number > 0, got {verify_cost}")
-    out.print(f"expected tokens per target step: {expected_tokens_per_step(acceptance, k):.2f}")
-    out.print(f"expected speedup over plain decoding: {expected_speedup(acceptance, k, draft_cost, verify_cost):.2f}x")
+    out.print(f"expected tokens per target step: {tokens:.2f}")
+    out.print(f"expected speedup over plain decoding: {tokens / (k * draft_cost + verify_cost):.2f}x")
 
 
 @app.command()

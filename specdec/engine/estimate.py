@@ -11,6 +11,16 @@ each (one draft pass over a target step) plus a target pass over k + 1 tokens, w
 low batch; measured on the CPU by `specdec costs`). The expected speedup over plain decoding is
 
     E[tokens per step] / (k * draft_cost + verify_cost).
+
+Measured acceptance need not be independent from position to position, and a token tree's is
+not a chain's: with p_i the fraction of steps whose drafted token at depth i was accepted (the
+`per_position_acceptance` specdec reports; for a tree, some node at depth i on the accepted
+path), a step commits on average
+
+    E[tokens per step] = 1 + p_1 + ... + p_d
+
+whatever the dependence, d being the chain's k or the tree's depth. The tree's verification
+cost is that of a pass over all its nodes (+ 1).
 """
 
 from __future__ import annotations
@@ -30,3 +40,14 @@ def expected_speedup(acceptance: float, k: int, draft_cost: float, verify_cost: 
     if draft_cost < 0 or verify_cost <= 0:
         raise ValueError("draft_cost must be >= 0 and verify_cost > 0")
     return expected_tokens_per_step(acceptance, k) / (k * draft_cost + verify_cost)
+
+
+def expected_tokens_from_positions(per_position: list[float]) -> float:
+    """1 + the sum of the per-position acceptances (non-increasing, in [0, 1])."""
+    if not per_position:
+        raise ValueError("per-position acceptance needs at least one position")
+    if any(not 0 <= p <= 1 for p in per_position):
+        raise ValueError(f"per-position acceptances must be in [0, 1], got {per_position}")
+    if any(b > a for a, b in zip(per_position, per_position[1:])):
+        raise ValueError(f"per-position acceptances cannot grow with depth (depth i needs depth i - 1), got {per_position}")
+    return 1.0 + sum(per_position)

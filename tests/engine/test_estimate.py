@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.engine.estimate import expected_speedup, expected_tokens_per_step
+from specdec.engine.estimate import expected_speedup, expected_tokens_from_positions, expected_tokens_per_step
 
 
 
@@ -61,6 +61,11 @@ def test_estimate_every_draft_accepted(run_cli) -> None:
         (["-a", "0.5", "-k", "2", "--draft-cost", "-1"], "--draft-cost must be a number >= 0"),
         (["-a", "0.5", "-k", "2", "--draft-cost", "inf"], "--draft-cost must be a number >= 0"),
         (["-a", "0.5", "-k", "2", "--draft-cost", "0", "--verify-cost", "0"], "--verify-cost must be a number > 0"),
+        (["-k", "2", "--draft-cost", "0.1"], "give -a/--acceptance and -k, or --per-position"),
+        (["--per-position", "0.5,0.3", "-a", "0.5"], "not both"),
+        (["--per-position", "0.5,x"], "comma-separated numbers"),
+        (["--per-position", "0.3,0.5"], "cannot grow with depth"),
+        (["--per-position", "1.2"], "must be in [0, 1]"),
     ],
 )
 def test_estimate_bad_input_is_one_line_error(
@@ -72,3 +77,15 @@ def test_estimate_bad_input_is_one_line_error(
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+
+
+def test_per_position_acceptance_gives_the_measured_tokens_per_step(run_cli) -> None:
+    # Independent positions with rate a: p_i = a^i, and the two formulas agree.
+    a, k = 0.7, 4
+    assert expected_tokens_from_positions([a ** i for i in range(1, k + 1)]) == pytest.approx(expected_tokens_per_step(a, k))
+    # A tree of depth 3 whose depths were accepted in 60%, 35% and 10% of steps; verifying its
+    # 6 nodes cost 1.8 plain steps, each of the 3 head passes 5% of one.
+    code, out, err = run_cli("estimate", "--per-position", "0.6,0.35,0.1", "--draft-cost", "0.05", "--verify-cost", "1.8")
+    assert code == 0, err
+    assert "expected tokens per target step: 2.05" in out
+    assert f"expected speedup over plain decoding: {2.05 / (3 * 0.05 + 1.8):.2f}x" in out
