@@ -49,6 +49,10 @@ class Drafter(Protocol):
         """After verification: `context` now holds the committed tokens; `num_accepted` of the
         proposal were accepted."""
 
+    # Optional: `resume()`, called before propose() when the engine had switched speculation off
+    # for this sequence for more than one step (adaptive k, the load schedule); a drafter that
+    # keeps state over the context may then catch up on less than everything it missed.
+
     def fork(self) -> Drafter:
         """A drafter for another sequence: the same weights (shared, not copied) and options,
         none of this one's per-sequence state."""

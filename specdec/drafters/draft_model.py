@@ -5,11 +5,11 @@ The draft runs k single-token steps per round. Its cache is kept in step with th
 keeping the longest prefix of what it has cached that is still in the committed context, and
 rolling back the rest (a length move, no copy).
 
-A draft the engine stopped asking for a while (adaptive k switched speculation off; more than
-one step without a proposal, since the last step of a request or a single timed plain step is
-one) would, when asked again, first have to catch up on everything committed meanwhile: on a
-long prompt that pass costs most of a prefill, and it is paid on every probe. Instead a
-resumed draft keeps the context's first `sink` tokens and catches up on only its last
+A draft the engine stopped asking for a while (adaptive k or the load schedule switched
+speculation off for more than one step; the engine says so by calling `resume()` before the
+next proposal) would first have to catch up on everything committed meanwhile: on a long
+prompt that pass costs most of a prefill, and it is paid on every probe. Instead a resumed
+draft keeps the context's first `sink` tokens and catches up on only its last
 `resume_window` (StreamingLLM's window with attention sinks). It runs at cache positions, not
 the context's, so under rotary embeddings each recent token keeps its distances to the others.
 The draft is weaker for seeing less, never wrong: what it proposes is still verified. It sees
@@ -72,8 +72,7 @@ class DraftModelDrafter:
         self.cache: PreallocatedCache | None = None
         self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
         self.offset = 0  # the draft sees context[:sink] + context[offset:]; 0: all of the context
-        self.proposed = False  # whether the engine asked for a draft since the last commit
-        self.skipped_steps = 0  # steps committed without asking since the last draft
+        self._resumed = False  # resume() was called: the next proposal may shorten the view
 
     def view(self, context: list[int]) -> list[int]:
         """The part of the context the draft runs on."""
@@ -87,6 +86,12 @@ class DraftModelDrafter:
             self.cache = self.runner.new_cache(max_len)
             self.cached = []
         self.offset = 0  # a new request is seen whole (unless the draft is resumed mid-way)
+        self._resumed = False
+
+    def resume(self) -> None:
+        """The engine paused speculation and asks again: catch up on the sink and the recent
+        window only, if the draft missed more than that."""
+        self._resumed = True
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
@@ -96,11 +101,11 @@ class DraftModelDrafter:
         #    resumed after being skipped catches up on the sink and the recent window only.
         view = self.view(context)
         keep = min(common_prefix_length(self.cached, view), len(view) - 1)
-        if self.skipped_steps > 1 and len(view) - keep > self.sink + self.resume_window:
+        if self._resumed and len(view) - keep > self.sink + self.resume_window:
             self.offset = len(context) - self.resume_window
             view = self.view(context)
             keep = min(common_prefix_length(self.cached, view), len(view) - 1)
-        self.proposed, self.skipped_steps = True, 0
+        self._resumed = False
         # The cache holds the view and all drafted tokens but the last: what its size leaves of k.
         k = min(k, self.cache.max_len - len(view) + 1)
         if k < 1:
@@ -132,10 +137,7 @@ class DraftModelDrafter:
                                  self.resume_window)
 
     def commit(self, context: list[int], num_accepted: int) -> None:
-        # The next propose() rolls the cache back to what the context kept.
-        if not self.proposed:
-            self.skipped_steps += 1  # counted across requests: a draft still off is resumed
-        self.proposed = False
+        pass  # the next propose() rolls the cache back to what the context kept
 
 
 def _same_model(name: str, target: LoadedModel) -> bool:

@@ -71,6 +71,7 @@ class Sequence:
     budget: int = field(init=False, default=0)
     row: int = field(init=False, default=-1)
     finished: bool = field(init=False, default=False)
+    paused_steps: int = field(init=False, default=0)  # steps in a row with speculation off (k 0)
     generator: torch.Generator | None = field(init=False, default=None)
     _text: TextAssembler | None = field(init=False, default=None)
     _eos: frozenset[int] = field(init=False, default=frozenset())
@@ -236,7 +237,14 @@ class BatchEngine:
             room = min(wish, seq.k, self.max_draft, seq.budget - len(seq.result.token_ids) - 1,
                        self.max_model_len - len(seq.context))
             tokens, probs, tree = [], None, None
-            if seq.drafter is not None and room > 0:
+            if seq.drafter is not None and min(wish, seq.k) < 1:
+                seq.paused_steps += 1
+            elif seq.drafter is not None and room > 0:
+                # Resumed after a pause (more than one step: a single timed plain step is none),
+                # a drafter that keeps state may catch up on less than everything it missed.
+                if seq.paused_steps > 1 and hasattr(seq.drafter, "resume"):
+                    seq.drafter.resume()
+                seq.paused_steps = 0
                 proposal = seq.drafter.propose(seq.context, room, seq.params, seq.generator)
                 if proposal.parents is not None:
                     tree = TokenTree(tuple(proposal.tokens), tuple(proposal.parents)).truncated(self.max_draft, room)

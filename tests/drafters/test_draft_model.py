@@ -14,6 +14,7 @@ from specdec.config import SamplingParams
 from specdec.drafters import build_drafter
 from specdec.drafters.draft_model import DraftModelDrafter, common_prefix_length
 from specdec.engine import Engine
+from specdec.engine.batch import BatchEngine, Sequence
 from specdec.models import LoadedModel, ModelRunner
 from specdec.sampling import logits_to_probs
 
@@ -113,6 +114,7 @@ def test_a_resumed_draft_catches_up_on_the_sink_and_recent_window_only(tiny_mode
     for _ in range(30):  # switched off: steps committed without asking for a draft
         context = context + [rng.randrange(1000, 40000)]
         drafter.commit(context, 0)
+    drafter.resume()  # the engine says so when it asks again
     proposal = drafter.propose(context, 3, SamplingParams(), None)
     view = context[:2] + context[-8:]
     assert proposal.tokens == reference_greedy(tiny_model, view, 3)
@@ -129,19 +131,36 @@ def test_a_resumed_draft_catches_up_on_the_sink_and_recent_window_only(tiny_mode
     assert drafter.propose(other, 2, SamplingParams(), None).tokens == reference_greedy(tiny_model, other, 2)
 
 
-def test_one_skipped_step_does_not_shorten_the_view(tiny_model: LoadedModel) -> None:
-    # The last step of a request (no room left to draft) skips the draft; the next request
-    # must still be drafted from its whole prompt, however long.
-    drafter = DraftModelDrafter(tiny_model, sink=2, resume_window=4)
-    first = list(range(1000, 1010))
-    drafter.begin(first, 64)
-    drafter.propose(first, 2, SamplingParams(), None)
-    drafter.commit(first + [3], 0)
-    drafter.commit(first + [3, 4], 0)  # the request's last step, undrafted
-    second = list(range(2000, 2020))
-    drafter.begin(second, 64)
-    assert drafter.propose(second, 2, SamplingParams(), None).tokens == reference_greedy(tiny_model, second, 2)
-    assert drafter.offset == 0
+class Scripted:
+    """A speculation policy that gives the listed k's, one per step."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self.ks = list(ks)
+
+    def next_k(self) -> int:
+        return self.ks.pop(0) if self.ks else 2
+
+    def observe(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("ks", "resumed"), [([2, 0, 2, 2], False), ([2, 0, 0, 2], True), ([0, 0, 0, 2], True)])
+def test_the_engine_says_when_a_draft_resumes(tiny_model: LoadedModel, ks: list[int], resumed: bool) -> None:
+    # One step off (a timed plain step, a request's last step) is no pause; two or more are.
+    calls: list[int] = []
+
+    class Watched(DraftModelDrafter):
+        def resume(self) -> None:
+            calls.append(len(ks))
+            super().resume()
+
+    engine = BatchEngine(tiny_model, max_rows=1, max_model_len=64, max_draft=2)
+    seq = Sequence(list(range(1000, 1010)), SamplingParams(max_tokens=12, ignore_eos=True), Watched(tiny_model), k=2,
+                   policy=Scripted(ks))
+    engine.add(seq)
+    for _ in range(len(ks)):
+        engine.step()
+    assert bool(calls) == resumed
 
 
 def test_resume_window_must_be_positive(tiny_model: LoadedModel) -> None:

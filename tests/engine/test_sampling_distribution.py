@@ -164,7 +164,7 @@ class ResumedDrafter(DraftModelDrafter):
 
     def begin(self, prompt_ids: list[int], max_len: int) -> None:
         super().begin(prompt_ids, max_len)
-        self.skipped_steps = 2
+        self.resume()
 
 
 def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoint=None, tmp_path=None) -> Engine:
