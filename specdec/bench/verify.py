@@ -24,7 +24,9 @@ distribution gives probability 0 (a rejected position's token where the target i
 the draft); the right rule makes none but through float round-off, bounded by a rate of
 1e-6 per position. It sees the rule only; the two-sample test sees the whole
 pipeline (how drafts are made and reported), so both count, Bonferroni-corrected together.
-Token trees go through the two-sample test alone.
+Token trees are watched the same way: at each depth of the accepted path the node's children
+were tried in order (each against what the earlier ones left), so the token's distribution is
+known there too.
 
 The self-check runs the same tests with the configured drafter on deliberately wrong rules and
 must reject each, or the test proved nothing: "accept every draft" (gross), and
@@ -190,15 +192,14 @@ WRONG_RULES = {"accept_every_draft": (accept_every_draft, tree_accept_first_bran
                "residual_from_target": (residual_from_target, tree_residual_from_target)}
 
 
-class RecordingRule:
-    """Wraps a chain acceptance rule and sums, over every position it decides, the terms of the
-    conditional test: (value, mean, variance) of each statistic given what the rule was given."""
+class ConditionalTest:
+    """Sums, over every position an acceptance rule decides, the terms of the conditional test:
+    (value, mean, variance) of each statistic given what the rule was given."""
 
     STATISTICS = ("draft_kept", "likelihood")
     ROUND_OFF = 1e-6  # the most impossible tokens per position that float round-off could make
 
-    def __init__(self, rule: SamplingRule = speculative_accept) -> None:
-        self.rule = rule
+    def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -206,39 +207,35 @@ class RecordingRule:
         self.positions = 0
         self.impossible = 0
 
-    def __call__(self, target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                 generator: torch.Generator | None) -> AcceptResult:
-        result = self.rule(target_probs, draft_tokens, draft_probs, generator)
-        for row in range(draft_tokens.shape[0]):
-            self._observe(target_probs[row].double(), draft_tokens[row].tolist(),
-                          None if draft_probs is None else draft_probs[row].double(), result.row(row))
-        return result
-
     def _add(self, name: str, value: float, mean: float, variance: float) -> None:
         s = self.sums[name]
         s[0] += value
         s[1] += mean
         s[2] += variance
 
-    def _observe(self, p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, tokens: list[int]) -> None:
-        # p: [k + 1, vocab]; q: [k, vocab] or None (one-hot drafts); tokens: what the rule committed.
-        for i, token in enumerate(tokens):
-            if i < len(drafts):
-                d = drafts[i]
-                q_i = torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).double() if q is None else q[i]
-                a = min(1.0, float(p[i, d]) / float(q_i[d])) if float(q_i[d]) > 0 else 1.0
-                residual = (p[i] - q_i).clamp_min(0)
-                mass = float(residual.sum())
-                residual = residual / mass if mass > 0 else p[i]
-                r = (1 - a) * residual
-                r[d] += a
-                self._add("draft_kept", float(token == d), a, a * (1 - a))
-            else:
-                r = p[i]  # the bonus token after a fully accepted draft
-            r2 = float((r * r).sum())
-            self._add("likelihood", float(r[token]), r2, max(0.0, float((r * r * r).sum()) - r2 * r2))
-            self.impossible += float(r[token]) == 0.0
-            self.positions += 1
+    def observe(self, p: torch.Tensor, drafts: list[int], q: list[torch.Tensor | None], token: int) -> None:
+        """One position: the target's distribution p [vocab], the drafted tokens tried there in
+        order (a chain's one, a tree node's children, none after a full accept) with their draft
+        distributions (None: one-hot), and the token the rule committed."""
+        p = p.double()
+        r = torch.zeros_like(p)
+        remaining, stay = p, 1.0  # what is left to draw from; the chance that every draft so far was rejected
+        for d, q_d in zip(drafts, q):
+            q_d = torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).double() if q_d is None else q_d.double()
+            a = min(1.0, float(remaining[d]) / float(q_d[d])) if float(q_d[d]) > 0 else 1.0
+            r[d] += stay * a
+            stay *= 1 - a
+            residual = (remaining - q_d).clamp_min(0)
+            mass = float(residual.sum())
+            remaining = residual / mass if mass > 0 else remaining
+        r += stay * remaining
+        if drafts:
+            kept = sum(float(r[d]) for d in set(drafts))
+            self._add("draft_kept", float(token in drafts), kept, kept * (1 - kept))
+        r2 = float((r * r).sum())
+        self._add("likelihood", float(r[token]), r2, max(0.0, float((r * r * r).sum()) - r2 * r2))
+        self.impossible += float(r[token]) == 0.0
+        self.positions += 1
 
     def pvalues(self) -> dict[str, float]:
         """Two-sided p-value of each statistic's z-score (1 where it has no variance)."""
@@ -248,6 +245,47 @@ class RecordingRule:
         # P(at least this many) when round-off alone makes them
         out["impossible"] = float(poisson.sf(self.impossible - 1, self.positions * self.ROUND_OFF)) if self.impossible else 1.0
         return out
+
+
+class RecordingRule:
+    """A chain acceptance rule, watched: every position it decides goes to `test`."""
+
+    def __init__(self, rule: SamplingRule = speculative_accept, test: ConditionalTest | None = None) -> None:
+        self.rule = rule
+        self.test = test or ConditionalTest()
+
+    def __call__(self, target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                 generator: torch.Generator | None) -> AcceptResult:
+        result = self.rule(target_probs, draft_tokens, draft_probs, generator)
+        for row in range(draft_tokens.shape[0]):
+            drafts = draft_tokens[row].tolist()
+            for i, token in enumerate(result.row(row)):
+                if i < len(drafts):  # position i tried draft i
+                    self.test.observe(target_probs[row, i], [drafts[i]],
+                                      [None if draft_probs is None else draft_probs[row, i]], token)
+                else:  # the bonus token after a fully accepted draft
+                    self.test.observe(target_probs[row, i], [], [], token)
+        return result
+
+
+class RecordingTreeRule:
+    """A token-tree acceptance rule, watched: each depth of the accepted path, and the final
+    token, against the node's children (tried in order, as the multi-draft rule tries them)."""
+
+    def __init__(self, rule: TreeRule = accept_tree_sampling, test: ConditionalTest | None = None) -> None:
+        self.rule = rule
+        self.test = test or ConditionalTest()
+
+    def __call__(self, target_probs: torch.Tensor, tree, draft_probs: torch.Tensor | None,
+                 generator: torch.Generator | None) -> tuple[list[int], int]:
+        path, final = self.rule(target_probs, tree, draft_probs, generator)
+        node = -1
+        for child, token in [(c, tree.tokens[c]) for c in path] + [(None, final)]:
+            children = tree.children(node)
+            self.test.observe(target_probs[node + 1], [tree.tokens[c] for c in children],
+                              [None if draft_probs is None else draft_probs[c] for c in children], token)
+            node = child if child is not None else node
+        return path, final
 
 
 def sample_continuations(engine: Engine, prompt_ids: list[int], params: SamplingParams, draws: int, seed0: int) -> list[Generation]:
@@ -306,7 +344,7 @@ def compare_samples(
     pvalues: list[tuple[str, float]] = []  # (test, uncorrected p-value)
     drafted = accepted = 0
     plain_samples = {} if plain_samples is None else plain_samples
-    recorder = spec_engine.sampling_rule if isinstance(spec_engine.sampling_rule, RecordingRule) else None
+    recorder = spec_engine.sampling_rule.test if isinstance(spec_engine.sampling_rule, RecordingRule) else None
     if recorder is not None:
         recorder.reset()
     for index, prompt in enumerate(prompts):
@@ -391,8 +429,9 @@ def verify_sampling(
         """The configured speculation (ngram k=4 without one), deciding with `rule`, watched."""
         drafter = build_drafter(config, llm.target) if config is not None else NgramDrafter(1, 6)
         k = config.num_speculative_tokens if config is not None else 4
-        return Engine(llm.target, drafter, num_speculative_tokens=k, sampling_rule=RecordingRule(rule),
-                      tree_rule=tree_rule, adaptive=config is not None and config.adaptive)
+        test = ConditionalTest()
+        return Engine(llm.target, drafter, num_speculative_tokens=k, sampling_rule=RecordingRule(rule, test),
+                      tree_rule=RecordingTreeRule(tree_rule, test), adaptive=config is not None and config.adaptive)
 
     result = compare_samples(llm, engine(speculative_accept, accept_tree_sampling), params, prompts, draws, length,
                              alpha, on_draws, plain)

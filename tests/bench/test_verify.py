@@ -15,19 +15,24 @@ import torch
 
 from specdec.api import LLM
 from specdec.bench.verify import (
+    ConditionalTest,
     RecordingRule,
+    RecordingTreeRule,
     accept_every_draft,
     builtin_prompts,
     compare_samples,
     first_divergence,
     homogeneity_pvalue,
     residual_from_target,
+    tree_accept_first_branch,
+    tree_residual_from_target,
     verify_invariant,
     verify_sampling,
 )
 from specdec.config import SamplingParams
 from specdec.models import LoadedModel
 from specdec.sampling import speculative_accept
+from specdec.sampling.tree import TokenTree, accept_tree_sampling
 
 
 def test_homogeneity_accepts_one_distribution_and_rejects_two() -> None:
@@ -49,7 +54,7 @@ def test_wrong_rule_keeps_every_draft() -> None:
     assert result.tokens[:, :2].tolist() == draft.tolist()
 
 
-def _watch(rule, calls: int, sampled_draft: bool) -> RecordingRule:
+def _watch(rule, calls: int, sampled_draft: bool) -> ConditionalTest:
     """`calls` decisions of `rule` on random target and draft distributions over 6 tokens, k = 2."""
     recorder = RecordingRule(rule)
     gen = torch.Generator().manual_seed(0)
@@ -61,7 +66,27 @@ def _watch(rule, calls: int, sampled_draft: bool) -> RecordingRule:
         else:
             draft_probs, draft = None, torch.randint(0, 6, (1, 2), generator=gen)
         recorder(target, draft, draft_probs, gen)
-    return recorder
+    return recorder.test
+
+
+def _watch_tree(rule, calls: int, sampled_draft: bool) -> ConditionalTest:
+    """`calls` decisions of a tree `rule` on a tree of 2 root children, the first with 2 children
+    of its own, over 6 tokens."""
+    recorder = RecordingTreeRule(rule)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(calls):
+        target = torch.softmax(3 * torch.randn(5, 6, generator=gen), -1)  # [1 + nodes, vocab]
+        if sampled_draft:  # siblings drawn without replacement from their shared draft distribution
+            draft_probs = torch.softmax(3 * torch.randn(4, 6, generator=gen), -1)
+            draft_probs[1], draft_probs[3] = draft_probs[0], draft_probs[2]
+            first = torch.multinomial(draft_probs[0], 2, generator=gen).tolist()
+            second = torch.multinomial(draft_probs[2], 2, generator=gen).tolist()
+            tokens = (first[0], first[1], second[0], second[1])
+        else:
+            draft_probs = None
+            tokens = tuple(torch.randperm(6, generator=gen)[:2].tolist() + torch.randperm(6, generator=gen)[:2].tolist())
+        recorder(target, TokenTree(tokens, (-1, -1, 0, 0)), draft_probs, gen)
+    return recorder.test
 
 
 @pytest.mark.parametrize("sampled_draft", [False, True])
@@ -87,9 +112,18 @@ def test_conditional_test_expects_the_acceptance_probability() -> None:
     for _ in range(1000):
         recorder(target, torch.tensor([[0]]), None, gen)
         half(target, torch.tensor([[0]]), None, gen)
-    assert recorder.sums["draft_kept"][1] == pytest.approx(300.0)  # the sum of the means
-    assert recorder.pvalues()["draft_kept"] > 0.001
-    assert half.pvalues()["draft_kept"] < 1e-10
+    assert recorder.test.sums["draft_kept"][1] == pytest.approx(300.0)  # the sum of the means
+    assert recorder.test.pvalues()["draft_kept"] > 0.001
+    assert half.test.pvalues()["draft_kept"] < 1e-10
+
+
+@pytest.mark.parametrize("sampled_draft", [False, True])
+def test_conditional_test_on_trees(sampled_draft: bool) -> None:
+    exact = _watch_tree(accept_tree_sampling, 3000, sampled_draft)
+    assert exact.impossible == 0 and min(exact.pvalues().values()) > 0.001, exact.pvalues()
+    for rule in (tree_residual_from_target, tree_accept_first_branch):
+        wrong = _watch_tree(rule, 3000, sampled_draft)
+        assert min(wrong.pvalues().values()) < 1e-6, (rule.__name__, wrong.pvalues())
 
 
 def test_builtin_prompts_cover_every_category() -> None:
@@ -209,9 +243,11 @@ def test_verify_sampling_on_a_tree_config(small_llm: LLM, tmp_path: Path) -> Non
     head.save(tmp_path)
     llm = LLM(loaded=small_llm.target, speculative_config={"method": "eagle", "model": str(tmp_path),
                                                           "num_speculative_tokens": 2, "tree_width": 2, "tree_nodes": 3})
-    # The subtle error shows only when a tree's first child is rejected: it takes more draws.
+    # The subtle error shows only when a tree's first child is rejected; the conditional test,
+    # watching every node's decision, needs no more than the first 200 draws.
     result, self_checks = verify_sampling(llm, SamplingParams(temperature=1.0), draws=200, length=4, prompts=PROMPTS,
-                                          max_draws=6400)
+                                          max_draws=200)
     assert result.passed and result.drafted > 0
+    assert set(result.conditional) == {"draft_kept", "likelihood", "impossible"}
     assert [c.rule for c in self_checks] == ["accept_every_draft", "residual_from_target"]
-    assert all(c.rejected for c in self_checks), self_checks
+    assert all(c.rejected and c.draws == 200 for c in self_checks), self_checks
