@@ -18,6 +18,7 @@ def build_report(raw: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     report["categories"] = {cat: systems[SPEC] for cat, systems in raw["categories_by_system"].items()}
     report["systems"] = raw["overall_by_system"]
     report["systems_by_category"] = raw["categories_by_system"]
+    report["systems_by_turn"] = raw["turns_by_system"]  # "1", "2", ...: every system on each turn of the records
     report["baselines"] = {name: info["baseline"] for name, info in raw["systems"].items()}
     report["prompts"] = raw["prompts"]
     return report

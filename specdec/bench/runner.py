@@ -147,6 +147,7 @@ def run_bench(
             system.run(warmup)
     overall = {name: Tally() for name in names}
     by_category: dict[str, dict[str, Tally]] = defaultdict(lambda: {name: Tally() for name in names})
+    by_turn: dict[int, dict[str, Tally]] = defaultdict(lambda: {name: Tally() for name in names})  # 1-based
     prompts = []
     for index, record in enumerate(records):
         order = systems[index % len(systems) :] + systems[: index % len(systems)]
@@ -160,6 +161,9 @@ def run_bench(
                 identical = all(a.token_ids == b.token_ids for a, b in zip(own, base))
             for tally in (overall[system.name], by_category[record.category][system.name]):
                 tally.add(own, identical)
+            for turn, result in enumerate(own):
+                same = None if system.baseline is None else result.token_ids == results[system.baseline][turn].token_ids
+                by_turn[turn + 1][system.name].add([result], same)
             single = Tally()
             single.add(own, identical)
             entry["systems"][system.name] = single.summary(_single(results[system.baseline]) if system.baseline else None)
@@ -174,6 +178,7 @@ def run_bench(
         "systems": {s.name: {"baseline": s.baseline} for s in systems},
         "overall_by_system": summarise(overall),
         "categories_by_system": {cat: summarise(t) for cat, t in by_category.items()},
+        "turns_by_system": {str(turn): summarise(t) for turn, t in sorted(by_turn.items())},
         "prompts": prompts,
     }
 

@@ -74,6 +74,9 @@ def test_tallies_speedup_and_identity_against_own_baseline() -> None:
     assert fast["identical"] == 2 and fast["prompts"] == 2
     assert raw["overall_by_system"]["wrong"]["identical"] == 0
     assert raw["categories_by_system"]["y"]["fast"]["tokens"] == 8
+    # Per turn: both records have a first turn, one a second.
+    assert raw["turns_by_system"]["1"]["fast"]["tokens"] == 8 and raw["turns_by_system"]["2"]["fast"]["tokens"] == 4
+    assert raw["turns_by_system"]["2"]["fast"]["speedup"] == pytest.approx(2.0)
 
 
 def test_bench_cli_writes_report(tmp_path: Path) -> None:
