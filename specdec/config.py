@@ -218,6 +218,8 @@ class SpeculativeConfig:
             parts.append(Path(self.profile).stem)
         elif self.layers is not None:
             parts.append(f"{len(self.layers)} layers")
+        if self.method == "suffix" and self.suffix_decoding_max_cached_requests == 0:
+            parts.append("no cache")
         parts.append(f"k={self.num_speculative_tokens}")
         if self.tree_width > 1:
             parts.append(f"tree {self.tree_width}x{self.tree_nodes or 4 * self.tree_width}")

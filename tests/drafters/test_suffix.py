@@ -142,6 +142,8 @@ def test_concurrent_requests_share_the_cache_safely() -> None:
 def test_config_options_are_checked() -> None:
     config = SpeculativeConfig.from_dict({"method": "suffix"})
     assert config.num_speculative_tokens == 6 and config.suffix_decoding_max_tree_depth == 24
+    assert config.label == "suffix k=6"
+    assert SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_max_cached_requests": 0}).label == "suffix no cache k=6"
     for bad in ({"suffix_decoding_max_tree_depth": 0}, {"suffix_decoding_min_token_prob": 1.5},
                 {"suffix_decoding_max_spec_factor": 0}, {"suffix_decoding_max_cached_requests": -1},
                 {"suffix_decoding_max_cache_mib": float("inf")}):
