@@ -14,7 +14,7 @@ from specdec.errors import ConfigError, SpecDecError
 
 
 def test_registered_methods() -> None:
-    assert registered_methods() == ["draft_model", "eagle", "hybrid", "layer_skip", "medusa", "ngram"]
+    assert registered_methods() == ["draft_model", "eagle", "hybrid", "layer_skip", "medusa", "mtp", "ngram", "suffix"]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
