@@ -47,7 +47,7 @@ def test_config_is_frozen_and_round_trips() -> None:
         ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer >= 1, got '4'"),
         ({"method": "ngram", "num_speculative_tokens": 65}, "num_speculative_tokens must be <= 64, got 65"),
         ({"method": "hydra"}, "unknown speculative method 'hydra'; choose one of: draft_model, eagle, hybrid, layer_skip, "
-                              "medusa, ngram"),
+                              "medusa, mtp, ngram, suffix"),
         ({"method": "ngram", "tree_width": 2}, "'tree_width' and 'tree_nodes' apply to methods 'eagle', 'hybrid' and 'mtp' only"),
         ({"method": "eagle", "tree_width": 0}, "tree_width must be an integer >= 1, got 0"),
         ({"method": "eagle", "drafter_invariant": "yes"}, "drafter_invariant must be true or false, got 'yes'"),
