@@ -140,6 +140,18 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def rope_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """[head_dim / 2] the rotary frequencies of a head layer."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def rope(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, head_dim] of the rotary embedding at these positions."""
+    angles = positions.float()[:, None] * inv_freq[None]  # [n, head_dim / 2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [heads, n, head_dim]; cos, sin: [n, head_dim]
     half = x.shape[-1] // 2
@@ -198,8 +210,7 @@ class EagleHead(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(c.rope_theta, c.head_dim), persistent=False)
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -213,9 +224,7 @@ class EagleHead(nn.Module):
     # --- the layer, in pieces: attention differs between drafting and training ---------------
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float()[:, None] * self.inv_freq[None]  # [n, head_dim / 2]
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()  # [n, head_dim] each
+        return rope(self.inv_freq, positions)
 
     def project(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """features: [n, hidden] (fused target states or the head's own output); tokens: [n],
@@ -296,7 +305,8 @@ class EagleHead(nn.Module):
 
 @dataclass(frozen=True)
 class PackedHead:
-    """The matrices of a head as the drafter multiplies them (:class:`PackedLinear`)."""
+    """The matrices of a head as the drafter multiplies them (:class:`PackedLinear`). `fc` is
+    the layer's input projection: EAGLE's fusion of the target's states, an MTP layer's eh_proj."""
 
     fc: PackedLinear
     qkv: PackedLinear

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import register
-from specdec.drafters.eagle import EagleDrafter, _rms_norm, _rotate
+from specdec.drafters.eagle import EagleDrafter, PackedHead, _rms_norm, _rotate, rope, rope_inv_freq
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
@@ -98,19 +98,6 @@ class MtpConfig:
                 "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta}
 
 
-@dataclass(frozen=True)
-class PackedMtp:
-    eh: PackedLinear
-    qkv: PackedLinear
-    o: PackedLinear
-    gate_up: PackedLinear
-    down: PackedLinear
-    lm: PackedLinear
-
-    def nbytes(self) -> int:
-        return sum(m.nbytes for m in (self.eh, self.qkv, self.o, self.gate_up, self.down, self.lm))
-
-
 class MtpHead:
     """The module's weights, shared by every sequence. `tensors` holds the layer's tensors
     named without the `model.layers.{L}.` prefix; the embedding and the LM head default to
@@ -131,8 +118,8 @@ class MtpHead:
         self.lm_rows = lm_rows if lm_rows is not None else backend.output_embeddings().float()
         self.target_norm = backend.final_norm_weight().float()  # h_t is the target's normed final state
         self.d2t = torch.zeros(c.vocab_size, dtype=torch.long)  # EAGLE's draft-vocabulary offsets: the full vocabulary
-        self._packed: dict[str, PackedMtp] = {}
-        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self._packed: dict[str, PackedHead] = {}
+        self.inv_freq = rope_inv_freq(c.rope_theta, c.head_dim)
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         shapes = {"eh_proj.weight": (c.hidden_size, 2 * c.hidden_size), "self_attn.q_proj.weight": (q, c.hidden_size),
                   "self_attn.k_proj.weight": (kv, c.hidden_size), "self_attn.v_proj.weight": (kv, c.hidden_size),
@@ -149,19 +136,17 @@ class MtpHead:
         return torch.arange(self.config.vocab_size)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float()[:, None] * self.inv_freq[None]  # [n, head_dim / 2]
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
+        return rope(self.inv_freq, positions)
 
-    def packed(self, fmt: str) -> PackedMtp:
+    def packed(self, fmt: str) -> PackedHead:
         """The matrices packed for drafting in `fmt`, built once and shared."""
         cache = self._packed
         if fmt not in cache:
             if fmt not in FORMATS:
                 raise ConfigError(f"unknown weight format {fmt!r} for an MTP module; choose one of: {', '.join(FORMATS)}")
             w = self.w
-            cache[fmt] = PackedMtp(
-                eh=PackedLinear.pack(w["eh_proj.weight"], fmt),
+            cache[fmt] = PackedHead(
+                fc=PackedLinear.pack(w["eh_proj.weight"], fmt),
                 qkv=PackedLinear.pack([w[f"self_attn.{p}_proj.weight"] for p in "qkv"], fmt),
                 o=PackedLinear.pack(w["self_attn.o_proj.weight"], fmt),
                 gate_up=PackedLinear.pack([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]], fmt),
@@ -229,7 +214,7 @@ class MtpDrafter(EagleDrafter):
         c, w, packed = self.head.config, self.head.w, self.weights
         n, eps = features.shape[0], c.rms_norm_eps
         embedded = self.head.embed[tokens] * (positions != 0)[:, None]  # vLLM zeroes position 0's
-        x = packed.eh(torch.cat([_rms_norm(embedded, w["enorm.weight"], eps),
+        x = packed.fc(torch.cat([_rms_norm(embedded, w["enorm.weight"], eps),
                                  _rms_norm(features, w["hnorm.weight"], eps)], dim=-1)).float()  # [n, hidden]
         h = _rms_norm(x, w["input_layernorm.weight"], eps)
         qkv = packed.qkv(h).float().view(n, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(0, 1)

@@ -102,6 +102,15 @@ class _Index:
                 found.append((doc, position + 1))
         return best, found
 
+    def propose(self, context: list[int], k: int, max_depth: int, spec_factor: float,
+                min_prob: float) -> tuple[list[int], float]:
+        """The walk from the longest matching suffix, at most min(k, spec_factor x its length)
+        tokens. Returns (tokens, expected accepted tokens)."""
+        m, occurrences = self.occurrences(context, max_depth)
+        if not occurrences:
+            return [], 0.0
+        return self.walk(occurrences, min(k, max(1, int(spec_factor * m))), min_prob)
+
     def walk(self, occurrences: list[tuple[int, int]], length: int, min_prob: float) -> tuple[list[int], float]:
         """The most frequent continuation of the occurrences, at most `length` tokens, while the
         product of the frequencies stays >= min_prob. Returns (tokens, expected accepted tokens)."""
@@ -161,10 +170,7 @@ class SuffixCache:
     def propose(self, context: list[int], k: int, max_depth: int, spec_factor: float,
                 min_prob: float) -> tuple[list[int], float]:
         with self._lock:
-            m, occurrences = self._index.occurrences(context, max_depth)
-            if not occurrences:
-                return [], 0.0
-            return self._index.walk(occurrences, min(k, max(1, int(spec_factor * m))), min_prob)
+            return self._index.propose(context, k, max_depth, spec_factor, min_prob)
 
 
 class SuffixDrafter:
@@ -197,9 +203,7 @@ class SuffixDrafter:
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         self._sync(context)
-        m, occurrences = self._own.occurrences(context, self.max_depth)
-        own, own_score = ([], 0.0) if not occurrences else self._own.walk(
-            occurrences, min(k, max(1, int(self.spec_factor * m))), self.min_prob)
+        own, own_score = self._own.propose(context, k, self.max_depth, self.spec_factor, self.min_prob)
         shared, shared_score = self.cache.propose(context, k, self.max_depth, self.spec_factor, self.min_prob)
         return Proposal(tokens=shared if shared_score > own_score else own)
 
