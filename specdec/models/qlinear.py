@@ -6,7 +6,8 @@ of its weights; packed integer weights are the cheapest way to read them. Each f
 want them:
 
 - `float32`: the matrix as is, multiplied as `weight @ x.T` (:func:`~specdec.models.linear.thin_linear`);
-- `bfloat16`: the matrix in bfloat16, activations cast to it;
+- `bfloat16`: the matrix in bfloat16, activations cast to it, at least four rows a product
+  (padded) so that every row goes through oneDNN's one row-invariant path;
 - `int8`: weight-only int8, one scale per output channel (`aten._weight_int8pack_mm`, bfloat16
   activations: its float32 path is many times slower);
 - `int4`: weight-only int4 in groups of 32 along the input, a bfloat16 scale and zero per group,
@@ -32,6 +33,10 @@ from specdec.models.linear import thin_linear
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 INT4_GROUP = 32
 INT4_OUT_MULTIPLE = 16  # the int4 kernel's packing needs out_features divisible by this
+# oneDNN's bfloat16 product takes another path below this many rows, and that path rounds some
+# rows differently (on AVX-512, K = 1536); from it on, a row's result no longer depends on how
+# many rows share the product (tests/models/test_native.py checks 1 to 40 rows, 1 and 2 threads).
+BFLOAT16_MIN_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,11 @@ class PackedLinear:
         if self.fmt == "float32":
             return thin_linear(x, t["weight"])
         if self.fmt == "bfloat16":
-            return x @ t["weight"].t()
+            rows = x.shape[0]
+            if rows >= BFLOAT16_MIN_ROWS:
+                return x @ t["weight"].t()
+            padded = torch.cat([x, x.new_zeros(BFLOAT16_MIN_ROWS - rows, x.shape[1])])
+            return (padded @ t["weight"].t())[:rows]
         if self.fmt == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, t["weight"], t["scales"])
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, t["weight"], INT4_GROUP, t["scales_and_zeros"])

@@ -27,11 +27,10 @@ PROMPTS = [
 ]
 
 
-# native-bfloat16 is left out: oneDNN's bfloat16 matrix product rounds a row differently with the
-# number of rows at some shapes (K = 1536 here), and bfloat16 activations turn that last-bit
-# difference into a visible one, so a verification pass is not bitwise a plain step and greedy
-# outputs can part at near-ties. int8 and int4 kernels are row-invariant (tests/models/test_native.py).
-VARIANTS = ["hf-float32", "native-float32", "native-int8", "native-auto"]
+# Every backend and format. bfloat16, int8 and int4 products are row-invariant, so a verification
+# pass is bitwise the plain steps it replaces (tests/models/test_native.py); float32 products are
+# not (MKL rounds a row otherwise from 4 rows on) and stay identical unless a near-tie of ~1e-6.
+VARIANTS = ["hf-float32", "native-float32", "native-bfloat16", "native-int8", "native-auto"]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -231,6 +230,9 @@ REAL_DRAFTERS = [
                   "suffix_decoding_min_token_prob": 0.0}, id="suffix-k8-eager"),
     pytest.param({"method": "draft_model", "model": "target", "quantization": "int8", "num_speculative_tokens": 5,
                   "adaptive": True}, id="int8-self-adaptive-k5"),
+    pytest.param({"method": "lookahead", "num_speculative_tokens": 2}, id="lookahead-k2"),
+    pytest.param({"method": "lookahead", "num_speculative_tokens": 4, "lookahead_window": 4, "lookahead_ngram": 2,
+                  "lookahead_guesses": 3}, id="lookahead-tree-k4"),
 ]
 
 
@@ -309,7 +311,7 @@ def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_med
         # request's handful of drafts before the switch-off is too few to bound.
         drafted = sum(o.stats.drafted_tokens for o in outputs)
         assert sum(o.stats.accepted_tokens for o in outputs) > 0.4 * drafted
-    if config["method"] in ("ngram", "suffix") or config.get("adaptive"):
+    if config["method"] in ("ngram", "suffix", "lookahead") or config.get("adaptive"):
         # The prompts repeat themselves enough for lookup to find something; an adaptive drafter
         # drafts at least until it has judged its first window.
         assert sum(o.stats.drafted_tokens for o in outputs) > 0
