@@ -1,201 +1,115 @@
-"""Frozen, validated configuration: how to sample, and how to speculate.
+"""Frozen, validated configuration: how to speculate (and, re-exported, how to sample).
 
 The speculative config uses the vocabulary of serving stacks (vLLM's `speculative_config`):
-`method`, `num_speculative_tokens`, `model`, `prompt_lookup_min`, `prompt_lookup_max`, plus
-specdec's own keys for self-speculation (`quantization`, `layers`, `profile`) and `adaptive`.
+`method`, `num_speculative_tokens`, `model`, plus each method's own keys (its options in the
+drafter registry, `specdec.drafters.registry`) and specdec's `adaptive` and `drafter_invariant`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specdec.drafters import registry
+from specdec.drafters.registry import Options
 from specdec.errors import ConfigError
+from specdec.sampling.params import SamplingParams
 
-# Defaults per method, chosen by measurement (see README, "Choosing k").
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft_model": 4, "layer_skip": 1, "eagle": 4, "hybrid": 4, "medusa": 3, "mtp": 1, "suffix": 6}
-QUANTIZATIONS = ("int8",)
+__all__ = ["COMMON_KEYS", "SamplingParams", "SpeculativeConfig"]
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. `temperature == 0` is greedy decoding.
-
-    top_k = 0 and top_p = 1 and min_p = 0 turn those filters off.
-    drafter_invariant: sample each token as argmax(log p + Gumbel noise keyed by the seed and the
-        token's position), so a seeded request gives the same tokens whatever the drafter, k,
-        batch or load, speculation on or off (see `specdec.sampling.invariant`).
-    """
-
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    drafter_invariant: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0 <= self.min_p < 1:
-            raise ConfigError(f"min_p must be in [0, 1), got {self.min_p!r}")
-        if any(not s for s in self.stop):
-            raise ConfigError("stop strings must be non-empty")
-        if not isinstance(self.drafter_invariant, bool):
-            raise ConfigError(f"drafter_invariant must be true or false, got {self.drafter_invariant!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+COMMON_KEYS = ("method", "num_speculative_tokens", "model", "adaptive", "drafter_invariant")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SpeculativeConfig:
     """What drafts the guesses and how many.
 
-    method: a registered drafter name (`ngram`, `draft_model`, `layer_skip`, `eagle`, `hybrid`,
-        `medusa`, `mtp`, `suffix`).
-    num_speculative_tokens: k, the most tokens drafted per target step (>= 1).
-    model: the draft model for `draft_model`: the same forms as the target (a GGUF path, a
-        Hugging Face model directory, `default`), or `target` for the target's own weights.
-        For `eagle` and `hybrid`: a head directory (`specdec train-draft`, or a published
-        EAGLE-3 head); without it, the head shipped for the target. For `medusa` likewise.
-        For `mtp`: a checkpoint directory holding a multi-token-prediction layer (DeepSeek-V3
-        layout); without it, the target's own directory.
-    quantization: `int8` quantizes the draft model's linear layers (weight-only int8 with
-        dynamic activation scaling) in a copy that shares the target's embeddings; with
-        `model: target` this is the quantized self-draft.
-    prompt_lookup_min / prompt_lookup_max: n-gram sizes `ngram` tries, longest first (`hybrid`
-        uses lookup only for matches of at least 3 tokens).
-    layers: for `layer_skip`, the target's layers (0-based indices) the draft runs.
-    profile: for `layer_skip`, a calibration profile file (`specdec calibrate`) naming them.
-        Without either, the profile shipped for the model, else a default set.
+    The keys every method shares:
+
+    method: a registered drafter name (`specdec.drafters.registry`): `ngram`, `draft_model`,
+        `layer_skip`, `eagle`, `hybrid`, `medusa`, `mtp`, `suffix`.
+    num_speculative_tokens: k, the most tokens drafted per target step (>= 1); without it the
+        method's default k from the registry.
+    model: what drafts, for the methods that read one: for `draft_model` the draft model (the
+        same forms as the target: a GGUF path, a Hugging Face model directory, `default`), or
+        `target` for the target's own weights; for `eagle`, `hybrid` and `medusa` a head
+        directory (`specdec train-draft`, or a published EAGLE-3 / Medusa head; without it, the
+        head shipped for the target); for `mtp` a checkpoint directory holding a
+        multi-token-prediction layer (without it, the target's own directory).
     adaptive: let the number of drafted tokens follow acceptance (at most
         num_speculative_tokens), and switch speculation off for a while when it does not pay.
     drafter_invariant: sample with the drafter-invariant rule (SamplingParams.drafter_invariant):
         a seeded request gives the same tokens with speculation on or off.
-    suffix_decoding_*: for `suffix` (names as in vLLM): the longest suffix matched, the most
-        tokens proposed per matched token, the least empirical probability of a proposal, and the
-        route's cache of earlier outputs: at most so many requests and MiB (0 requests: no cache).
-    tree_width, tree_nodes: for `eagle`, `hybrid` and `mtp`, draft a token tree instead of a chain:
-        the head's top `tree_width` tokens at each of the `tree_width` best nodes of each depth
-        (num_speculative_tokens deep), the `tree_nodes` best kept (default 4 x width). 1: a chain.
+
+    Every other key belongs to the method: its options dataclass in the registry validates it
+    (`prompt_lookup_min`/`_max` for ngram and hybrid, `quantization` for draft_model, `layers`
+    and `profile` for layer_skip, `tree_width`/`tree_nodes` for eagle, hybrid and mtp,
+    `suffix_decoding_*` for suffix). They are given flat, as in vLLM's `speculative_config`
+    (`SpeculativeConfig(method="ngram", prompt_lookup_max=3)`), kept in `options`, and read as
+    attributes (`config.prompt_lookup_max`).
     """
 
     method: str
-    num_speculative_tokens: int | None = None
-    model: str | None = None
-    quantization: str | None = None
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 6
-    layers: tuple[int, ...] | None = None
-    profile: str | None = None
-    adaptive: bool = False
-    drafter_invariant: bool = False
-    tree_width: int = 1
-    tree_nodes: int | None = None
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
-    suffix_decoding_max_cached_requests: int = 10000
-    suffix_decoding_max_cache_mib: float = 64.0
+    num_speculative_tokens: int
+    model: str | None
+    adaptive: bool
+    drafter_invariant: bool
+    options: Options
 
-    def __post_init__(self) -> None:
-        # Imported here: the registry imports drafters, which import this module.
-        from specdec.drafters import registered_methods
-
-        methods = registered_methods()
-        if self.method not in methods:
-            raise ConfigError(f"unknown speculative method {self.method!r}; choose one of: {', '.join(methods)}")
-        if self.num_speculative_tokens is None:
-            object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS.get(self.method, 4))
-        k = self.num_speculative_tokens
+    def __init__(
+        self,
+        method: str,
+        num_speculative_tokens: int | None = None,
+        model: str | None = None,
+        adaptive: bool = False,
+        drafter_invariant: bool = False,
+        options: Options | None = None,
+        **method_keys: Any,
+    ) -> None:
+        entry = registry.method(method)
+        if options is None:
+            options = entry.make_options(method_keys, COMMON_KEYS)
+        else:
+            if type(options) is not entry.options:
+                raise ConfigError(f"options for method {method!r} must be {entry.options.__name__}, got {type(options).__name__}")
+            if method_keys:
+                entry.make_options(method_keys, COMMON_KEYS)  # names the unknown keys, if any
+                options = dataclasses.replace(options, **method_keys)
+        k = entry.default_k if num_speculative_tokens is None else num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
         if k > 64:
             raise ConfigError(f"num_speculative_tokens must be <= 64, got {k}")
-        for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ConfigError(
-                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
-            )
-        if self.method == "draft_model" and not self.model:
-            raise ConfigError("method 'draft_model' needs a draft model: set 'model' in the speculative config")
-        if self.quantization is not None:
-            if self.method != "draft_model":
-                raise ConfigError("'quantization' applies to method 'draft_model' only")
-            if self.quantization not in QUANTIZATIONS:
-                raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of: {', '.join(QUANTIZATIONS)}")
-        if self.layers is not None:
-            layers = self.layers
-            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-                raise ConfigError(f"layers must be a list of layer indices, got {layers!r}")
-            layers = tuple(layers)
-            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
-                raise ConfigError(f"layers must be a non-empty list of integers >= 0, got {list(layers)!r}")
-            if len(set(layers)) != len(layers):
-                raise ConfigError(f"layers must not repeat a layer, got {list(layers)!r}")
-            object.__setattr__(self, "layers", tuple(sorted(layers)))
-        if (self.layers is not None or self.profile is not None) and self.method != "layer_skip":
-            raise ConfigError("'layers' and 'profile' apply to method 'layer_skip' only")
-        if self.layers is not None and self.profile is not None:
-            raise ConfigError("give 'layers' or 'profile' for layer_skip, not both")
-        if self.profile is not None and not Path(self.profile).expanduser().is_file():
-            raise ConfigError(f"layer_skip profile not found: {self.profile}")
-        if not isinstance(self.adaptive, bool):
-            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
-        if not isinstance(self.drafter_invariant, bool):
-            raise ConfigError(f"drafter_invariant must be true or false, got {self.drafter_invariant!r}")
-        for name in ("tree_width", "tree_nodes"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.tree_width is None:
-            raise ConfigError("tree_width must be an integer >= 1, got None")
-        if (self.tree_width > 1 or self.tree_nodes is not None) and self.method not in ("eagle", "hybrid", "mtp"):
-            raise ConfigError("'tree_width' and 'tree_nodes' apply to methods 'eagle', 'hybrid' and 'mtp' only")
-        for name, low in (("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_max_cache_mib"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
-        value = self.suffix_decoding_min_token_prob
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ConfigError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {value!r}")
-        if self.tree_width > 1 and self.tree_width * self.num_speculative_tokens > 64:
-            raise ConfigError("a tree of tree_width x num_speculative_tokens > 64 expanded nodes is too large")
+        if model is not None and not isinstance(model, str):
+            raise ConfigError(f"model must be a string, got {model!r}")
+        if not isinstance(adaptive, bool):
+            raise ConfigError(f"adaptive must be true or false, got {adaptive!r}")
+        if not isinstance(drafter_invariant, bool):
+            raise ConfigError(f"drafter_invariant must be true or false, got {drafter_invariant!r}")
+        for name, value in (("method", method), ("num_speculative_tokens", k), ("model", model), ("adaptive", adaptive),
+                            ("drafter_invariant", drafter_invariant), ("options", options)):
+            object.__setattr__(self, name, value)
+        options.check(self)
+
+    def __getattr__(self, name: str) -> Any:
+        # The method's own keys read as attributes; only reached when normal lookup fails.
+        options = self.__dict__.get("options")
+        if options is not None and not name.startswith("__") and name in options.__dataclass_fields__:
+            return getattr(options, name)
+        method = self.__dict__.get("method")
+        raise AttributeError(f"speculative config for method {method!r} has no key {name!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"speculative config must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown speculative config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if "method" not in data:
             raise ConfigError("speculative config needs a 'method'")
+        if "options" in data:
+            raise ConfigError("give the method's keys flat in the speculative config, not under 'options'")
         return cls(**data)
 
     @classmethod
@@ -212,17 +126,9 @@ class SpeculativeConfig:
         parts = [self.method]
         if self.method in ("draft_model", "eagle", "hybrid", "medusa", "mtp") and self.model:
             parts.append("self" if self.model == "target" else Path(self.model).name)
-        if self.quantization:
-            parts.append(self.quantization)
-        if self.profile:
-            parts.append(Path(self.profile).stem)
-        elif self.layers is not None:
-            parts.append(f"{len(self.layers)} layers")
-        if self.method == "suffix" and self.suffix_decoding_max_cached_requests == 0:
-            parts.append("no cache")
+        parts += self.options.label()
         parts.append(f"k={self.num_speculative_tokens}")
-        if self.tree_width > 1:
-            parts.append(f"tree {self.tree_width}x{self.tree_nodes or 4 * self.tree_width}")
+        parts += self.options.label_after_k()
         if self.adaptive:
             parts.append("adaptive")
         if self.drafter_invariant:
@@ -255,7 +161,15 @@ class SpeculativeConfig:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        if self.layers is not None:
-            data["layers"] = list(self.layers)
+        """The config as flat JSON-able keys: the common ones, then the method's."""
+        data = {name: getattr(self, name) for name in COMMON_KEYS}
+        data.update({k: list(v) if isinstance(v, tuple) else v for k, v in self.options.to_dict().items()})
+        return data
+
+    def defaults(self) -> dict[str, Any]:
+        """Every key's default for this method (k: the method's default k)."""
+        entry = registry.method(self.method)
+        data = {"method": self.method, "num_speculative_tokens": entry.default_k, "model": None, "adaptive": False,
+                "drafter_invariant": False}
+        data.update({f.name: f.default for f in dataclasses.fields(entry.options)})
         return data

@@ -8,8 +8,7 @@ import dataclasses
 import pytest
 
 from specdec import SamplingParams, SpeculativeConfig
-from specdec.config import DEFAULT_NUM_SPECULATIVE_TOKENS
-from specdec.drafters import registered_methods
+from specdec.drafters import default_k, registered_methods
 from specdec.errors import ConfigError, SpecDecError
 
 
@@ -20,8 +19,9 @@ def test_registered_methods() -> None:
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_default_k_per_method(method: str) -> None:
     config = SpeculativeConfig(method=method, model="default" if method == "draft_model" else None)
-    assert config.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS[method]
-    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (1, 6)
+    assert config.num_speculative_tokens == default_k(method) == {"ngram": 4, "draft_model": 4}[method]
+    if method == "ngram":
+        assert (config.prompt_lookup_min, config.prompt_lookup_max) == (1, 6)
 
 
 def test_config_is_frozen_and_round_trips() -> None:
@@ -48,7 +48,16 @@ def test_config_is_frozen_and_round_trips() -> None:
         ({"method": "ngram", "num_speculative_tokens": 65}, "num_speculative_tokens must be <= 64, got 65"),
         ({"method": "hydra"}, "unknown speculative method 'hydra'; choose one of: draft_model, eagle, hybrid, layer_skip, "
                               "medusa, mtp, ngram, suffix"),
-        ({"method": "ngram", "tree_width": 2}, "'tree_width' and 'tree_nodes' apply to methods 'eagle', 'hybrid' and 'mtp' only"),
+        ({"method": "ngram", "tree_width": 2}, "unknown speculative config key(s) for method 'ngram': tree_width; "
+                                               "'tree_width' is a key of eagle, hybrid, mtp"),
+        ({"method": "eagle", "tree_width": 16, "num_speculative_tokens": 5}, "a tree of tree_width x num_speculative_tokens > 64"),
+        ({"method": "ngram", "layers": [1]}, "'layers' is a key of layer_skip"),
+        ({"method": "layer_skip", "layers": [1, 1]}, "layers must not repeat a layer, got [1, 1]"),
+        ({"method": "layer_skip", "layers": [1], "profile": "p.json"}, "give 'layers' or 'profile' for layer_skip, not both"),
+        ({"method": "draft_model", "model": "/m", "quantization": "int4"}, "unknown quantization 'int4'; choose one of: int8"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob must be a number in [0, 1], got 1.5"),
+        ({"method": "suffix", "suffix_decoding_max_cache_mib": 0}, "suffix_decoding_max_cache_mib must be a number > 0, got 0"),
+        ({"method": "ngram", "options": None, "adaptive": 1}, "adaptive must be true or false, got 1"),
         ({"method": "eagle", "tree_width": 0}, "tree_width must be an integer >= 1, got 0"),
         ({"method": "eagle", "drafter_invariant": "yes"}, "drafter_invariant must be true or false, got 'yes'"),
         ({"method": "draft_model"}, "method 'draft_model' needs a draft model"),
@@ -66,7 +75,7 @@ def test_invalid_speculative_config(kwargs: dict, message: str) -> None:
         SpeculativeConfig(**kwargs)
     assert message in str(info.value)
     # The same through the dict and JSON forms.
-    with pytest.raises(ConfigError, match="speculative|num_speculative_tokens|prompt_lookup|draft|tree_width"):
+    with pytest.raises(ConfigError, match="speculative|num_speculative_tokens|prompt_lookup|draft|tree|layers|quantization|suffix|adaptive|options"):
         SpeculativeConfig.from_dict(kwargs)
 
 
@@ -76,7 +85,8 @@ def test_invalid_speculative_config(kwargs: dict, message: str) -> None:
         ('{"method": "ngram",', "speculative config is not valid JSON"),
         ("method=ngram", "speculative config is not valid JSON: Expecting value at line 1 column 1"),
         ('["ngram"]', "speculative config must be a JSON object, got list"),
-        ('{"method": "ngram", "k": 3}', "unknown speculative config key(s): k; known:"),
+        ('{"method": "ngram", "k": 3}', "unknown speculative config key(s) for method 'ngram': k; known:"),
+        ('{"method": "ngram", "options": {}}', "give the method's keys flat"),
         ('{"num_speculative_tokens": 3}', "speculative config needs a 'method'"),
     ],
 )
@@ -87,8 +97,25 @@ def test_invalid_json_config(text: str, message: str) -> None:
 
 
 def test_unknown_keys_are_all_named() -> None:
-    with pytest.raises(ConfigError, match=r"unknown speculative config key\(s\): draft, k; known: adaptive, drafter_invariant, layers, method, model, "):
+    with pytest.raises(ConfigError, match=r"unknown speculative config key\(s\) for method 'ngram': draft, k; known: adaptive, "
+                                          r"drafter_invariant, method, model, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min$"):
         SpeculativeConfig.from_dict({"method": "ngram", "k": 3, "draft": "x"})
+
+
+def test_method_keys_live_in_the_registry_options() -> None:
+    # The common keys are the config's fields; a method's own keys are its registry options,
+    # readable as attributes, flattened by to_dict and kept by dataclasses.replace.
+    config = SpeculativeConfig(method="hybrid", prompt_lookup_max=4, tree_width=2)
+    assert [f.name for f in dataclasses.fields(SpeculativeConfig)] == [
+        "method", "num_speculative_tokens", "model", "adaptive", "drafter_invariant", "options"]
+    assert (config.prompt_lookup_max, config.tree_width, config.options.proposal_nodes) == (4, 2, 8)
+    assert config.to_dict()["tree_width"] == 2 and "options" not in config.to_dict()
+    assert dataclasses.replace(config, num_speculative_tokens=2, tree_width=3).options.tree_width == 3
+    assert dataclasses.replace(config, num_speculative_tokens=2).options == config.options
+    assert config.label == "hybrid k=4 tree 2x8"
+    with pytest.raises(AttributeError, match="no key 'layers'"):
+        config.layers  # noqa: B018
+    assert SpeculativeConfig(method="layer_skip", layers=[5, 2]).layers == (2, 5)
 
 
 def test_config_errors_are_value_errors_and_specdec_errors() -> None:

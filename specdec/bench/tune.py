@@ -46,10 +46,10 @@ import matplotlib
 
 from specdec.api import LLM, Message
 from specdec.bench.data import Record
-from specdec.engine.estimate import expected_tokens_per_step
-from specdec.bench.runner import RunResult, Runner, System, run_bench, specdec_runner
+from specdec.bench.runner import Runner, RunResult, System, run_bench, specdec_runner
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.head_files import shipped_dir
+from specdec.engine.estimate import expected_tokens_per_step
 from specdec.engine.stats import RequestStats
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
@@ -270,7 +270,7 @@ def _scope(measured: dict[str, Any], config: RequestStats, plain: RequestStats) 
 
 def compact(config: SpeculativeConfig) -> dict[str, Any]:
     """The config's keys that differ from the defaults (method and k always)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+    defaults = config.defaults()
     return {
         key: value for key, value in config.to_dict().items()
         if key in ("method", "num_speculative_tokens") or value != defaults.get(key)

@@ -1,8 +1,9 @@
-"""Drafters, one module each, registered by method name."""
+"""Drafters, one module each, registered by method name (`specdec.drafters.registry`)."""
 
-from specdec.drafters.base import Drafter, Proposal, build_drafter, register, registered_methods
+from specdec.drafters.base import Drafter, Proposal
+from specdec.drafters.registry import Options, build_drafter, default_k, method, register, registered_methods
 
 # Importing a drafter module registers it.
 from specdec.drafters import draft_model, eagle, hybrid, layer_skip, medusa, mtp, ngram, suffix  # noqa: E402,F401  isort: skip
 
-__all__ = ["Drafter", "Proposal", "build_drafter", "register", "registered_methods"]
+__all__ = ["Drafter", "Options", "Proposal", "build_drafter", "default_k", "method", "register", "registered_methods"]

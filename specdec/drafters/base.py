@@ -1,4 +1,4 @@
-"""The drafter protocol and the registry of drafters by name.
+"""The drafter protocol (the registry of drafters by name is `specdec.drafters.registry`).
 
 A drafter proposes up to k tokens to follow the context; the engine verifies them with one
 target pass and then tells the drafter what was committed, so a stateful drafter (one with a
@@ -7,17 +7,13 @@ KV cache) can roll back. The engine never looks at a drafter's type.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specdec.config import SamplingParams
-
 if TYPE_CHECKING:
-    from specdec.config import SpeculativeConfig
-    from specdec.models.loader import LoadedModel
+    from specdec.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -49,6 +45,9 @@ class Drafter(Protocol):
         """After verification: `context` now holds the committed tokens; `num_accepted` of the
         proposal were accepted."""
 
+    # Optional: `observe_verified(tokens, parents, top)`, called after each verification pass the
+    # drafter proposed for, before commit(): the nodes verified (a chain's parents are -1, 0, 1,
+    # ...) and the target's top token after the fed token and after each node.
     # Optional: `resume()`, called before propose() when the engine had switched speculation off
     # for this sequence for more than one step (adaptive k, the load schedule); a drafter that
     # keeps state over the context may then catch up on less than everything it missed.
@@ -56,27 +55,3 @@ class Drafter(Protocol):
     def fork(self) -> Drafter:
         """A drafter for another sequence: the same weights (shared, not copied) and options,
         none of this one's per-sequence state."""
-
-
-DrafterFactory = Callable[["SpeculativeConfig", "LoadedModel"], Drafter]
-_REGISTRY: dict[str, DrafterFactory] = {}
-
-
-def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
-    """Register a drafter factory under a method name."""
-
-    def wrap(factory: DrafterFactory) -> DrafterFactory:
-        if name in _REGISTRY:
-            raise ValueError(f"drafter {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return wrap
-
-
-def registered_methods() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def build_drafter(config: SpeculativeConfig, target: LoadedModel) -> Drafter:
-    return _REGISTRY[config.method](config, target)

@@ -28,19 +28,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters import head_files
-from specdec.drafters.base import Proposal, register
+from specdec.drafters.base import Proposal
+from specdec.drafters.registry import Options, register, require_int
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
 from specdec.sampling.invariant import invariant_tokens
+from specdec.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.config import SpeculativeConfig
 
 TREE_SLOTS = 64  # cache slots for a tree's expanded nodes (tree_width x depth at most)
 
@@ -500,6 +504,32 @@ def load_head(config: SpeculativeConfig, target: LoadedModel) -> EagleHead:
     return EagleHead.load(head_files.config_dir("eagle", config, target), target)
 
 
-@register("eagle")
+@dataclass(frozen=True)
+class TreeOptions(Options):
+    """tree_width, tree_nodes: draft a token tree instead of a chain: the head's top `tree_width`
+    tokens at each of the `tree_width` best nodes of each depth (k deep), the `tree_nodes` best
+    kept (default 4 x width). 1: a chain."""
+
+    tree_width: int = 1
+    tree_nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        require_int("tree_width", self.tree_width, 1)
+        require_int("tree_nodes", self.tree_nodes, 1, optional=True)
+
+    def check(self, config: SpeculativeConfig) -> None:
+        if self.tree_width > 1 and self.tree_width * config.num_speculative_tokens > 64:
+            raise ConfigError("a tree of tree_width x num_speculative_tokens > 64 expanded nodes is too large")
+
+    def label_after_k(self) -> list[str]:
+        return [f"tree {self.tree_width}x{self.tree_nodes or 4 * self.tree_width}"] if self.tree_width > 1 else []
+
+    @property
+    def proposal_nodes(self) -> int:
+        """The most tokens one proposal holds beyond k (0 for a chain)."""
+        return (self.tree_nodes or 4 * self.tree_width) if self.tree_width > 1 else 0
+
+
+@register("eagle", options=TreeOptions, default_k=4)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> EagleDrafter:
     return EagleDrafter(load_head(config, target), tree_width=config.tree_width, tree_nodes=config.tree_nodes)

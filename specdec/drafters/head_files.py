@@ -10,14 +10,16 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from specdec.config import SpeculativeConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

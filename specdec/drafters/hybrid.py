@@ -10,13 +10,20 @@ is ready whenever lookup has nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
-from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.drafters.base import Proposal, register
-from specdec.drafters.eagle import EagleDrafter, load_head
-from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.base import Proposal
+from specdec.drafters.eagle import EagleDrafter, TreeOptions, load_head
+from specdec.drafters.ngram import NgramDrafter, NgramOptions
+from specdec.drafters.registry import register
 from specdec.models.loader import LoadedModel
+from specdec.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.config import SpeculativeConfig
 
 MIN_MATCH = 3
 
@@ -54,7 +61,17 @@ class HybridDrafter:
         return HybridDrafter(self.eagle.fork(), self.lookup.fork())
 
 
-@register("hybrid")
+@dataclass(frozen=True)
+class HybridOptions(TreeOptions, NgramOptions):
+    """Prompt lookup's n-gram sizes (only matches of at least 3 tokens are used) and the head's
+    tree shape."""
+
+    def __post_init__(self) -> None:
+        NgramOptions.__post_init__(self)
+        TreeOptions.__post_init__(self)
+
+
+@register("hybrid", options=HybridOptions, default_k=4)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> HybridDrafter:
     n_min = max(config.prompt_lookup_min, MIN_MATCH)
     return HybridDrafter(EagleDrafter(load_head(config, target), tree_width=config.tree_width,

@@ -21,13 +21,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specdec.config import SpeculativeConfig
-from specdec.drafters.base import register
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.registry import Options, register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from specdec.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,37 @@ def resolve_layers(config: SpeculativeConfig, target: LoadedModel) -> tuple[int,
     return profile.layers
 
 
-@register("layer_skip")
+@dataclass(frozen=True)
+class LayerSkipOptions(Options):
+    """layers: the target's layers (0-based) the draft runs; profile: a calibration profile file
+    (`specdec calibrate`) naming them. Without either, the profile shipped for the model, else
+    :func:`default_layers`."""
+
+    layers: tuple[int, ...] | None = None
+    profile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:
+            layers = self.layers
+            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+                raise ConfigError(f"layers must be a list of layer indices, got {layers!r}")
+            layers = tuple(layers)
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+                raise ConfigError(f"layers must be a non-empty list of integers >= 0, got {list(layers)!r}")
+            if len(set(layers)) != len(layers):
+                raise ConfigError(f"layers must not repeat a layer, got {list(layers)!r}")
+            object.__setattr__(self, "layers", tuple(sorted(layers)))
+            if self.profile is not None:
+                raise ConfigError("give 'layers' or 'profile' for layer_skip, not both")
+        if self.profile is not None and not Path(self.profile).expanduser().is_file():
+            raise ConfigError(f"layer_skip profile not found: {self.profile}")
+
+    def label(self) -> list[str]:
+        if self.profile:
+            return [Path(self.profile).stem]
+        return [] if self.layers is None else [f"{len(self.layers)} layers"]
+
+
+@register("layer_skip", options=LayerSkipOptions, default_k=1)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
     return DraftModelDrafter(target, resolve_layers(config, target))

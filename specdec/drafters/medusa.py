@@ -19,19 +19,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters import head_files
-from specdec.drafters.base import Proposal, register
+from specdec.drafters.base import Proposal
+from specdec.drafters.registry import register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
 from specdec.sampling.invariant import invariant_tokens
+from specdec.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.config import SpeculativeConfig
 
 
 
@@ -222,6 +226,6 @@ def load_heads(config: SpeculativeConfig, target: LoadedModel) -> MedusaHeads:
     return MedusaHeads.load(head_files.config_dir("medusa", config, target), target)
 
 
-@register("medusa")
+@register("medusa", default_k=3)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> MedusaDrafter:
     return MedusaDrafter(load_heads(config, target), target.num_layers)

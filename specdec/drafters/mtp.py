@@ -24,19 +24,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specdec.config import SpeculativeConfig
-from specdec.drafters.base import register
-from specdec.drafters.eagle import EagleDrafter, PackedHead, _rms_norm, _rotate, rope, rope_inv_freq
+from specdec.drafters.eagle import EagleDrafter, PackedHead, TreeOptions, _rms_norm, _rotate, rope, rope_inv_freq
+from specdec.drafters.registry import register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
+
+if TYPE_CHECKING:
+    from specdec.config import SpeculativeConfig
 
 LAYER_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                  "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -245,7 +247,7 @@ def mtp_dir(config: SpeculativeConfig, target: LoadedModel) -> Path:
                       "set 'model' to the directory of a checkpoint whose config has num_nextn_predict_layers")
 
 
-@register("mtp")
+@register("mtp", options=TreeOptions, default_k=1)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> MtpDrafter:
     return MtpDrafter(load_mtp(mtp_dir(config, target), target), tree_width=config.tree_width,
                       tree_nodes=config.tree_nodes)

@@ -16,13 +16,21 @@ more.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.drafters.base import Proposal, register
+from specdec.drafters.base import Proposal
+from specdec.drafters.registry import Options, register, require_int
+from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
+from specdec.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.config import SpeculativeConfig
 
 
 def find_continuation(context: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -66,6 +74,20 @@ class NgramDrafter:
         return NgramDrafter(self.n_min, self.n_max)
 
 
-@register("ngram")
+@dataclass(frozen=True)
+class NgramOptions(Options):
+    """prompt_lookup_min / prompt_lookup_max: the n-gram sizes tried, longest first."""
+
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 6
+
+    def __post_init__(self) -> None:
+        require_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        require_int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+
+
+@register("ngram", options=NgramOptions, default_k=4)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> NgramDrafter:
     return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)

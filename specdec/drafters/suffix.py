@@ -26,15 +26,22 @@ cache holds. The cache forgets whole requests, least recently written first, bey
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.drafters.base import Proposal, register
+from specdec.drafters.base import Proposal
+from specdec.drafters.registry import Options, register, require_int, require_number
 from specdec.models.loader import LoadedModel
+from specdec.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.config import SpeculativeConfig
 
 CANDIDATES = 256  # most recent occurrences of a bigram examined per query
 BYTES_PER_TOKEN = 160  # a cached token: its slot in the document and two index entries, as Python objects
@@ -214,7 +221,30 @@ class SuffixDrafter:
         return SuffixDrafter(self.cache, self.max_depth, self.spec_factor, self.min_prob)
 
 
-@register("suffix")
+@dataclass(frozen=True)
+class SuffixOptions(Options):
+    """vLLM's names: the longest suffix matched, the most tokens proposed per matched token, the
+    least empirical probability of a proposal, and the route's cache of earlier outputs: at most
+    so many requests and MiB (0 requests: no cache)."""
+
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_cache_mib: float = 64.0
+
+    def __post_init__(self) -> None:
+        require_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)
+        require_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
+        require_number("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, 0, math.inf, low_open=True)
+        require_number("suffix_decoding_max_cache_mib", self.suffix_decoding_max_cache_mib, 0, math.inf, low_open=True)
+        require_number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0, 1)
+
+    def label(self) -> list[str]:
+        return ["no cache"] if self.suffix_decoding_max_cached_requests == 0 else []
+
+
+@register("suffix", options=SuffixOptions, default_k=6)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> SuffixDrafter:
     cache = SuffixCache(config.suffix_decoding_max_cached_requests, int(config.suffix_decoding_max_cache_mib * 2**20))
     return SuffixDrafter(cache, config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_spec_factor,

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.config import SamplingParams
 from specdec.sampling.invariant import perturbed_log_probs
+from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import logits_to_probs
 
 PAD_TOKEN = -1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.config import SamplingParams
+from specdec.sampling.params import SamplingParams
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

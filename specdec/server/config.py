@@ -27,10 +27,11 @@ Example (`specdec serve --config server.toml`)::
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
@@ -197,7 +198,7 @@ class ServerConfig:
         """The most tokens a row drafts in a step: a route's k cap, or its tree's size."""
         def size(route: RouteConfig) -> int:
             spec = route.speculative
-            tree = (spec.tree_nodes or 4 * spec.tree_width) if spec is not None and spec.tree_width > 1 else 0
+            tree = spec.options.proposal_nodes if spec is not None else 0
             return max(route.k_cap, tree)
 
         return max((size(r) for r in self.routes), default=0)

@@ -96,7 +96,7 @@ def test_profile_round_trip_and_resolution(tmp_path: Path, tiny_model: LoadedMod
 
 
 def test_config_checks() -> None:
-    with pytest.raises(ConfigError, match="apply to method 'layer_skip' only"):
+    with pytest.raises(ConfigError, match="'layers' is a key of layer_skip"):
         SpeculativeConfig(method="ngram", layers=(1, 2))
     with pytest.raises(ConfigError, match="not both"):
         SpeculativeConfig(method="layer_skip", layers=(1,), profile=__file__)
@@ -106,7 +106,7 @@ def test_config_checks() -> None:
         SpeculativeConfig(method="layer_skip", layers=(1, 1))
     with pytest.raises(ConfigError, match="quantization"):
         SpeculativeConfig(method="draft_model", model="target", quantization="int4")
-    with pytest.raises(ConfigError, match="'quantization' applies"):
+    with pytest.raises(ConfigError, match="'quantization' is a key of draft_model"):
         SpeculativeConfig(method="ngram", quantization="int8")
     assert SpeculativeConfig(method="layer_skip", layers=[3, 1]).to_dict()["layers"] == [1, 3]
 

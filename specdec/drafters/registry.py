@@ -1,0 +1,130 @@
+"""The registry of drafters by method name: each entry is a factory, its options and its default k.
+
+Adding a drafter is one module plus its import in `specdec/drafters/__init__.py`. The module defines its options
+(a frozen subclass of :class:`Options` whose `__post_init__` validates them) and registers its
+factory::
+
+    @register("ngram", options=NgramOptions, default_k=4)
+    def build(config: SpeculativeConfig, target: LoadedModel) -> Drafter: ...
+
+`SpeculativeConfig` holds only the keys every method shares (method, k, model, adaptive,
+drafter_invariant) plus the method's options. Dependencies point one way: the config imports the
+drafters (and so this registry); drafter modules name the config in type annotations only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from specdec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from specdec.config import SpeculativeConfig
+    from specdec.drafters.base import Drafter
+    from specdec.models.loader import LoadedModel
+
+DrafterFactory = Callable[["SpeculativeConfig", "LoadedModel"], "Drafter"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """A drafter's own speculative-config keys (none here); subclasses add fields with defaults
+    and validate them in `__post_init__`."""
+
+    def check(self, config: SpeculativeConfig) -> None:
+        """Checks that need the common keys too (k, model); raise ConfigError."""
+
+    def label(self) -> list[str]:
+        """Words for the config's short label, between the method and k."""
+        return []
+
+    def label_after_k(self) -> list[str]:
+        """Words for the label after k (the shape of a tree)."""
+        return []
+
+    @property
+    def proposal_nodes(self) -> int:
+        """The most tokens a proposal may hold beyond k (a tree's nodes); 0: at most k."""
+        return 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    build: DrafterFactory
+    options: type[Options]
+    default_k: int
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self.options)]
+
+    def make_options(self, values: dict[str, Any], common: tuple[str, ...] = ()) -> Options:
+        """The options from the method's keys; a ConfigError names every unknown key (and which
+        methods take it), and the keys this method knows besides the `common` ones."""
+        unknown = sorted(set(values) - set(self.keys()))
+        if unknown:
+            owners = {key: sorted(m.name for m in _REGISTRY.values() if key in m.keys()) for key in unknown}
+            where = "".join(f"; {key!r} is a key of {', '.join(names)}" for key, names in owners.items() if names)
+            known = ", ".join(sorted([*common, *self.keys()]))
+            raise ConfigError(f"unknown speculative config key(s) for method {self.name!r}: {', '.join(unknown)}{where}; "
+                              f"known: {known}")
+        return self.options(**values)
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(name: str, *, options: type[Options] = Options, default_k: int = 4) -> Callable[[DrafterFactory], DrafterFactory]:
+    """Register a drafter factory under a method name, with its options and default k."""
+
+    def wrap(factory: DrafterFactory) -> DrafterFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"drafter {name!r} is already registered")
+        _REGISTRY[name] = Method(name, factory, options, default_k)
+        return factory
+
+    return wrap
+
+
+def registered_methods() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def method(name: str) -> Method:
+    """The registry entry of a method; ConfigError naming the known ones if there is none."""
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown speculative method {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def default_k(name: str) -> int:
+    return method(name).default_k
+
+
+def build_drafter(config: SpeculativeConfig, target: LoadedModel) -> Drafter:
+    return method(config.method).build(config, target)
+
+
+# --- validation helpers for options ---------------------------------------------------------
+
+
+def require_int(name: str, value: Any, low: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def require_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+    """A finite number in [low, high] ((low, high] when low_open)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bounds = f"{'>' if low_open else '>='} {low}" if high == math.inf else f"in {'(' if low_open else '['}{low}, {high}]"
+        raise ConfigError(f"{name} must be a number {bounds}, got {value!r}")

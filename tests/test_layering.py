@@ -1,0 +1,94 @@
+"""Dependencies point down: the module import graph of the package has no cycle, and engine code
+never imports benchmark code. Only imports that run are counted (not those under
+`if TYPE_CHECKING:`); an import inside a function counts too, so a cycle cannot hide there."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import specdec
+
+PACKAGE = Path(specdec.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The specdec modules a file imports when it runs."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specdec"):
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from pkg import module`
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("specdec"))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in _runtime_imports(path) if m in files and m != name} for name, path in files.items()}
+
+
+def _package_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    # Importing a.b.c runs a/__init__ and a/b/__init__ first: count those as imported too.
+    edges = {}
+    for name, targets in graph.items():
+        full = set()
+        for target in targets:
+            parts = target.split(".")
+            full.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))
+        edges[name] = {t for t in full if t in graph and t != name and not name.startswith(t + ".")}
+    return edges
+
+
+def test_no_import_cycle_below_the_api() -> None:
+    # specdec/__init__ re-exports the API, so every module "imports" the top package; the
+    # graph below it must be acyclic.
+    graph = {name: {t for t in targets if t != "specdec"} for name, targets in _package_edges(_graph()).items()
+             if name != "specdec"}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                cycle = path[path.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_cycle_check_can_fail(tmp_path: Path) -> None:
+    # The parser sees a runtime import inside a function and ignores one under TYPE_CHECKING.
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from specdec.config import X\n"
+                      "def f():\n    from specdec.bench import tune\n")
+    assert _runtime_imports(module) == {"specdec.bench", "specdec.bench.tune"}
+
+
+def test_engine_code_never_imports_benchmark_code() -> None:
+    lower = ("specdec.engine", "specdec.models", "specdec.drafters", "specdec.sampling", "specdec.config", "specdec.api",
+             "specdec.server", "specdec.training")
+    for name, targets in _graph().items():
+        if name.startswith(lower):
+            assert not {t for t in targets if t.startswith("specdec.bench")}, name
