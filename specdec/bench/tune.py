@@ -64,10 +64,11 @@ OVERALL = "overall"
 DEFAULT_METHODS: tuple[dict[str, Any], ...] = (
     {"method": "ngram"},
     {"method": "suffix"},
+    {"method": "lookahead"},
     {"method": "layer_skip"},
     {"method": "draft_model", "model": "target", "quantization": "int8"},
 )
-DEFAULT_KS = {"ngram": (1, 2, 3, 4, 6), "suffix": (4, 6, 8), "eagle": (2, 3, 4, 5, 6), "hybrid": (2, 3, 4, 5, 6), "medusa": (1, 2, 3)}
+DEFAULT_KS = {"ngram": (1, 2, 3, 4, 6), "suffix": (4, 6, 8), "lookahead": (2, 3), "eagle": (2, 3, 4, 5, 6), "hybrid": (2, 3, 4, 5, 6), "medusa": (1, 2, 3)}
 # With a head for the target (shipped or named): the head, and lookup with the head.
 HEAD_METHODS: tuple[dict[str, Any], ...] = ({"method": "eagle"}, {"method": "hybrid"})
 

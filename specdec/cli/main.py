@@ -341,8 +341,8 @@ def estimate(
 def tune(
     data: Annotated[Path, typer.Option("--data", help="JSONL of {id, category, turns}: your own prompts.")],
     model: ModelOpt = None,
-    methods: Annotated[Optional[list[str]], typer.Option("--methods", help="A drafter to tune (repeatable): a method name, or a JSON speculative config without k (default: ngram, suffix, layer_skip, and, for a float32 or bfloat16 target, the int8 self-draft {\"method\": \"draft_model\", \"model\": \"target\", \"quantization\": \"int8\"}; with a head shipped for the target, eagle, hybrid and medusa).")] = None,
-    ks: Annotated[Optional[str], typer.Option("--k", help="k values for every method, comma-separated (default: 1,2,3,4,6 for ngram; 4,6,8 for suffix; 2..6 for eagle and hybrid; 1,2,3 for medusa; 1,2,3,4 for the others).")] = None,
+    methods: Annotated[Optional[list[str]], typer.Option("--methods", help="A drafter to tune (repeatable): a method name, or a JSON speculative config without k (default: ngram, suffix, lookahead, layer_skip, and, for a float32 or bfloat16 target, the int8 self-draft {\"method\": \"draft_model\", \"model\": \"target\", \"quantization\": \"int8\"}; with a head shipped for the target, eagle, hybrid and medusa).")] = None,
+    ks: Annotated[Optional[str], typer.Option("--k", help="k values for every method, comma-separated (default: 1,2,3,4,6 for ngram; 4,6,8 for suffix; 2,3 for lookahead; 2..6 for eagle and hybrid; 1,2,3 for medusa; 1,2,3,4 for the others).")] = None,
     adaptive: Annotated[bool, typer.Option("--adaptive/--no-adaptive", help="Also measure each method with adaptive k, at its largest k.")] = True,
     per_category: Annotated[Optional[int], typer.Option("--per-category", help="The first N prompts of each category.")] = None,
     category: Annotated[Optional[list[str]], typer.Option("--category", help="Only these categories (repeatable).")] = None,

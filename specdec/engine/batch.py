@@ -231,6 +231,7 @@ class BatchEngine:
         draft_probs: list[torch.Tensor | None] = []
         trees: list[TokenTree | None] = []
         draft_times: list[float] = []
+        proposed: list[bool] = []  # the drafter was asked this step
         for seq in seqs:
             start = time.perf_counter()
             wish = seq.policy.next_k() if seq.policy is not None else seq.k
@@ -253,6 +254,7 @@ class BatchEngine:
                 else:
                     tokens = proposal.tokens[:room]
                     probs = proposal.probs[: len(tokens)] if proposal.probs is not None and tokens else None
+            proposed.append(seq.drafter is not None and room > 0 and min(wish, seq.k) >= 1)
             drafts.append(tokens)
             draft_probs.append(probs)
             trees.append(tree if tokens else None)
@@ -297,6 +299,12 @@ class BatchEngine:
             accepted = len(committed) - 1
             drafted = tree.depth if tree is not None else len(drafts[i])  # positions drafted, for a tree its depth
             seq.context.extend(committed)
+            if proposed[i] and hasattr(seq.drafter, "observe_verified"):
+                # The target's top token after the fed token and after every node verified, kept
+                # or not (lookahead's Jacobi window learns from all of them).
+                nodes = list(tree.tokens) if tree is not None else drafts[i]
+                parents = list(tree.parents) if tree is not None else list(range(-1, len(nodes) - 1))
+                seq.drafter.observe_verified(nodes, parents, logits[i, : 1 + len(nodes)].argmax(-1).tolist())
             if seq.drafter is not None:
                 if own := target_layers(seq.drafter):  # the fed token's and accepted drafts' states
                     seq.drafter.observe_target(_features(out.layer_states, own, i, [0, *kept[i]]))

@@ -17,7 +17,7 @@ from specdec.models import LoadedModel
 MAX_TOKENS = 8
 # "TINY": a separate draft model, the tests' random 2-layer Llama with the default model's vocabulary.
 DRAFTERS = [{"method": "ngram"}, {"method": "layer_skip"}, {"method": "eagle"}, {"method": "hybrid"},
-            {"method": "medusa"}, {"method": "suffix"}, {"method": "draft_model", "model": "TINY"}]
+            {"method": "medusa"}, {"method": "suffix"}, {"method": "lookahead"}, {"method": "draft_model", "model": "TINY"}]
 
 
 def _config(drafter: dict, tiny_model_dir) -> dict:

@@ -21,6 +21,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter, EagleHead
 from specdec.drafters.hybrid import HybridDrafter
+from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.mtp import MtpDrafter, load_mtp
 from specdec.drafters.ngram import NgramDrafter
@@ -199,6 +200,8 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoi
         return Engine(target, MtpDrafter(load_mtp(mtp_checkpoint(target, tmp_path, scale=1.0)[0], target)), 2)
     if name == "suffix":  # the engine's one drafter: later samples draft from the outputs of earlier ones
         return Engine(target, SuffixDrafter(SuffixCache(10_000, 2**26), min_prob=0.0), 2)
+    if name == "lookahead":  # a window of 2 and up to 2 bigram guesses: trees of deterministic siblings
+        return Engine(target, LookaheadDrafter(window=2, n=2, guesses=2, pool_size=4), 2)
     if name == "hybrid":  # lookup where a 2-token match exists (the prompt repeats), the head elsewhere
         return Engine(target, HybridDrafter(EagleDrafter(eagle_head(target)), NgramDrafter(2, 3)), 2)
     raise ValueError(name)
@@ -230,7 +233,7 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle",
-                                     "eagle-tree", "hybrid", "medusa", "mtp", "suffix"])
+                                     "eagle-tree", "hybrid", "medusa", "mtp", "suffix", "lookahead"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str, mtp_checkpoint, tmp_path
 ) -> None:
