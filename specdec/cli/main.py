@@ -55,7 +55,7 @@ def prompt_progress(label: str, total: int) -> Iterator[Callable[[object], None]
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file, a Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct).")]
 SpecOpt = Annotated[Optional[str], typer.Option("--speculative-config", help="JSON, as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, ...}; or a JSON file, such as the recommended.json of specdec tune.")]
-MethodOpt = Annotated[Optional[str], typer.Option("--method", help="Drafter: ngram, draft_model, layer_skip, eagle (a head trained on the target's states), hybrid (lookup, else eagle), medusa, mtp (a checkpoint's multi-token-prediction layer), or 'none' for plain decoding. [default: ngram]")]
+MethodOpt = Annotated[Optional[str], typer.Option("--method", help="Drafter: ngram, draft_model, layer_skip, eagle (a head trained on the target's states), hybrid (lookup, else eagle), medusa, mtp (a checkpoint's multi-token-prediction layer), suffix (the request's and the route's earlier outputs), lookahead (a Jacobi window and the target's own n-grams), or 'none' for plain decoding. [default: ngram]")]
 KOpt = Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Most tokens drafted per target step.")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for --method draft_model (same forms as --model); for eagle and hybrid, a head directory (default: the head shipped for the model).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda where a GPU exists.")]

@@ -36,9 +36,9 @@ def test_default_grid_has_each_k_and_adaptive_at_the_largest() -> None:
     by_drafter: dict[str, list[tune.Candidate]] = {}
     for c in candidates:
         by_drafter.setdefault(c.drafter, []).append(c)
-    assert set(by_drafter) == {"ngram", "suffix", "lookahead W2 N3 G1", "layer_skip", "draft_model self int8"}
+    assert set(by_drafter) == {"ngram", "suffix", "lookahead W1 N3 G1", "layer_skip", "draft_model self int8"}
     fixed = {d: [c.k for c in cs if not c.config.adaptive] for d, cs in by_drafter.items()}
-    assert fixed == {"ngram": [1, 2, 3, 4, 6], "suffix": [4, 6, 8], "lookahead W2 N3 G1": [2, 3], "layer_skip": [1, 2, 3, 4],
+    assert fixed == {"ngram": [1, 2, 3, 4, 6], "suffix": [4, 6, 8], "lookahead W1 N3 G1": [2, 3], "layer_skip": [1, 2, 3, 4],
                      "draft_model self int8": [1, 2, 3, 4]}
     adaptive = {d: [c.k for c in cs if c.config.adaptive] for d, cs in by_drafter.items()}
     assert adaptive == {d: [max(ks)] for d, ks in fixed.items()}
