@@ -39,9 +39,9 @@ PROMPT = [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 4]  # repeats itself, so prompt lookup f
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
 
 
-# The suite runs on every backend: the target on hf, and on native in float32 and in int4
+# The suite runs on every backend and format: the target on hf, and on native in each format
 # (its own exact distribution is the reference each time).
-BACKENDS = ["hf", "native-float32", "native-int4"]
+BACKENDS = ["hf", "native-float32", "native-bfloat16", "native-int8", "native-int4"]
 
 
 def on_backend(loaded: LoadedModel, variant: str) -> LoadedModel:
@@ -179,8 +179,8 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoi
     if name == "layer_skip":
         return Engine(target, DraftModelDrafter(target, layers=[0, 2]), 2)
     if name == "int8":
-        if "int4" in target.backend.weight_format:
-            pytest.skip("an int8 self-draft of an int4 target is refused (it would cost as much as the target)")
+        if target.backend.weight_format.startswith(("int8", "int4")):
+            pytest.skip("an int8 self-draft of an int8 or int4 target is refused (it would cost as much as the target)")
         return Engine(target, DraftModelDrafter(quantize_int8(target)), 2)
     if name == "adaptive":
         return Engine(target, DraftModelDrafter(draft), 2, adaptive=True)
