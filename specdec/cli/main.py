@@ -209,9 +209,9 @@ def bench(
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Run each prompt with and without speculation, interleaved, and report speedup and identity."""
+    from specdec.api import LLM
     from specdec.bench.data import load_records, select
     from specdec.bench.report import PLAIN, SPEC, build_report, print_report
-    from specdec.api import LLM
     from specdec.bench.runner import System, llama_cpp_runner, run_bench, specdec_runner, transformers_runner
 
     records = select(load_records(data), per_category, category)
@@ -610,8 +610,8 @@ def train_draft(
     --speculative-config '{"method": "eagle", "model": "OUT"}' (or "medusa")."""
     from specdec.models.loader import load_model
     from specdec.training.corpus import generate_answers, read_answers, select_prompts
-    from specdec.training.heads import Progress as TrainProgress
     from specdec.training.heads import ARCHS, TrainConfig, train_head
+    from specdec.training.heads import Progress as TrainProgress
 
     if arch not in ARCHS:
         raise ConfigError(f"unknown head architecture {arch!r}; train-draft trains: {', '.join(ARCHS)}")
@@ -707,6 +707,41 @@ def serve(
     err.print(f"memory: {state.memory.describe()}", highlight=False, soft_wrap=True)
     err.print(f"routes: {escape(', '.join(r.name for r in server_config.routes))}; up to {state.max_num_seqs} sequences; http://{host}:{port}/v1")
     uvicorn_server(state, host, port).run()
+
+
+@app.command()
+def doctor(
+    url: Annotated[str, typer.Option("--url", help="The running server's base URL (its /metrics and /health are read).")] = "http://127.0.0.1:8000",
+    costs_file: Annotated[Optional[Path], typer.Option("--costs", help="The verification cost curve: JSON of `specdec costs` on the server's machine (default: a curve measured on a 2-core CPU, int4 weights).")] = None,
+    curve: Annotated[Optional[str], typer.Option("--curve", help="Which curve of --costs, when it has several (e.g. \"native int4 (LM head int8)\").")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the reports as JSON.")] = None,
+) -> None:
+    """Is speculation paying on a running server, route by route, and if not, why: batches
+    full, acceptance low or drifting (which positions), draft memory costing sequences, or k too
+    long for the acceptance (with the k the estimate recommends)."""
+    from rich.table import Table
+
+    from specdec.server.doctor import diagnose, fetch, load_costs, summary
+
+    curve_costs = load_costs(costs_file, curve) if costs_file is not None else None
+    metrics_text, health = fetch(url)
+    reports = diagnose(metrics_text, health, curve_costs)
+    table = Table(title=f"{escape(url)}: {health.get('running', 0)} running, {health.get('waiting', 0)} waiting")
+    for column in ("route", "drafter", "k now", "acceptance", "per position", "verdict"):
+        table.add_column(column)
+    for r in reports:
+        table.add_row(escape(r.route), escape(str(r.method or "-")), "-" if r.current_k is None else str(r.current_k),
+                      "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}",
+                      " ".join(f"{u:.2f}" for u in r.per_position) or "-", escape(summary(r)))
+    out.print(table)
+    for r in reports:
+        for finding in r.findings:
+            out.print(f"[bold]{escape(r.route)}[/bold]: {escape(finding.text)}", soft_wrap=True)
+    if not any(r.findings for r in reports):
+        out.print("no problem found")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps([r.to_dict() for r in reports], indent=2) + "\n", encoding="utf-8")
 
 
 def main() -> None:
