@@ -24,11 +24,12 @@ drafter costs more, so a verdict of "not paying" stands and one of "paying" is a
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.errors import ConfigError
@@ -202,19 +203,24 @@ def diagnose(metrics_text: str, health: dict[str, Any], costs: dict[int, float] 
 def fetch(url: str, timeout: float = 10.0) -> tuple[str, dict[str, Any]]:
     """`/metrics` text and `/health` JSON of the server at `url`."""
     base = url.rstrip("/")
+
+    def get(path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"{base}{path}", timeout=timeout) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:  # /health answers 503 while not ready: still JSON
+            return exc.code, exc.read()
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise ConfigError(f"cannot reach the server at {url}: {getattr(exc, 'reason', exc)}") from None
+
+    status, metrics = get("/metrics")
+    if status != 200:
+        raise ConfigError(f"{base}/metrics answered {status}")
+    status, health = get("/health")
     try:
-        with httpx.Client(timeout=timeout) as client:
-            metrics = client.get(f"{base}/metrics")
-            health = client.get(f"{base}/health")
-    except httpx.HTTPError as exc:
-        raise ConfigError(f"cannot reach the server at {url}: {exc}") from None
-    if metrics.status_code != 200:
-        raise ConfigError(f"{base}/metrics answered {metrics.status_code}")
-    try:
-        body = health.json()
+        return metrics.decode("utf-8"), json.loads(health)
     except ValueError:
-        raise ConfigError(f"{base}/health did not answer JSON (status {health.status_code})") from None
-    return metrics.text, body
+        raise ConfigError(f"{base}/health did not answer JSON (status {status})") from None
 
 
 def summary(report: RouteReport) -> str:
