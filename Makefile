@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then show three example calls.
 
-.PHONY: setup demo test bench peers clean
+.PHONY: setup demo test browser bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,7 +25,15 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/specdec generate "$(PROMPT)" --stats
 
-test: setup
+# The dashboard's browser test drives Debian's Chromium through its chromedriver: installed here
+# when missing and this user may (root; about a minute), else that one test skips and says why.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+		echo "no chromium/chromedriver: the dashboard's browser test will skip"
+
+test: setup browser
 	$(PY) -m pytest -q
 
 # llama.cpp as a peer for `specdec bench --peers`: llama-cpp-python compiles llama.cpp from its

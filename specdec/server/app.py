@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,6 +33,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine.stats import RequestStats
 from specdec.errors import PromptError
+from specdec.server import dashboard
 from specdec.server.config import RouteConfig, ServerConfig
 from specdec.server.memory import MemoryPlan
 from specdec.server.metrics import ServerMetrics
@@ -257,6 +259,20 @@ def create_app(state: ServerState) -> FastAPI:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error handling %s", request.url.path)
         return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
+
+    @app.get("/dashboard")
+    async def dashboard_page() -> Response:
+        return HTMLResponse((dashboard.STATIC / "dashboard.html").read_text(encoding="utf-8"))
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> JSONResponse:
+        state.metrics.refresh_rates()
+        memory = state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes}
+        return JSONResponse(dashboard.snapshot(state.metrics.registry, [r.name for r in state.config.routes],
+                                               state.scheduler.running, state.scheduler.waiting, memory)
+                            | {"model": state.model_name})
+
+    app.mount("/dashboard/static", StaticFiles(directory=dashboard.STATIC / "vendor"), name="dashboard-static")
 
     @app.get("/health")
     async def health() -> JSONResponse:
