@@ -4,7 +4,7 @@ and checks the compiled block is still row-invariant.
 
     python benchmarks/compile_probe.py
 """
-import time, torch, sys
+import time, torch
 import torch.nn.functional as F
 torch.set_num_threads(2)
 from specdec.models import load_model

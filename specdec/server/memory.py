@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from specdec.drafters.base import Drafter
-from specdec.models.batch_cache import BatchCache
 from specdec.models.loader import LoadedModel
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec import LLM, SamplingParams
 from specdec.drafters.eagle import EagleDrafter, EagleHead, default_target_layers
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence

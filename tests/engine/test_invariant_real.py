@@ -5,7 +5,6 @@ adaptive runs with a cap of 4 cover k = 1 .. 4.)"""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
