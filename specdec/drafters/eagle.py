@@ -335,7 +335,7 @@ class EagleDrafter:
         self.weight_format = weight_format
         self.tree_width = tree_width  # 1: a chain
         self.tree_nodes = tree_nodes or 4 * tree_width
-        self.proposal_size = self.tree_nodes if tree_width > 1 else 0  # most tokens a proposal holds beyond k
+        self.proposal_size = TreeOptions(tree_width, tree_nodes).proposal_nodes  # most tokens a proposal holds beyond k
         self.target_layers = head.config.target_layers
         self.added_memory_bytes = self.weights.nbytes()
         self._keys: torch.Tensor | None = None  # [kv_heads, max_len, head_dim]
@@ -522,7 +522,7 @@ class TreeOptions(Options):
             raise ConfigError("a tree of tree_width x num_speculative_tokens > 64 expanded nodes is too large")
 
     def label_after_k(self) -> list[str]:
-        return [f"tree {self.tree_width}x{self.tree_nodes or 4 * self.tree_width}"] if self.tree_width > 1 else []
+        return [f"tree {self.tree_width}x{self.proposal_nodes}"] if self.tree_width > 1 else []
 
     @property
     def proposal_nodes(self) -> int:

@@ -122,7 +122,7 @@ class LookaheadDrafter:
         self.n = n
         self.guesses = guesses
         self.pool_size = pool_size
-        self.proposal_size = window + guesses * (n - 1)  # most tokens a proposal holds
+        self.proposal_size = LookaheadOptions(window, n, guesses, pool_size).proposal_nodes  # most tokens a proposal holds
         self.pool = NgramPool(n, pool_size)
         self._guess: dict[int, int] = {}  # position -> the window's next token there
         # The last n - 1 passes: (tokens fed, top tokens out), each by position.

@@ -237,7 +237,7 @@ class BatchEngine:
             wish = seq.policy.next_k() if seq.policy is not None else seq.k
             room = min(wish, seq.k, self.max_draft, seq.budget - len(seq.result.token_ids) - 1,
                        self.max_model_len - len(seq.context))
-            tokens, probs, tree = [], None, None
+            tokens, probs, tree, asked = [], None, None, False
             if seq.drafter is not None and min(wish, seq.k) < 1:
                 seq.paused_steps += 1
             elif seq.drafter is not None and room > 0:
@@ -247,6 +247,7 @@ class BatchEngine:
                     seq.drafter.resume()
                 seq.paused_steps = 0
                 proposal = seq.drafter.propose(seq.context, room, seq.params, seq.generator)
+                asked = True
                 if proposal.parents is not None:
                     tree = TokenTree(tuple(proposal.tokens), tuple(proposal.parents)).truncated(self.max_draft, room)
                     tokens = list(tree.tokens)
@@ -254,7 +255,7 @@ class BatchEngine:
                 else:
                     tokens = proposal.tokens[:room]
                     probs = proposal.probs[: len(tokens)] if proposal.probs is not None and tokens else None
-            proposed.append(seq.drafter is not None and room > 0 and min(wish, seq.k) >= 1)
+            proposed.append(asked)
             drafts.append(tokens)
             draft_probs.append(probs)
             trees.append(tree if tokens else None)

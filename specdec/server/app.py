@@ -267,9 +267,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/dashboard/data")
     async def dashboard_data() -> JSONResponse:
         state.metrics.refresh_rates()
-        memory = state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes}
         return JSONResponse(dashboard.snapshot(state.metrics.registry, [r.name for r in state.config.routes],
-                                               state.scheduler.running, state.scheduler.waiting, memory)
+                                               state.scheduler.running, state.scheduler.waiting, memory_plan())
                             | {"model": state.model_name})
 
     app.mount("/dashboard/static", StaticFiles(directory=dashboard.STATIC / "vendor"), name="dashboard-static")
@@ -286,10 +285,13 @@ def create_app(state: ServerState) -> FastAPI:
             "running": state.scheduler.running,
             "waiting": state.scheduler.waiting,
             "threads": state.scheduler.torch_threads,
-            "memory": state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes,
-                                                "suffix_cache_bytes": {route: cache.nbytes for route, cache in suffix_caches()}},
+            "memory": memory_plan() | {"suffix_cache_bytes": {route: cache.nbytes for route, cache in suffix_caches()}},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    def memory_plan() -> dict[str, Any]:
+        """The start-up memory plan and the KV cache actually allocated."""
+        return state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes}
 
     def suffix_caches() -> list[tuple[str, SuffixCache]]:
         """Each suffix route's cache of earlier outputs (shared by its requests' drafters)."""

@@ -15,15 +15,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from specdec.server.metrics import sample_value, samples_by_name
+
 STATIC = Path(str(resources.files("specdec.server") / "static"))
-
-
-def _samples(registry: CollectorRegistry) -> dict[str, list[tuple[dict[str, str], float]]]:
-    found: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in registry.collect():
-        for sample in family.samples:
-            found.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
-    return found
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
@@ -49,10 +43,10 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 
 def snapshot(registry: CollectorRegistry, routes: list[str], running: int, waiting: int, memory: dict[str, Any]) -> dict[str, Any]:
     """{time, running, waiting, memory, routes: {name: {...}}} from the metrics registry."""
-    samples = _samples(registry)
+    samples = samples_by_name(registry.collect())
 
     def value(name: str, route: str) -> float:
-        return next((v for labels, v in samples.get(name, []) if labels.get("route") == route), 0.0)
+        return sample_value(samples, name, route=route)
 
     def quantiles(name: str, route: str) -> dict[str, float | None]:
         buckets = [(float(labels["le"]), v) for labels, v in samples.get(f"{name}_bucket", []) if labels.get("route") == route]

@@ -33,6 +33,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.errors import ConfigError
+from specdec.server.metrics import Samples, sample_value, samples_by_name
 
 # `specdec costs` on the default model, native int4 (LM head int8), 2 cores, 256 cached tokens:
 # a pass over n tokens relative to a plain step.
@@ -95,23 +96,7 @@ class RouteReport:
         return asdict(self)
 
 
-def _samples(metrics_text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """{sample name: [(labels, value)]} of every sample in the exposition."""
-    found: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            found.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
-    return found
-
-
-def _value(samples: dict, name: str, default: float = 0.0, **labels: str) -> float:
-    for have, value in samples.get(name, []):
-        if all(have.get(k) == v for k, v in labels.items()):
-            return value
-    return default
-
-
-def _by_position(samples: dict, name: str, route: str) -> dict[int, float]:
+def _by_position(samples: Samples, name: str, route: str) -> dict[int, float]:
     return {int(labels["position"]): value for labels, value in samples.get(name, []) if labels.get("route") == route}
 
 
@@ -124,7 +109,7 @@ def best_k(per_position: list[float], costs: dict[int, float]) -> tuple[int, lis
 def diagnose(metrics_text: str, health: dict[str, Any], costs: dict[int, float] | None = None) -> list[RouteReport]:
     """Each route's report from one scrape of `/metrics` and `/health`."""
     costs = costs or DEFAULT_VERIFY_COSTS
-    samples = _samples(metrics_text)
+    samples = samples_by_name(text_string_to_metric_families(metrics_text))
     running = int(health.get("running", 0))
     waiting = int(health.get("waiting", 0))
     memory = health.get("memory") or {}
@@ -133,17 +118,17 @@ def diagnose(metrics_text: str, health: dict[str, Any], costs: dict[int, float] 
         name = route["name"]
         spec = route.get("speculative")
         report = RouteReport(name, spec and spec["method"], spec and spec["num_speculative_tokens"], None,
-                             int(_value(samples, "specdec_route_running_sequences", route=name)), 0, None, [], None, None, None)
+                             int(sample_value(samples, "specdec_route_running_sequences", route=name)), 0, None, [], None, None, None)
         reports.append(report)
         if spec is None:
             continue
-        report.current_k = int(_value(samples, "specdec_speculative_tokens", default=spec["num_speculative_tokens"], route=name))
+        report.current_k = int(sample_value(samples, "specdec_speculative_tokens", default=spec["num_speculative_tokens"], route=name))
         drafted_at = _by_position(samples, "specdec_drafted_at_position_total", name)
         accepted_at = _by_position(samples, "specdec_accepted_at_position_total", name)
         report.drafting_steps = int(drafted_at.get(0, 0))  # positions are 0-based
-        drafted = _value(samples, "specdec_drafted_tokens_total", route=name)
+        drafted = sample_value(samples, "specdec_drafted_tokens_total", route=name)
         if drafted:
-            report.acceptance_rate = _value(samples, "specdec_accepted_tokens_total", route=name) / drafted
+            report.acceptance_rate = sample_value(samples, "specdec_accepted_tokens_total", route=name) / drafted
         rows = max(running, report.running)
         k_now = report.current_k
         if k_now == 0 and rows >= 2:
@@ -175,9 +160,9 @@ def diagnose(metrics_text: str, health: dict[str, Any], costs: dict[int, float] 
                 f"acceptance low: {report.acceptance_rate:.2f} of drafted tokens pass (per position {positions}); "
                 f"no k pays (best k = {report.recommended_k}: {max(speedups):.2f}x); use another drafter or plain decoding")))
         # 3. Drifting: the drift window's acceptance fell below its baseline.
-        if _value(samples, "specdec_acceptance_drift", route=name) >= 1:
-            window = _value(samples, "specdec_window_acceptance_rate", route=name)
-            baseline = _value(samples, "specdec_baseline_acceptance_rate", route=name)
+        if sample_value(samples, "specdec_acceptance_drift", route=name) >= 1:
+            window = sample_value(samples, "specdec_window_acceptance_rate", route=name)
+            baseline = sample_value(samples, "specdec_baseline_acceptance_rate", route=name)
             low = sorted(range(len(report.per_position)), key=lambda i: report.per_position[i])[:2]
             report.findings.append(Finding("acceptance_drifting", (
                 f"acceptance drifting: {window:.2f} over the recent window against {baseline:.2f} before it; the "

@@ -39,14 +39,36 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 from specdec.server.config import DriftConfig
 
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# {sample name: [(labels, value)]}: what the dashboard and `specdec doctor` read.
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def samples_by_name(families: Iterable[Metric]) -> Samples:
+    """Every sample of these metric families (a registry's `collect()`, or a parsed exposition)."""
+    found: Samples = {}
+    for family in families:
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return found
+
+
+def sample_value(samples: Samples, name: str, default: float = 0.0, **labels: str) -> float:
+    """The value of the first sample named `name` whose labels include these."""
+    for have, value in samples.get(name, []):
+        if all(have.get(k) == v for k, v in labels.items()):
+            return value
+    return default
 
 
 class AcceptanceDrift:
