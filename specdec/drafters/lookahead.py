@@ -21,7 +21,7 @@ engine hands each pass's top tokens back through :meth:`LookaheadDrafter.observe
 This is the published method with one simplification: the window's levels are not all fed
 again each pass (a W x (N - 1) block); only the newest iterate is, as a chain, and the older
 levels are remembered. The diagonal n-grams are the same; the pass costs W tokens, not
-W x (N - 1), which matters on a CPU where a pass over 5 tokens already costs 1.8 plain steps.
+W x (N - 1), which matters on a CPU, where each token beyond a few makes the pass dearer.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ class LookaheadOptions(Options):
     lookahead_guesses: G, the most pool n-grams verified per pass; lookahead_pool: the most
     n-grams kept per first token (the most recent)."""
 
-    # Defaults: the best of the configurations with a window on this CPU (README, "Lookahead
-    # decoding"): at most 3 nodes, since a pass over 5 tokens costs 1.8 plain steps on int4.
+    # Defaults: the best measured configuration with a window (README, "Lookahead decoding"): at
+    # most 3 nodes, so a pass stays within the rows the CPU's int4 kernel verifies at little more
+    # than a plain step (`specdec costs`).
     lookahead_window: int = 1
     lookahead_ngram: int = 3
     lookahead_guesses: int = 1
