@@ -679,6 +679,24 @@ def _resumed_config(out_dir: Path, fresh):
     return dataclasses.replace(fresh, **keep)
 
 
+def _serve_replicas(config: Any, model: str | None, **kwargs: Any) -> None:
+    from specdec.server.scaleout import serve_replicas
+
+    replicas = config.replicas
+    count = (f"{replicas.min_replicas} to {replicas.max_replicas} replicas (autoscaling)" if replicas.autoscaling
+             else f"{replicas.num_replicas or 1} replica(s)")
+    url = f"http://{kwargs['host']}:{kwargs['port']}"
+
+    def ready(directory: dict[str, str]) -> None:
+        err.print(f"routes: {escape(', '.join(r.name for r in config.routes))}; {count} on Ray Serve; {url}/v1")
+        for replica, address in sorted(directory.items()):
+            err.print(f"  replica {escape(replica)}: metrics at http://{address}/metrics")
+        err.print(f"Prometheus service discovery (http_sd_configs): {url}/replicas")
+
+    err.print(f"starting Ray Serve with {count} of {model or 'the default model'} (each loads it)...")
+    serve_replicas(config, model, on_ready=ready, **kwargs)
+
+
 @app.command()
 def serve(
     model: ModelOpt = None,
@@ -691,16 +709,31 @@ def serve(
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
+    replicas: Annotated[Optional[int], typer.Option("--replicas", min=1, help="Run N engine replicas as a Ray Serve deployment (needs specdec[ray]); a [replicas] table in the config sets autoscaling bounds instead.")] = None,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="With replicas: the Ray cluster to join (e.g. ray://head:10001 or auto); default: start a local one.")] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics) with batched speculative decoding. Without --config: route `specdec`
-    (ngram, load-aware k) and route `specdec-plain` (no speculation)."""
-    from specdec.server.config import default_config, load_config
+    (ngram, load-aware k) and route `specdec-plain` (no speculation). With --replicas (or a
+    [replicas] table): the same API from replicas on Ray Serve; GET /replicas lists each
+    replica's own /metrics address for Prometheus."""
+    from specdec.server.config import ReplicaConfig, default_config, load_config
     from specdec.server.runtime import build_state, uvicorn_server
 
     logging.getLogger("specdec").setLevel(logging.INFO)
     overrides = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "threads": threads}
     server_config = load_config(config, **overrides) if config is not None else default_config(**{k: v for k, v in overrides.items() if v is not None})
+    if replicas is not None:
+        server_config = dataclasses.replace(server_config, replicas=dataclasses.replace(
+            server_config.replicas or ReplicaConfig(), num_replicas=replicas, min_replicas=None, max_replicas=None,
+            target_ongoing_requests=None))
+    if server_config.replicas is not None:
+        _serve_replicas(server_config, model, backend=backend if backend != "auto" else server_config.backend,
+                        dtype=dtype if dtype != "auto" else server_config.dtype, host=host, port=port,
+                        ray_address=ray_address)
+        return
+    if ray_address is not None:
+        raise ConfigError("--ray-address needs --replicas (or a [replicas] table in the config)")
     with err.status(f"loading {model or 'the default model'}..."):
         state = build_state(server_config, model, device=device, backend=backend if backend != "auto" else server_config.backend,
                             dtype=dtype if dtype != "auto" else server_config.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -71,6 +72,8 @@ class ServerState:
     max_model_len: int
     max_num_seqs: int
     shutting_down: bool = False
+    # Under Ray Serve, this replica's id: every response names it (header x-specdec-replica).
+    replica: str | None = None
     # One thread: a fast tokenizer must not be used from two threads at once.
     encode_pool: ThreadPoolExecutor = field(default_factory=_one_thread)
 
@@ -285,6 +288,8 @@ def create_app(state: ServerState) -> FastAPI:
             "running": state.scheduler.running,
             "waiting": state.scheduler.waiting,
             "threads": state.scheduler.torch_threads,
+            "replica": state.replica,
+            "pid": os.getpid(),
             "memory": memory_plan() | {"suffix_cache_bytes": {route: cache.nbytes for route, cache in suffix_caches()}},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -367,7 +372,8 @@ class RequestGuard:
     1. Refuses a body over `max_request_bytes` with 413 and the JSON error body: at once when
        Content-Length says so, else once the bytes read pass it. The body is read here (the
        handlers read all of it anyway) and handed on unchanged.
-    2. Counts a request to a generation endpoint that ends before any of its sequences was
+    2. Under Ray Serve, names the replica that answered in the header x-specdec-replica.
+    3. Counts a request to a generation endpoint that ends before any of its sequences was
        queued in `specdec_requests_total`: "rejected" (a 4xx), "error" (a 5xx or an exception)
        or "abort" (the client left first). Once sequences are queued, the scheduler counts
        each of them instead, so nothing is counted twice.
@@ -389,6 +395,9 @@ class RequestGuard:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if self.state.replica is not None:
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"x-specdec-replica", self.state.replica.encode())]}
             await send(message)
 
         try:

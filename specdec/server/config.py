@@ -23,6 +23,13 @@ Example (`specdec serve --config server.toml`)::
     load_schedule = { 1 = 4, 2 = 4, 4 = 2, 8 = 0 } # running sequences -> k; false = fixed k
 
     [routes.batch]                # no `speculative`: plain decoding
+
+    [replicas]                    # scale-out on Ray Serve (`specdec serve --replicas N` sets a fixed count)
+    min_replicas = 1              # autoscaling bounds; or `num_replicas = N` for a fixed count
+    max_replicas = 4
+    target_ongoing_requests = 4   # Ray adds replicas while the requests per replica stay above this
+    max_ongoing_requests = 16     # most requests a replica takes at once (default: max_num_seqs)
+    cpus_per_replica = 1          # Ray CPUs reserved by a replica; also its torch threads
 """
 
 from __future__ import annotations
@@ -143,6 +150,77 @@ class DriftConfig:
             raise ConfigError(f"drift threshold must be in (0, 1), got {self.threshold!r}")
 
 
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Scale-out on Ray Serve: a fixed `num_replicas`, or autoscaling between `min_replicas` and
+    `max_replicas` on Ray's target of ongoing requests per replica. Without either, one replica."""
+
+    num_replicas: int | None = None
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None
+    # Requests one replica takes at once; Ray's router holds the rest (None: max_num_seqs, so a
+    # replica is not sent more than its batch holds while another has room).
+    max_ongoing_requests: int | None = None
+    cpus_per_replica: float = 1.0
+
+    def __post_init__(self) -> None:
+        bounds = (self.min_replicas, self.max_replicas)
+        if self.num_replicas is not None:
+            _positive_int("num_replicas", self.num_replicas)
+            if bounds != (None, None) or self.target_ongoing_requests is not None:
+                raise ConfigError("[replicas] takes num_replicas (a fixed count) or min_replicas/max_replicas "
+                                  "(autoscaling), not both")
+        elif bounds != (None, None):
+            if None in bounds:
+                raise ConfigError("autoscaling needs both min_replicas and max_replicas")
+            _positive_int("min_replicas", self.min_replicas, minimum=0)
+            _positive_int("max_replicas", self.max_replicas)
+            if self.min_replicas > self.max_replicas:
+                raise ConfigError(f"min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
+        elif self.target_ongoing_requests is not None:
+            raise ConfigError("target_ongoing_requests needs autoscaling bounds (min_replicas and max_replicas)")
+        if self.target_ongoing_requests is not None:
+            _positive_number("target_ongoing_requests", self.target_ongoing_requests)
+        if self.max_ongoing_requests is not None:
+            _positive_int("max_ongoing_requests", self.max_ongoing_requests)
+        _positive_number("cpus_per_replica", self.cpus_per_replica)
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None
+
+    def deployment_options(self, max_num_seqs: int, graceful_shutdown_s: float) -> dict[str, Any]:
+        """Ray Serve's own deployment options for these settings."""
+        options: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests or max_num_seqs,
+            "ray_actor_options": {"num_cpus": self.cpus_per_replica},
+            # A replica scaled down or shut down lets its requests finish, as the server's SIGTERM does.
+            "graceful_shutdown_timeout_s": graceful_shutdown_s,
+        }
+        if self.autoscaling:
+            scaling: dict[str, Any] = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas}
+            if self.target_ongoing_requests is not None:
+                scaling["target_ongoing_requests"] = self.target_ongoing_requests
+            options["autoscaling_config"] = scaling
+        else:
+            options["num_replicas"] = self.num_replicas or 1
+        return options
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything the server needs besides the model: routes, limits, memory budget, drift."""
@@ -168,6 +246,8 @@ class ServerConfig:
     # The target's backend and weight format (`specdec serve --backend/--dtype` override them).
     backend: str = "auto"
     dtype: str = "auto"
+    # Ray Serve replicas (`specdec serve --replicas N`); None: the single-process server.
+    replicas: ReplicaConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.routes:
@@ -176,9 +256,7 @@ class ServerConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"route names must be distinct, got {names}")
         for name in ("max_model_len", "max_num_seqs", "cache_budget_bytes", "max_waiting", "max_request_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            _positive_int(name, getattr(self, name))
         grace = self.graceful_shutdown_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
             raise ConfigError(f"graceful_shutdown_s must be a number >= 0, got {grace!r}")
@@ -216,7 +294,8 @@ def default_config(**overrides: Any) -> ServerConfig:
 
 _SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads", "max_request_bytes",
                 "backend", "dtype")
-_TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "drift", "routes"}
+_TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "drift", "routes", "replicas"}
+_REPLICA_KEYS = set(ReplicaConfig.__dataclass_fields__)
 _ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}
 
 
@@ -258,6 +337,11 @@ def config_from_dict(data: dict[str, Any], **overrides: Any) -> ServerConfig:
         if not isinstance(drift, dict) or set(drift) - {"window", "baseline", "threshold"}:
             raise ConfigError("[drift] takes window, baseline and threshold")
         kwargs["drift"] = DriftConfig(**drift)
+    if "replicas" in data:
+        replicas = data["replicas"]
+        if not isinstance(replicas, dict) or set(replicas) - _REPLICA_KEYS:
+            raise ConfigError(f"[replicas] takes {', '.join(sorted(_REPLICA_KEYS))}")
+        kwargs["replicas"] = ReplicaConfig(**replicas)
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     return ServerConfig(routes=tuple(_route_from_table(name, table) for name, table in routes_table.items()), **kwargs)
 
