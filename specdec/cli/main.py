@@ -724,9 +724,8 @@ def serve(
     overrides = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "threads": threads}
     server_config = load_config(config, **overrides) if config is not None else default_config(**{k: v for k, v in overrides.items() if v is not None})
     if replicas is not None:
-        server_config = dataclasses.replace(server_config, replicas=dataclasses.replace(
-            server_config.replicas or ReplicaConfig(), num_replicas=replicas, min_replicas=None, max_replicas=None,
-            target_ongoing_requests=None))
+        server_config = dataclasses.replace(server_config,
+                                            replicas=(server_config.replicas or ReplicaConfig()).with_count(replicas))
     if server_config.replicas is not None:
         _serve_replicas(server_config, model, backend=backend if backend != "auto" else server_config.backend,
                         dtype=dtype if dtype != "auto" else server_config.dtype, host=host, port=port,

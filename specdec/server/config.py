@@ -28,12 +28,14 @@ Example (`specdec serve --config server.toml`)::
     min_replicas = 1              # autoscaling bounds; or `num_replicas = N` for a fixed count
     max_replicas = 4
     target_ongoing_requests = 4   # Ray adds replicas while the requests per replica stay above this
+    downscale_delay_s = 60        # how long below it before Ray removes one (also upscale_delay_s)
     max_ongoing_requests = 16     # most requests a replica takes at once (default: max_num_seqs)
     cpus_per_replica = 1          # Ray CPUs reserved by a replica; also its torch threads
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,6 +171,10 @@ class ReplicaConfig:
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None
+    # How long the load must call for more (fewer) replicas before Ray adds (removes) one;
+    # None: Ray's defaults (30 s and 600 s in Ray 2.58).
+    upscale_delay_s: float | None = None
+    downscale_delay_s: float | None = None
     # Requests one replica takes at once; Ray's router holds the rest (None: max_num_seqs, so a
     # replica is not sent more than its batch holds while another has room).
     max_ongoing_requests: int | None = None
@@ -178,7 +184,7 @@ class ReplicaConfig:
         bounds = (self.min_replicas, self.max_replicas)
         if self.num_replicas is not None:
             _positive_int("num_replicas", self.num_replicas)
-            if bounds != (None, None) or self.target_ongoing_requests is not None:
+            if bounds != (None, None) or any(v is not None for v in self._scaling().values()):
                 raise ConfigError("[replicas] takes num_replicas (a fixed count) or min_replicas/max_replicas "
                                   "(autoscaling), not both")
         elif bounds != (None, None):
@@ -188,17 +194,29 @@ class ReplicaConfig:
             _positive_int("max_replicas", self.max_replicas)
             if self.min_replicas > self.max_replicas:
                 raise ConfigError(f"min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
-        elif self.target_ongoing_requests is not None:
-            raise ConfigError("target_ongoing_requests needs autoscaling bounds (min_replicas and max_replicas)")
-        if self.target_ongoing_requests is not None:
-            _positive_number("target_ongoing_requests", self.target_ongoing_requests)
+        elif self._scaling():
+            given = ", ".join(self._scaling())
+            raise ConfigError(f"{given} need(s) autoscaling bounds (min_replicas and max_replicas)")
+        for name, value in self._scaling().items():
+            _positive_number(name, value)
         if self.max_ongoing_requests is not None:
             _positive_int("max_ongoing_requests", self.max_ongoing_requests)
         _positive_number("cpus_per_replica", self.cpus_per_replica)
 
+    def _scaling(self) -> dict[str, float]:
+        """The autoscaling settings given besides the bounds."""
+        values = {"target_ongoing_requests": self.target_ongoing_requests, "upscale_delay_s": self.upscale_delay_s,
+                  "downscale_delay_s": self.downscale_delay_s}
+        return {name: value for name, value in values.items() if value is not None}
+
     @property
     def autoscaling(self) -> bool:
         return self.min_replicas is not None
+
+    def with_count(self, num_replicas: int) -> ReplicaConfig:
+        """These settings with a fixed count instead of any autoscaling (`--replicas N`)."""
+        return dataclasses.replace(self, num_replicas=num_replicas, min_replicas=None, max_replicas=None,
+                                   target_ongoing_requests=None, upscale_delay_s=None, downscale_delay_s=None)
 
     def deployment_options(self, max_num_seqs: int, graceful_shutdown_s: float) -> dict[str, Any]:
         """Ray Serve's own deployment options for these settings."""
@@ -209,10 +227,8 @@ class ReplicaConfig:
             "graceful_shutdown_timeout_s": graceful_shutdown_s,
         }
         if self.autoscaling:
-            scaling: dict[str, Any] = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas}
-            if self.target_ongoing_requests is not None:
-                scaling["target_ongoing_requests"] = self.target_ongoing_requests
-            options["autoscaling_config"] = scaling
+            options["autoscaling_config"] = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                                             **self._scaling()}
         else:
             options["num_replicas"] = self.num_replicas or 1
         return options

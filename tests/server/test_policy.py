@@ -100,19 +100,24 @@ def test_replicas_table_maps_to_ray_serve_options(tmp_path: Path) -> None:
     path.write_text(CONFIG)
     assert load_config(path).replicas is None  # the single-process server is the default
     path.write_text(CONFIG + "\n[replicas]\nmin_replicas = 1\nmax_replicas = 4\ntarget_ongoing_requests = 3\n"
-                    "cpus_per_replica = 2\n")
+                    "downscale_delay_s = 10\ncpus_per_replica = 2\n")
     replicas = load_config(path).replicas
     assert replicas.autoscaling
     assert replicas.deployment_options(max_num_seqs=3, graceful_shutdown_s=7.0) == {
-        "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 3},
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 3,
+                               "downscale_delay_s": 10},
         "max_ongoing_requests": 3, "ray_actor_options": {"num_cpus": 2}, "graceful_shutdown_timeout_s": 7.0}
     path.write_text(CONFIG + "\n[replicas]\nnum_replicas = 2\nmax_ongoing_requests = 5\n")
     options = load_config(path).replicas.deployment_options(max_num_seqs=3, graceful_shutdown_s=30)
     assert options["num_replicas"] == 2 and options["max_ongoing_requests"] == 5 and "autoscaling_config" not in options
+    # `--replicas N` keeps the table's other settings and drops its autoscaling.
+    fixed = replicas.with_count(3)
+    assert not fixed.autoscaling and fixed.num_replicas == 3 and fixed.cpus_per_replica == 2
     for bad, message in (("num_replicas = 2\nmax_replicas = 3", "not both"), ("min_replicas = 1", "both min_replicas"),
                          ("min_replicas = 3\nmax_replicas = 2", "exceeds"), ("num_replicas = 0", "num_replicas"),
-                         ("target_ongoing_requests = 2", "needs autoscaling"), ("cpus_per_replica = 0", "cpus_per_replica"),
-                         ("replica_count = 2", "takes")):
+                         ("target_ongoing_requests = 2", "need\\(s\\) autoscaling"),
+                         ("min_replicas = 1\nmax_replicas = 2\ndownscale_delay_s = -1", "downscale_delay_s"),
+                         ("cpus_per_replica = 0", "cpus_per_replica"), ("replica_count = 2", "takes")):
         path.write_text(CONFIG + "\n[replicas]\n" + bad + "\n")
         with pytest.raises(ConfigError, match=message):
             load_config(path)

@@ -4,6 +4,7 @@ each replica's metrics are scraped from its own port; greedy outputs (plain, spe
 streamed chat) are those of the single-process server; a replica killed mid-stream ends that
 stream with an error at once, the other keeps serving, Ray replaces the dead one, and later
 requests reach the new one. On SIGTERM the whole deployment shuts down and the command exits 0.
+Autoscaling bounds from the config's [replicas] table add a replica under load and remove it idle.
 
 Two cores cannot show throughput scaling: the two replicas share them.
 """
@@ -14,9 +15,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -59,14 +62,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
-    """Until both replicas are listed (Serve's proxy answers before its replicas are up)."""
+def _wait_ready(url: str, process: subprocess.Popen[bytes], replicas: int, timeout: float) -> None:
+    """Until the replicas are listed (Serve's proxy answers before its replicas are up)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"specdec serve --replicas exited: {process.stdout.read().decode()[-4000:]}")
         try:
-            if len(httpx.get(f"{url}/replicas", timeout=5).json()) == 2:
+            if len(httpx.get(f"{url}/replicas", timeout=5).json()) == replicas:
                 return
         except (httpx.HTTPError, ValueError, TypeError):
             pass
@@ -74,19 +77,20 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> N
     raise TimeoutError("the replicas did not come up")
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = tmp_path_factory.mktemp("ray") / "server.toml"
-    config.write_text(CONFIG)
+@contextmanager
+def _serve_replicas(config_text: str, directory: Path, *args: str, ready: int = 2) -> Iterator[str]:
+    """`specdec serve` with Ray replicas in a subprocess; on leaving, SIGTERM and a clean exit."""
+    config = directory / "server.toml"
+    config.write_text(config_text)
     port = _free_port()
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    process = subprocess.Popen([sys.executable, "-m", "specdec.cli.main", "serve", "--replicas", "2",
+    process = subprocess.Popen([sys.executable, "-m", "specdec.cli.main", "serve", *args,
                                 "--config", str(config), "--port", str(port)],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, process, timeout=300)
+        _wait_ready(url, process, ready, timeout=300)
         yield url
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=120)
@@ -95,7 +99,14 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         if process.poll() is None:
             process.kill()
             process.wait()
-            subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
+            subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True,
+                           check=False)
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with _serve_replicas(CONFIG, tmp_path_factory.mktemp("ray"), "--replicas", "2") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +173,8 @@ def test_greedy_outputs_are_those_of_the_single_process_server(replicas: str, si
 
 def test_a_killed_replica_fails_its_stream_and_is_replaced(replicas: str) -> None:
     targets = _targets(replicas)
-    pids = {replica: httpx.get(f"http://{address}/health", timeout=10).json()["pid"] for replica, address in targets.items()}
+    pids = {replica: httpx.get(f"http://{address}/health", timeout=10).json()["pid"]
+            for replica, address in targets.items()}
     body = {"model": "plain", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True,
             "temperature": 0}
     chunks = 0
@@ -194,3 +206,47 @@ def test_a_killed_replica_fails_its_stream_and_is_replaced(replicas: str) -> Non
         if seen == {survivor, replacement}:
             break
     assert seen == {survivor, replacement}
+
+
+AUTOSCALING = """
+max_model_len = 512
+max_num_seqs = 4
+
+[routes.plain]
+
+[replicas]
+min_replicas = 1
+max_replicas = 2
+target_ongoing_requests = 1
+upscale_delay_s = 2
+downscale_delay_s = 5
+"""
+
+
+def test_autoscaling_bounds_from_the_config_add_and_remove_a_replica(tmp_path: Path) -> None:
+    with _serve_replicas(AUTOSCALING, tmp_path, ready=1) as url:
+        assert len(_targets(url)) == 1
+        stop = threading.Event()
+        statuses: list[int] = []
+
+        def load() -> None:  # four requests at a time against a target of one per replica
+            while not stop.is_set():
+                statuses.append(_complete(url, "plain", "Once upon a time", 64).status_code)
+
+        clients = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+        for client in clients:
+            client.start()
+        try:
+            deadline = time.monotonic() + 180
+            while len(_targets(url)) < 2:
+                assert time.monotonic() < deadline, "no second replica under load"
+                time.sleep(1)
+        finally:
+            stop.set()
+            for client in clients:
+                client.join(120)
+        assert statuses and set(statuses) == {200}
+        deadline = time.monotonic() + 180
+        while len(_targets(url)) > 1:
+            assert time.monotonic() < deadline, "the idle deployment kept its second replica"
+            time.sleep(1)
