@@ -727,7 +727,7 @@ def serve(
         server_config = dataclasses.replace(server_config,
                                             replicas=(server_config.replicas or ReplicaConfig()).with_count(replicas))
     if server_config.replicas is not None:
-        _serve_replicas(server_config, model, backend=backend if backend != "auto" else server_config.backend,
+        _serve_replicas(server_config, model, device=device, backend=backend if backend != "auto" else server_config.backend,
                         dtype=dtype if dtype != "auto" else server_config.dtype, host=host, port=port,
                         ray_address=ray_address)
         return

@@ -31,6 +31,7 @@ Example (`specdec serve --config server.toml`)::
     downscale_delay_s = 60        # how long below it before Ray removes one (also upscale_delay_s)
     max_ongoing_requests = 16     # most requests a replica takes at once (default: max_num_seqs)
     cpus_per_replica = 1          # Ray CPUs reserved by a replica; also its torch threads
+    gpus_per_replica = 0          # Ray GPUs reserved by a replica (needed with --device cuda)
 """
 
 from __future__ import annotations
@@ -179,6 +180,8 @@ class ReplicaConfig:
     # replica is not sent more than its batch holds while another has room).
     max_ongoing_requests: int | None = None
     cpus_per_replica: float = 1.0
+    # GPUs reserved by a replica (`specdec serve --device cuda` needs at least a share of one).
+    gpus_per_replica: float = 0.0
 
     def __post_init__(self) -> None:
         bounds = (self.min_replicas, self.max_replicas)
@@ -202,6 +205,8 @@ class ReplicaConfig:
         if self.max_ongoing_requests is not None:
             _positive_int("max_ongoing_requests", self.max_ongoing_requests)
         _positive_number("cpus_per_replica", self.cpus_per_replica)
+        if self.gpus_per_replica:
+            _positive_number("gpus_per_replica", self.gpus_per_replica)
 
     def _scaling(self) -> dict[str, float]:
         """The autoscaling settings given besides the bounds."""
@@ -222,7 +227,7 @@ class ReplicaConfig:
         """Ray Serve's own deployment options for these settings."""
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests or max_num_seqs,
-            "ray_actor_options": {"num_cpus": self.cpus_per_replica},
+            "ray_actor_options": {"num_cpus": self.cpus_per_replica, "num_gpus": self.gpus_per_replica},
             # A replica scaled down or shut down lets its requests finish, as the server's SIGTERM does.
             "graceful_shutdown_timeout_s": graceful_shutdown_s,
         }
@@ -232,9 +237,6 @@ class ReplicaConfig:
         else:
             options["num_replicas"] = self.num_replicas or 1
         return options
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,8 @@ class SpecdecReplica:
     """One replica of the deployment: the server's state and app (built by Serve through
     `__serve_build_asgi_app__`, its lifespan run by Serve) and its operations port."""
 
-    def __init__(self, config: ServerConfig, model: str | None, backend: str, dtype: str, ops_host: str) -> None:
+    def __init__(self, config: ServerConfig, model: str | None, device: str, backend: str, dtype: str,
+                 ops_host: str) -> None:
         import ray
         from ray import serve
 
@@ -111,13 +112,16 @@ class SpecdecReplica:
         if config.threads is None:  # one torch thread per Ray CPU the replica holds
             config = dataclasses.replace(config, threads=max(1, math.ceil(replicas.cpus_per_replica)))
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.state: ServerState = build_state(config, model, backend=backend, dtype=dtype)
+        self.state: ServerState = build_state(config, model, device=device, backend=backend, dtype=dtype)
         self.state.replica = self.replica
         host = ops_host or ray.util.get_node_ip_address()
         ops = uvicorn.Config(OpsOnly(create_app(self.state)), host=host, port=0, lifespan="off", log_level="warning")
         self.ops = uvicorn.Server(ops)
-        threading.Thread(target=self.ops.run, name="specdec-ops", daemon=True).start()
+        thread = threading.Thread(target=self.ops.run, name="specdec-ops", daemon=True)
+        thread.start()
         while not self.ops.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"replica {self.replica}: its operations port on {host} did not start")
             time.sleep(0.02)
         port = self.ops.servers[0].sockets[0].getsockname()[1]
         self.address = f"{host}:{port}"
@@ -156,20 +160,22 @@ def _check_port_free(host: str, port: int) -> None:
             raise ConfigError(f"cannot serve on {host}:{port}: {exc.strerror}") from None
 
 
-def serve_replicas(config: ServerConfig, model: str | None, *, backend: str, dtype: str, host: str, port: int,
-                   ray_address: str | None = None, on_ready: Any = None) -> None:
+def serve_replicas(config: ServerConfig, model: str | None, *, device: str, backend: str, dtype: str, host: str,
+                   port: int, ray_address: str | None = None, on_ready: Any = None) -> None:
     """Run the deployment until SIGINT or SIGTERM; then shut it down (replicas get the
     config's graceful_shutdown_s for requests in flight)."""
     ray = _ray()
     from ray import serve
 
     replicas = config.replicas or ReplicaConfig()
+    if device != "cpu" and not replicas.gpus_per_replica:
+        raise ConfigError(f"--device {device} with replicas: set gpus_per_replica in [replicas] (Ray reserves them)")
     local = ray_address is None
     if local:
         _check_port_free(host, port)
         # The replicas read this machine's files: check the model and config here first, with the
         # single-process server's errors, rather than as a replica's failure after Ray's start.
-        build_state(config, model, backend=backend, dtype=dtype)
+        build_state(config, model, device=device, backend=backend, dtype=dtype)
         ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING)
     else:
         ray.init(address=ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
@@ -185,7 +191,7 @@ def serve_replicas(config: ServerConfig, model: str | None, *, backend: str, dty
                                       max_constructor_retry_count=2, **options)
         ops_host = "127.0.0.1" if host in LOOPBACK else ""
         try:
-            serve.run(deployment.bind(config, model, backend, dtype, ops_host), name=APP_NAME, route_prefix="/")
+            serve.run(deployment.bind(config, model, device, backend, dtype, ops_host), name=APP_NAME, route_prefix="/")
         except RuntimeError as exc:  # Serve's "deploying failed"; the replicas' errors are logged above
             raise ConfigError(f"the replicas did not start: {exc}") from None
         if on_ready is not None:

@@ -106,7 +106,7 @@ def test_replicas_table_maps_to_ray_serve_options(tmp_path: Path) -> None:
     assert replicas.deployment_options(max_num_seqs=3, graceful_shutdown_s=7.0) == {
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 3,
                                "downscale_delay_s": 10},
-        "max_ongoing_requests": 3, "ray_actor_options": {"num_cpus": 2}, "graceful_shutdown_timeout_s": 7.0}
+        "max_ongoing_requests": 3, "ray_actor_options": {"num_cpus": 2, "num_gpus": 0.0}, "graceful_shutdown_timeout_s": 7.0}
     path.write_text(CONFIG + "\n[replicas]\nnum_replicas = 2\nmax_ongoing_requests = 5\n")
     options = load_config(path).replicas.deployment_options(max_num_seqs=3, graceful_shutdown_s=30)
     assert options["num_replicas"] == 2 and options["max_ongoing_requests"] == 5 and "autoscaling_config" not in options
