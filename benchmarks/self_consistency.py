@@ -16,6 +16,7 @@ Reports tokens/s (output tokens / summed wall time) per system and its ratio to 
 and to prompt lookup, with acceptance; `--json` writes it all.
 
     python benchmarks/self_consistency.py --prompts 6 --n 8 --json benchmarks/results/self_consistency.json
+    python benchmarks/self_consistency.py --only library --compare '{"method": "suffix", "suffix_decoding_use_tree": true}'
 """
 
 from __future__ import annotations
@@ -37,10 +38,16 @@ from specdec.server.runtime import ServerThread, build_state
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "train" / "norm" / "train_prompts.jsonl"
 
 
-def systems(k_ngram: int, k_suffix: int) -> dict[str, SpeculativeConfig | None]:
-    return {"plain": None,
-            "ngram": SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k_ngram}),
-            "suffix": SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": k_suffix})}
+def systems(k_ngram: int, k_suffix: int, compare: list[str]) -> dict[str, SpeculativeConfig | None]:
+    """Plain, prompt lookup and suffix drafting, then each --compare config under its label."""
+    configs: dict[str, SpeculativeConfig | None] = {
+        "plain": None,
+        "ngram": SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k_ngram}),
+        "suffix": SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": k_suffix})}
+    for text in compare:
+        config = SpeculativeConfig.from_dict(json.loads(text))
+        configs[config.label.replace(" ", "-")] = config
+    return configs
 
 
 def math_prompts(path: Path, count: int) -> list[str]:
@@ -109,6 +116,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k-ngram", type=int, default=4)
     parser.add_argument("--k-suffix", type=int, default=6)
+    parser.add_argument("--compare", action="append", default=[],
+                        help="another speculative config (JSON) beside plain, ngram and suffix; repeatable")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--only", choices=["library", "server"], default=None)
@@ -116,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = load_model(None)
-    configs = systems(args.k_ngram, args.k_suffix)
+    configs = systems(args.k_ngram, args.k_suffix, args.compare)
     prompts = math_prompts(args.data, args.prompts)
     report: dict = {"prompts": len(prompts), "n": args.n, "max_tokens": args.max_tokens, "temperature": 0.7,
                     "threads": args.threads, "systems": {k: (c.to_dict() if c else None) for k, c in configs.items()}}
@@ -124,7 +133,7 @@ def main() -> None:
         if args.only in (None, mode):
             report[mode] = run(target, configs, prompts, args.n, args.max_tokens)
             for name, row in report[mode].items():
-                print(f"{mode:8s} {name:7s} {row['tokens_per_s']:7.1f} tok/s  {row['vs_plain']:.2f}x plain  "
+                print(f"{mode:8s} {name:16s} {row['tokens_per_s']:7.1f} tok/s  {row['vs_plain']:.2f}x plain  "
                       f"{row['vs_ngram']:.2f}x ngram  acceptance {row['acceptance']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

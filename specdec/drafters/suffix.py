@@ -26,17 +26,20 @@ cache holds. The cache forgets whole requests, least recently written first, bey
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.drafters.base import Proposal
 from specdec.drafters.registry import Options, register, require_int, require_number
+from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.sampling.params import SamplingParams
 
@@ -110,13 +113,17 @@ class _Index:
         return best, found
 
     def propose(self, context: list[int], k: int, max_depth: int, spec_factor: float,
-                min_prob: float) -> tuple[list[int], float]:
-        """The walk from the longest matching suffix, at most min(k, spec_factor x its length)
-        tokens. Returns (tokens, expected accepted tokens)."""
+                min_prob: float, tree: bool = False) -> _Draft:
+        """The walk (or tree) from the longest matching suffix, at most min(k, spec_factor x its
+        length) tokens deep; a tree holds at most k tokens."""
         m, occurrences = self.occurrences(context, max_depth)
         if not occurrences:
-            return [], 0.0
-        return self.walk(occurrences, min(k, max(1, int(spec_factor * m))), min_prob)
+            return _Draft()
+        depth = min(k, max(1, int(spec_factor * m)))
+        if tree:
+            return self.tree(occurrences, depth, k, min_prob)
+        tokens, score = self.walk(occurrences, depth, min_prob)
+        return _Draft(tokens, None, score)
 
     def walk(self, occurrences: list[tuple[int, int]], length: int, min_prob: float) -> tuple[list[int], float]:
         """The most frequent continuation of the occurrences, at most `length` tokens, while the
@@ -135,6 +142,49 @@ class _Index:
             alive = [(doc, pos + 1) for doc, pos in alive
                      if self.docs[doc][pos] == token and pos + 1 < len(self.docs[doc])]
         return tokens, score - 1.0
+
+
+    def tree(self, occurrences: list[tuple[int, int]], depth: int, nodes: int, min_prob: float) -> _Draft:
+        """The `nodes` continuations of the occurrences with the largest empirical probability
+        (best first, so parents come before children), each at least min_prob and at most
+        `depth` deep. A continuation's probability is the fraction of the occurrences that
+        follow its whole path; the score is their sum, the expected accepted tokens."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        score = 0.0
+        frontier: list[tuple[float, int, int, int, list[tuple[int, int]], int]] = []
+        order = itertools.count()  # ties: the earlier candidate first
+
+        def offer(parent: int, alive: list[tuple[int, int]], prob: float, level: int) -> None:
+            if level >= depth:
+                return
+            groups: dict[int, list[tuple[int, int]]] = {}
+            for doc, pos in alive:
+                groups.setdefault(self.docs[doc][pos], []).append((doc, pos))
+            for token, group in groups.items():
+                p = prob * len(group) / len(alive)
+                if p >= min_prob:
+                    heapq.heappush(frontier, (-p, next(order), parent, token, group, level + 1))
+
+        offer(-1, occurrences, 1.0, 0)
+        while frontier and len(tokens) < nodes:
+            neg_prob, _, parent, token, group, level = heapq.heappop(frontier)
+            tokens.append(token)
+            parents.append(parent)
+            score -= neg_prob
+            following = [(doc, pos + 1) for doc, pos in group if pos + 1 < len(self.docs[doc])]
+            if following:
+                offer(len(tokens) - 1, following, -neg_prob, level)
+        return _Draft(tokens, tuple(parents), score)
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """A source's proposal: a chain (parents None) or a tree, and its expected accepted tokens."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: tuple[int, ...] | None = None
+    score: float = 0.0
 
 
 class SuffixCache:
@@ -174,10 +224,10 @@ class SuffixCache:
                 oldest, _ = self._order.popitem(last=False)
                 self._tokens -= self._index.remove(oldest)
 
-    def propose(self, context: list[int], k: int, max_depth: int, spec_factor: float,
-                min_prob: float) -> tuple[list[int], float]:
+    def propose(self, context: list[int], k: int, max_depth: int, spec_factor: float, min_prob: float,
+                tree: bool = False) -> _Draft:
         with self._lock:
-            return self._index.propose(context, k, max_depth, spec_factor, min_prob)
+            return self._index.propose(context, k, max_depth, spec_factor, min_prob, tree)
 
 
 class SuffixDrafter:
@@ -185,11 +235,13 @@ class SuffixDrafter:
 
     added_memory_bytes = 0
 
-    def __init__(self, cache: SuffixCache, max_depth: int = 24, spec_factor: float = 1.0, min_prob: float = 0.1) -> None:
+    def __init__(self, cache: SuffixCache, max_depth: int = 24, spec_factor: float = 1.0, min_prob: float = 0.1,
+                 tree: bool = False) -> None:
         self.cache = cache
         self.max_depth = max_depth
         self.spec_factor = spec_factor
         self.min_prob = min_prob
+        self.tree = tree
         self._own = _Index()
         self._prompt_length = 0
         self._doc = 0
@@ -210,15 +262,17 @@ class SuffixDrafter:
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         self._sync(context)
-        own, own_score = self._own.propose(context, k, self.max_depth, self.spec_factor, self.min_prob)
-        shared, shared_score = self.cache.propose(context, k, self.max_depth, self.spec_factor, self.min_prob)
-        return Proposal(tokens=shared if shared_score > own_score else own)
+        own = self._own.propose(context, k, self.max_depth, self.spec_factor, self.min_prob, self.tree)
+        shared = self.cache.propose(context, k, self.max_depth, self.spec_factor, self.min_prob, self.tree)
+        best = shared if shared.score > own.score else own
+        chain = best.parents is None or all(parent == i - 1 for i, parent in enumerate(best.parents))
+        return Proposal(tokens=best.tokens, parents=None if chain else best.parents)
 
     def commit(self, context: list[int], num_accepted: int) -> None:
         self._sync(context)
 
     def fork(self) -> SuffixDrafter:
-        return SuffixDrafter(self.cache, self.max_depth, self.spec_factor, self.min_prob)
+        return SuffixDrafter(self.cache, self.max_depth, self.spec_factor, self.min_prob, self.tree)
 
 
 @dataclass(frozen=True)
@@ -232,6 +286,8 @@ class SuffixOptions(Options):
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_cache_mib: float = 64.0
+    # Propose a tree of the most probable continuations (at most k tokens) instead of one chain.
+    suffix_decoding_use_tree: bool = False
 
     def __post_init__(self) -> None:
         require_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)
@@ -240,12 +296,16 @@ class SuffixOptions(Options):
         require_number("suffix_decoding_max_cache_mib", self.suffix_decoding_max_cache_mib, 0, math.inf, low_open=True)
         require_number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0, 1)
 
+        if not isinstance(self.suffix_decoding_use_tree, bool):
+            raise ConfigError(f"suffix_decoding_use_tree must be true or false, got {self.suffix_decoding_use_tree!r}")
+
     def label(self) -> list[str]:
-        return ["no cache"] if self.suffix_decoding_max_cached_requests == 0 else []
+        return (["tree"] if self.suffix_decoding_use_tree else []) + (
+            ["no cache"] if self.suffix_decoding_max_cached_requests == 0 else [])
 
 
 @register("suffix", options=SuffixOptions, default_k=6)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> SuffixDrafter:
     cache = SuffixCache(config.suffix_decoding_max_cached_requests, int(config.suffix_decoding_max_cache_mib * 2**20))
     return SuffixDrafter(cache, config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_spec_factor,
-                         config.suffix_decoding_min_token_prob)
+                         config.suffix_decoding_min_token_prob, config.suffix_decoding_use_tree)

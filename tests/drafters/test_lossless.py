@@ -228,6 +228,8 @@ REAL_DRAFTERS = [
     pytest.param({"method": "suffix", "num_speculative_tokens": 6}, id="suffix-k6"),
     pytest.param({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_spec_factor": 2.0,
                   "suffix_decoding_min_token_prob": 0.0}, id="suffix-k8-eager"),
+    pytest.param({"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_use_tree": True,
+                  "suffix_decoding_max_spec_factor": 2.0, "suffix_decoding_min_token_prob": 0.0}, id="suffix-tree-k6"),
     pytest.param({"method": "draft_model", "model": "target", "quantization": "int8", "num_speculative_tokens": 5,
                   "adaptive": True}, id="int8-self-adaptive-k5"),
     pytest.param({"method": "lookahead", "num_speculative_tokens": 2}, id="lookahead-k2"),

@@ -55,6 +55,30 @@ def test_the_most_frequent_continuation_while_it_is_probable_enough() -> None:
     assert strict.propose([40, 5, 6], 2, GREEDY, None).tokens == []
 
 
+def test_a_tree_holds_the_most_probable_continuations_best_first() -> None:
+    cache = SuffixCache(100, 2**20)
+    for output in ([5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 3, 4]):
+        run(drafter(cache), [1], output)
+
+    def propose(source: SuffixCache, k: int, **options):
+        d = drafter(source, spec_factor=2.0, **options)
+        d.begin([40, 5, 6], 100)
+        return d.propose([40, 5, 6], k, GREEDY, None)
+
+    # After "5 6": 7 (p = 2/3), 3 (1/3); after "5 6 7": 8 and 9 (1/3 each); after "5 6 3": 4 (1/3).
+    proposal = propose(cache, 4, min_prob=0.3, tree=True)
+    assert proposal.tokens == [7, 3, 8, 9] and proposal.parents == (-1, -1, 0, 0)  # at most k nodes
+    assert propose(cache, 2, min_prob=0.3, tree=True).tokens == [7, 3]
+    assert propose(cache, 4, min_prob=0.5, tree=True).tokens == [7]
+    # The chain takes the most frequent token at each step: 7, then 8 (the first of a tie).
+    chain = propose(cache, 4, min_prob=0.3)
+    assert chain.tokens == [7, 8] and chain.parents is None
+    # A tree that is one path goes out as a chain.
+    single = SuffixCache(100, 2**20)
+    run(drafter(single), [1], [5, 6, 7, 8])
+    assert propose(single, 4, tree=True).parents is None
+
+
 def test_outputs_are_shared_by_forks_and_not_across_caches() -> None:
     route_a, route_b = drafter(), drafter()
     run(route_a, [1, 2], [10, 11, 12, 13, 14])
@@ -144,9 +168,10 @@ def test_config_options_are_checked() -> None:
     assert config.num_speculative_tokens == 6 and config.suffix_decoding_max_tree_depth == 24
     assert config.label == "suffix k=6"
     assert SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_max_cached_requests": 0}).label == "suffix no cache k=6"
+    assert SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_use_tree": True}).label == "suffix tree k=6"
     for bad in ({"suffix_decoding_max_tree_depth": 0}, {"suffix_decoding_min_token_prob": 1.5},
                 {"suffix_decoding_max_spec_factor": 0}, {"suffix_decoding_max_cached_requests": -1},
-                {"suffix_decoding_max_cache_mib": float("inf")}):
+                {"suffix_decoding_max_cache_mib": float("inf")}, {"suffix_decoding_use_tree": 1}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             SpeculativeConfig.from_dict({"method": "suffix"} | bad)
 

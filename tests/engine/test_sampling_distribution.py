@@ -200,6 +200,8 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoi
         return Engine(target, MtpDrafter(load_mtp(mtp_checkpoint(target, tmp_path, scale=1.0)[0], target)), 2)
     if name == "suffix":  # the engine's one drafter: later samples draft from the outputs of earlier ones
         return Engine(target, SuffixDrafter(SuffixCache(10_000, 2**26), min_prob=0.0), 2)
+    if name == "suffix-tree":  # siblings: the continuations the earlier samples took, best first
+        return Engine(target, SuffixDrafter(SuffixCache(10_000, 2**26), spec_factor=2.0, min_prob=0.0, tree=True), 3)
     if name == "lookahead":  # a window of 2 and up to 2 bigram guesses: trees of deterministic siblings
         return Engine(target, LookaheadDrafter(window=2, n=2, guesses=2, pool_size=4), 2)
     if name == "hybrid":  # lookup where a 2-token match exists (the prompt repeats), the head elsewhere
@@ -233,13 +235,25 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle",
-                                     "eagle-tree", "hybrid", "medusa", "mtp", "suffix", "lookahead"])
+                                     "eagle-tree", "hybrid", "medusa", "mtp", "suffix", "suffix-tree",
+                                     "lookahead"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str, mtp_checkpoint, tmp_path
 ) -> None:
     model = deep_target if drafter == "layer_skip" else target
     engine = make_engine(drafter, model, draft, mtp_checkpoint, tmp_path)
+    trees = []
+    if drafter == "suffix-tree":  # count the proposals with siblings: the test must see some
+        propose = engine.drafter.propose
+
+        def counted(*args):
+            trees.append(propose(*args))
+            return trees[-1]
+
+        engine.drafter.propose = counted
     samples = sample_sequences(engine, SAMPLED, 2500)
+    if drafter == "suffix-tree":
+        assert sum(p.parents is not None for p in trees) > 100
     exact = exact_sequence_probs(model, SAMPLED)
     assert chi2_pvalue(samples, exact) > 1e-3
     for position in range(LENGTH):
