@@ -4,7 +4,7 @@ each replica's metrics are scraped from its own port; greedy outputs (plain, spe
 streamed chat) are those of the single-process server; a replica killed mid-stream ends that
 stream with an error at once, the other keeps serving, Ray replaces the dead one, and later
 requests reach the new one. On SIGTERM the whole deployment shuts down and the command exits 0.
-Autoscaling bounds from the config's [replicas] table add a replica under load and remove it idle.
+(Autoscaling, on a cluster started beforehand: test_ray_cluster.py.)
 
 Two cores cannot show throughput scaling: the two replicas share them.
 """
@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +53,7 @@ PROMPTS = [
 ]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:
@@ -62,7 +61,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], replicas: int, timeout: float) -> None:
+def wait_ready(url: str, process: subprocess.Popen[bytes], replicas: int, timeout: float) -> None:
     """Until the replicas are listed (Serve's proxy answers before its replicas are up)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -78,11 +77,11 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], replicas: int, timeo
 
 
 @contextmanager
-def _serve_replicas(config_text: str, directory: Path, *args: str, ready: int = 2) -> Iterator[str]:
+def serve_replicas(config_text: str, directory: Path, *args: str, ready: int = 2) -> Iterator[str]:
     """`specdec serve` with Ray replicas in a subprocess; on leaving, SIGTERM and a clean exit."""
     config = directory / "server.toml"
     config.write_text(config_text)
-    port = _free_port()
+    port = free_port()
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     process = subprocess.Popen([sys.executable, "-m", "specdec.cli.main", "serve", *args,
@@ -90,7 +89,7 @@ def _serve_replicas(config_text: str, directory: Path, *args: str, ready: int = 
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, process, ready, timeout=300)
+        wait_ready(url, process, ready, timeout=300)
         yield url
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=120)
@@ -105,7 +104,7 @@ def _serve_replicas(config_text: str, directory: Path, *args: str, ready: int = 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with _serve_replicas(CONFIG, tmp_path_factory.mktemp("ray"), "--replicas", "2") as url:
+    with serve_replicas(CONFIG, tmp_path_factory.mktemp("ray"), "--replicas", "2") as url:
         yield url
 
 
@@ -118,12 +117,12 @@ def single_process(default_model: LoadedModel, tmp_path_factory: pytest.TempPath
     server.stop()
 
 
-def _targets(url: str) -> dict[str, str]:
+def listed(url: str) -> dict[str, str]:
     """replica id -> its operations address, from the front's service discovery."""
     return {t["labels"]["replica"]: t["targets"][0] for t in httpx.get(f"{url}/replicas", timeout=10).json()}
 
 
-def _complete(url: str, model: str, prompt: str, max_tokens: int = 24) -> httpx.Response:
+def complete(url: str, model: str, prompt: str, max_tokens: int = 24) -> httpx.Response:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
@@ -135,11 +134,11 @@ def _finished(address: str, route: str) -> float:
 
 
 def test_requests_spread_over_both_replicas_and_each_is_scraped(replicas: str) -> None:
-    targets = _targets(replicas)
+    targets = listed(replicas)
     assert len(targets) == 2
     before = {replica: _finished(address, "spec") for replica, address in targets.items()}
     with ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(lambda i: _complete(replicas, "spec", PROMPTS[i % 4], 16), range(8)))
+        responses = list(pool.map(lambda i: complete(replicas, "spec", PROMPTS[i % 4], 16), range(8)))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     served = [r.headers["x-specdec-replica"] for r in responses]
     assert set(served) == set(targets), served
@@ -157,7 +156,7 @@ def test_requests_spread_over_both_replicas_and_each_is_scraped(replicas: str) -
 def test_greedy_outputs_are_those_of_the_single_process_server(replicas: str, single_process: str) -> None:
     for route in ("spec", "plain"):
         for prompt in PROMPTS:
-            ours, reference = _complete(replicas, route, prompt), _complete(single_process, route, prompt)
+            ours, reference = complete(replicas, route, prompt), complete(single_process, route, prompt)
             assert ours.status_code == reference.status_code == 200
             assert ours.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"], (route, prompt)
 
@@ -172,7 +171,7 @@ def test_greedy_outputs_are_those_of_the_single_process_server(replicas: str, si
 
 
 def test_a_killed_replica_fails_its_stream_and_is_replaced(replicas: str) -> None:
-    targets = _targets(replicas)
+    targets = listed(replicas)
     pids = {replica: httpx.get(f"http://{address}/health", timeout=10).json()["pid"]
             for replica, address in targets.items()}
     body = {"model": "plain", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True,
@@ -190,63 +189,20 @@ def test_a_killed_replica_fails_its_stream_and_is_replaced(replicas: str) -> Non
     survivor = next(r for r in targets if r != victim)
     # The other replica keeps serving while Ray starts a new one.
     for prompt in PROMPTS:
-        response = _complete(replicas, "spec", prompt, 8)
+        response = complete(replicas, "spec", prompt, 8)
         assert response.status_code == 200 and response.headers["x-specdec-replica"] == survivor
     deadline = time.monotonic() + 240
-    while len(now := _targets(replicas)) < 2:
+    while len(now := listed(replicas)) < 2:
         assert time.monotonic() < deadline, f"no replacement replica: {now}"
         time.sleep(1)
     (replacement,) = set(now) - {survivor}
     assert replacement != victim
     seen = set()
     for i in range(40):  # later requests succeed, on both the survivor and the replacement
-        response = _complete(replicas, "spec", PROMPTS[i % 4], 4)
+        response = complete(replicas, "spec", PROMPTS[i % 4], 4)
         assert response.status_code == 200
         seen.add(response.headers["x-specdec-replica"])
         if seen == {survivor, replacement}:
             break
     assert seen == {survivor, replacement}
 
-
-AUTOSCALING = """
-max_model_len = 512
-max_num_seqs = 4
-
-[routes.plain]
-
-[replicas]
-min_replicas = 1
-max_replicas = 2
-target_ongoing_requests = 1
-upscale_delay_s = 2
-downscale_delay_s = 5
-"""
-
-
-def test_autoscaling_bounds_from_the_config_add_and_remove_a_replica(tmp_path: Path) -> None:
-    with _serve_replicas(AUTOSCALING, tmp_path, ready=1) as url:
-        assert len(_targets(url)) == 1
-        stop = threading.Event()
-        statuses: list[int] = []
-
-        def load() -> None:  # four requests at a time against a target of one per replica
-            while not stop.is_set():
-                statuses.append(_complete(url, "plain", "Once upon a time", 64).status_code)
-
-        clients = [threading.Thread(target=load, daemon=True) for _ in range(4)]
-        for client in clients:
-            client.start()
-        try:
-            deadline = time.monotonic() + 180
-            while len(_targets(url)) < 2:
-                assert time.monotonic() < deadline, "no second replica under load"
-                time.sleep(1)
-        finally:
-            stop.set()
-            for client in clients:
-                client.join(120)
-        assert statuses and set(statuses) == {200}
-        deadline = time.monotonic() + 180
-        while len(_targets(url)) > 1:
-            assert time.monotonic() < deadline, "the idle deployment kept its second replica"
-            time.sleep(1)
