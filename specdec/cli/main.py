@@ -750,30 +750,40 @@ def doctor(
 ) -> None:
     """Is speculation paying on a running server, route by route, and if not, why: batches
     full, acceptance low or drifting (which positions), draft memory costing sequences, or k too
-    long for the acceptance (with the k the estimate recommends)."""
+    long for the acceptance (with the k the estimate recommends). Given the front of
+    `specdec serve --replicas`, it diagnoses every replica."""
     from rich.table import Table
 
-    from specdec.server.doctor import diagnose, fetch, load_costs, summary
+    from specdec.server.doctor import diagnose, fetch, load_costs, replicas, summary
 
     curve_costs = load_costs(costs_file, curve) if costs_file is not None else None
-    metrics_text, health = fetch(url)
-    reports = diagnose(metrics_text, health, curve_costs)
-    table = Table(title=f"{escape(url)}: {health.get('running', 0)} running, {health.get('waiting', 0)} waiting")
-    for column in ("route", "drafter", "k now", "acceptance", "per position", "verdict"):
-        table.add_column(column)
-    for r in reports:
-        table.add_row(escape(r.route), escape(str(r.method or "-")), "-" if r.current_k is None else str(r.current_k),
-                      "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}",
-                      " ".join(f"{u:.2f}" for u in r.per_position) or "-", escape(summary(r)))
-    out.print(table)
-    for r in reports:
-        for finding in r.findings:
-            out.print(f"[bold]{escape(r.route)}[/bold]: {escape(finding.text)}", soft_wrap=True)
-    if not any(r.findings for r in reports):
-        out.print("no problem found")
+    servers = replicas(url)
+    if servers is not None:
+        if not servers:
+            raise ConfigError(f"{url}/replicas lists no live replica")
+        out.print(f"{escape(url)}: {len(servers)} replica(s) on Ray Serve, each diagnosed on its own")
+    found: list[dict[str, Any]] = []
+    for replica, base in (servers or {None: url}).items():
+        metrics_text, health = fetch(base)
+        reports = diagnose(metrics_text, health, curve_costs)
+        name = f"replica {replica} ({base})" if replica is not None else url
+        table = Table(title=f"{escape(name)}: {health.get('running', 0)} running, {health.get('waiting', 0)} waiting")
+        for column in ("route", "drafter", "k now", "acceptance", "per position", "verdict"):
+            table.add_column(column)
+        for r in reports:
+            table.add_row(escape(r.route), escape(str(r.method or "-")), "-" if r.current_k is None else str(r.current_k),
+                          "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}",
+                          " ".join(f"{u:.2f}" for u in r.per_position) or "-", escape(summary(r)))
+        out.print(table)
+        for r in reports:
+            for finding in r.findings:
+                out.print(f"[bold]{escape(r.route)}[/bold]: {escape(finding.text)}", soft_wrap=True)
+        if not any(r.findings for r in reports):
+            out.print("no problem found")
+        found += [r.to_dict() | ({"replica": replica} if replica is not None else {}) for r in reports]
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps([r.to_dict() for r in reports], indent=2) + "\n", encoding="utf-8")
+        json_out.write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
 
 
 def main() -> None:

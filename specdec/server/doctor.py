@@ -1,7 +1,8 @@
 """`specdec doctor`: is speculation paying on a running server, route by route, and if not, why.
 
 It reads what any monitoring would: the server's `/metrics` (Prometheus exposition) and
-`/health` (routes, load, memory plan). Per route it estimates what a drafting step gains and
+`/health` (routes, load, memory plan); under Ray Serve, those of every replica the front's
+`/replicas` lists, one by one (each replica batches on its own). Per route it estimates what a drafting step gains and
 names the causes the seeds give for speculation not paying:
 
 - **batches full**: several sequences share each target pass, so compute is no longer idle and
@@ -206,6 +207,19 @@ def fetch(url: str, timeout: float = 10.0) -> tuple[str, dict[str, Any]]:
         return metrics.decode("utf-8"), json.loads(health)
     except ValueError:
         raise ConfigError(f"{base}/health did not answer JSON (status {status})") from None
+
+
+def replicas(url: str, timeout: float = 10.0) -> dict[str, str] | None:
+    """Under Ray Serve (`specdec serve --replicas`), each replica's id and operations URL, from
+    the front's `/replicas`; None for a single-process server (it has no such path)."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/replicas", timeout=timeout) as response:
+            listed = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    if not isinstance(listed, list):
+        return None
+    return {t["labels"]["replica"]: f"http://{t['targets'][0]}" for t in listed}
 
 
 def summary(report: RouteReport) -> str:

@@ -1,16 +1,18 @@
 """`specdec serve --replicas 2` as a user runs it: a local Ray cluster with two replicas of the
 default model (one torch thread each) behind Ray Serve's proxy. Requests spread over both and
-each replica's metrics are scraped from its own port; greedy outputs (plain, speculative,
-streamed chat) are those of the single-process server; a replica killed mid-stream ends that
-stream with an error at once, the other keeps serving, Ray replaces the dead one, and later
-requests reach the new one. On SIGTERM the whole deployment shuts down and the command exits 0.
-(Autoscaling, on a cluster started beforehand: test_ray_cluster.py.)
+each replica's metrics are scraped from its own port; `specdec doctor` given the front diagnoses
+each replica; greedy outputs (plain, speculative, streamed chat) are those of the single-process
+server; a replica killed mid-stream ends that stream with an error at once, the other keeps
+serving, Ray replaces the dead one, and later requests reach the new one. On SIGTERM the whole
+deployment shuts down and the command exits 0. (Autoscaling, on a cluster started beforehand:
+test_ray_cluster.py.)
 
 Two cores cannot show throughput scaling: the two replicas share them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -150,6 +152,18 @@ def test_requests_spread_over_both_replicas_and_each_is_scraped(replicas: str) -
     metrics = httpx.get(f"http://{next(iter(targets.values()))}/metrics", timeout=10).text
     assert sample_value(samples_by_name(text_string_to_metric_families(metrics)), "specdec_max_concurrent_sequences",
                         with_draft="true") >= 1
+
+
+def test_doctor_given_the_front_diagnoses_every_replica(replicas: str, tmp_path: Path) -> None:
+    out = tmp_path / "doctor.json"
+    done = subprocess.run([sys.executable, "-m", "specdec.cli.main", "doctor", "--url", replicas, "--json", str(out)],
+                          capture_output=True, text=True, check=False, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 replica(s) on Ray Serve" in done.stdout
+    reports = json.loads(out.read_text())
+    assert sorted((r["replica"], r["route"]) for r in reports) == sorted(
+        (replica, route) for replica in listed(replicas) for route in ("spec", "plain"))
 
 
 def test_greedy_outputs_are_those_of_the_single_process_server(replicas: str, single_process: str) -> None:
