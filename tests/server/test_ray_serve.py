@@ -2,10 +2,10 @@
 default model (one torch thread each) behind Ray Serve's proxy. Requests spread over both and
 each replica's metrics are scraped from its own port; `specdec doctor` given the front diagnoses
 each replica; greedy outputs (plain, speculative, streamed chat) are those of the single-process
-server; a replica killed mid-stream ends that stream with an error at once, the other keeps
-serving, Ray replaces the dead one, and later requests reach the new one. On SIGTERM the whole
-deployment shuts down and the command exits 0. (Autoscaling, on a cluster started beforehand:
-test_ray_cluster.py.)
+server; a client that leaves mid-stream frees its sequence; a replica killed mid-stream ends
+that stream with an error at once, the other keeps serving, Ray replaces the dead one, and
+later requests reach the new one. On SIGTERM the whole deployment shuts down and the command
+exits 0. (Autoscaling, on a cluster started beforehand: test_ray_cluster.py.)
 
 Two cores cannot show throughput scaling: the two replicas share them.
 """
@@ -128,10 +128,12 @@ def complete(url: str, model: str, prompt: str, max_tokens: int = 24) -> httpx.R
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def _finished(address: str, route: str) -> float:
+def _finished(address: str, route: str, reason: str | None = None) -> float:
+    """Sequences of the route that replica finished (for that reason, or any)."""
     text = httpx.get(f"http://{address}/metrics", timeout=10).text
     samples = samples_by_name(text_string_to_metric_families(text))
-    return sum(v for labels, v in samples.get("specdec_requests_total", []) if labels["route"] == route)
+    return sum(v for labels, v in samples.get("specdec_requests_total", [])
+               if labels["route"] == route and reason in (None, labels["finish_reason"]))
 
 
 def test_requests_spread_over_both_replicas_and_each_is_scraped(replicas: str) -> None:
@@ -181,6 +183,24 @@ def test_greedy_outputs_are_those_of_the_single_process_server(replicas: str, si
 
     streamed = chat(replicas)
     assert streamed and streamed == chat(single_process)
+
+
+def test_a_client_that_leaves_frees_its_sequence_on_the_replica(replicas: str) -> None:
+    addresses = listed(replicas)
+    body = {"model": "plain", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{replicas}/v1/completions", json=body, timeout=60) as response:
+        address = addresses[response.headers["x-specdec-replica"]]
+        aborted = _finished(address, "plain", "abort")
+        chunks = 0
+        for line in response.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks == 3:
+                break  # and close the connection: Ray's proxy cancels the replica's handler
+    deadline = time.monotonic() + 10
+    while httpx.get(f"http://{address}/health", timeout=10).json()["running"] > 0:
+        assert time.monotonic() < deadline, "the sequence kept running after its client left"
+        time.sleep(0.2)
+    assert _finished(address, "plain", "abort") == aborted + 1
 
 
 def test_a_killed_replica_fails_its_stream_and_is_replaced(replicas: str) -> None:
