@@ -4,6 +4,7 @@ plus the scheduler applying the schedule as the batch fills and empties."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from specdec.server.config import DEFAULT_LOAD_SCHEDULE, DriftConfig, LoadSchedu
 from specdec.server.memory import plan_memory
 from specdec.server.metrics import AcceptanceDrift, ServerMetrics
 from specdec.server.runtime import build_state
+from specdec.server.scaleout import serve_replicas
 from specdec.server.scheduler import ServerRequest, fork_drafter
 
 CONFIG = """
@@ -259,3 +261,10 @@ def test_auto_threads_leave_a_core_free_for_one_sequence_and_use_all_for_a_batch
     path.write_text("threads = 2\n" + CONFIG)
     fixed = build_state(load_config(path), loaded=tiny_model).scheduler
     assert [fixed.threads_for(n) for n in (1, 8)] == [2, 2]
+
+
+def test_replicas_without_ray_installed_say_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(ConfigError, match=r"specdec\[ray\]"):
+        serve_replicas(default_config(), None, device="cpu", backend="auto", dtype="auto",
+                                host="127.0.0.1", port=8000)
