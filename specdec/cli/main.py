@@ -709,13 +709,13 @@ def serve(
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
-    replicas: Annotated[Optional[int], typer.Option("--replicas", min=1, help="Run N engine replicas as a Ray Serve deployment (needs specdec[ray]); a [replicas] table in the config sets autoscaling bounds instead.")] = None,
+    replicas: Annotated[Optional[int], typer.Option("--replicas", min=1, help="Run N engine replicas as a Ray Serve deployment (needs specdec\\[ray]); a \\[replicas] table in the config sets autoscaling bounds instead.")] = None,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="With replicas: the Ray cluster to join (e.g. ray://head:10001 or auto); default: start a local one.")] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics) with batched speculative decoding. Without --config: route `specdec`
     (ngram, load-aware k) and route `specdec-plain` (no speculation). With --replicas (or a
-    [replicas] table): the same API from replicas on Ray Serve; GET /replicas lists each
+    \\[replicas] table): the same API from replicas on Ray Serve; GET /replicas lists each
     replica's own /metrics address for Prometheus."""
     from specdec.server.config import ReplicaConfig, default_config, load_config
     from specdec.server.runtime import build_state, uvicorn_server
