@@ -14,8 +14,10 @@ step the most frequent next token among the occurrences still agreeing, kept whi
 product of those frequencies (the empirical probability that the whole walk is right) is at
 least `min_prob`, and for at most `spec_factor` x the match length tokens (a long match
 earns a long guess; at most k). Of the two sources' walks, the one with the larger expected
-number of accepted tokens (the sum of the products along it) is proposed. Proposals are
-deterministic: verification uses the one-hot draft rule, exact for sampling too.
+number of accepted tokens (the sum of the products along it) is proposed. With `tree`, a
+source proposes instead the k continuations of largest probability (best first, each at least
+`min_prob`), a token tree whose siblings are the different ways earlier text went on.
+Proposals are deterministic: verification uses the one-hot draft rule, exact for sampling too.
 
 Occurrences are found through an index of each source's token bigrams (and single tokens,
 for matches of one), checked backwards against the context; the cache scans at most the
@@ -142,7 +144,6 @@ class _Index:
             alive = [(doc, pos + 1) for doc, pos in alive
                      if self.docs[doc][pos] == token and pos + 1 < len(self.docs[doc])]
         return tokens, score - 1.0
-
 
     def tree(self, occurrences: list[tuple[int, int]], depth: int, nodes: int, min_prob: float) -> _Draft:
         """The `nodes` continuations of the occurrences with the largest empirical probability
