@@ -2,8 +2,8 @@
 
 It reads what any monitoring would: the server's `/metrics` (Prometheus exposition) and
 `/health` (routes, load, memory plan); under Ray Serve, those of every replica the front's
-`/replicas` lists, one by one (each replica batches on its own). Per route it estimates what a drafting step gains and
-names the causes the seeds give for speculation not paying:
+`/replicas` lists, one by one (each replica batches on its own). Per route it estimates what
+a drafting step gains and names the causes the seeds give for speculation not paying:
 
 - **batches full**: several sequences share each target pass, so compute is no longer idle and
   a verification over rows x (k + 1) tokens costs more than the rows' plain step;

@@ -28,17 +28,22 @@ speculative = { method = "ngram", num_speculative_tokens = 3 }
 """
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a `python -m specdec.cli.main` subprocess: this checkout importable."""
+    return os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])} | extra
+
+
 def _serve(model_dir: Path, tmp_path: Path, config_text: str) -> tuple[subprocess.Popen[bytes], str]:
     config = tmp_path / "server.toml"
     config.write_text(config_text)
-    port = _free_port()
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    port = free_port()
+    env = cli_env(OMP_NUM_THREADS="1")
     process = subprocess.Popen(
         [sys.executable, "-m", "specdec.cli.main", "serve", "--model", str(model_dir), "--config", str(config),
          "--port", str(port)],

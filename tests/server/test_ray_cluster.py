@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the Ray Serve tests need specdec[ray] (make setup installs it)")
 
-from test_ray_serve import complete, free_port, listed, serve_replicas  # noqa: E402  (after the skip)
+from test_cli_serve import free_port  # noqa: E402  (after the skip)
+from test_ray_serve import complete, listed, serve_replicas  # noqa: E402
 
 RAY = str(Path(sys.executable).parent / "ray")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,8 @@ from specdec.server.runtime import ServerThread, build_state
 
 pytest.importorskip("ray.serve", reason="the Ray Serve tests need specdec[ray] (make setup installs it)")
 
+from test_cli_serve import cli_env, free_port  # noqa: E402  (after the skip)
+
 CONFIG = """
 max_model_len = 512
 max_num_seqs = 4
@@ -54,12 +55,6 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
     "Explain what a hash table is in one paragraph.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_ready(url: str, process: subprocess.Popen[bytes], replicas: int, timeout: float) -> None:
@@ -83,7 +78,7 @@ def serve_replicas(config_text: str, directory: Path, *args: str, ready: int = 2
     config = directory / "server.toml"
     config.write_text(config_text)
     port = free_port()
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "RAY_USAGE_STATS_ENABLED": "0"}
+    env = cli_env(RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
     process = subprocess.Popen([sys.executable, "-m", "specdec.cli.main", "serve", *args,
                                 "--config", str(config), "--port", str(port)],
@@ -160,7 +155,7 @@ def test_doctor_given_the_front_diagnoses_every_replica(replicas: str, tmp_path:
     out = tmp_path / "doctor.json"
     done = subprocess.run([sys.executable, "-m", "specdec.cli.main", "doctor", "--url", replicas, "--json", str(out)],
                           capture_output=True, text=True, check=False, timeout=120,
-                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                          env=cli_env())
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 replica(s) on Ray Serve" in done.stdout
     reports = json.loads(out.read_text())
