@@ -601,6 +601,7 @@ def train_draft(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     init: Annotated[Optional[Path], typer.Option("--init", help="Start from this head's weights and draft vocabulary (a head directory) instead of fresh ones.")] = None,
     answers_from: Annotated[Optional[Path], typer.Option("--answers-from", help="Train on the answers an earlier run wrote (its answers.jsonl) instead of answering.")] = None,
+    text: Annotated[int, typer.Option("--text", min=0, help="Also train on the raw text of this many other prompts of --data (fixed text: no answering, every position counts).")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out (same settings).")] = False,
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -609,7 +610,7 @@ def train_draft(
     then the head learns its hidden states and distributions. Use it with
     --speculative-config '{"method": "eagle", "model": "OUT"}' (or "medusa")."""
     from specdec.models.loader import load_model
-    from specdec.training.corpus import generate_answers, read_answers, select_prompts
+    from specdec.training.corpus import generate_answers, read_answers, select_prompts, text_records
     from specdec.training.heads import ARCHS, TrainConfig, train_head
     from specdec.training.heads import Progress as TrainProgress
 
@@ -639,6 +640,12 @@ def train_draft(
                              should_stop=lambda: time.monotonic() - start >= answer_time, on_answer=advance)
     records = read_answers(answers_path)
     err.print(f"{len(records)} answers ({sum(len(r['answer_ids']) for r in records)} answer tokens) in {answers_path}")
+    if text:
+        if data is None:
+            raise ConfigError("--text takes its text from the prompts of --data: give --data")
+        fixed = text_records(target, data, text, {r["id"] for r in records}, seed)
+        records += fixed
+        err.print(f"{len(fixed)} fixed texts ({sum(len(r['answer_ids']) for r in fixed)} tokens) from {data}")
     remaining = None if max_time is None else max(0.0, max_time - (time.monotonic() - start))
     if resume and max_time is not None and (out_dir / "checkpoint.pt").is_file():
         remaining = max_time  # training had started: --max-time is its whole budget, earlier runs included

@@ -279,8 +279,10 @@ def train_head(
         raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {config.loss_on!r}")
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / CHECKPOINT_FILE
-    train_ids = [r for r in records if split_of(r["id"], config.validation_fraction) == "train"]
-    validation = [r for r in records if split_of(r["id"], config.validation_fraction) == "validation"]
+    # Fixed-text records only train: the held-out split measures what drafting faces, answers.
+    held_out = lambda r: r.get("kind") != "text" and split_of(r["id"], config.validation_fraction) == "validation"  # noqa: E731
+    train_ids = [r for r in records if not held_out(r)]
+    validation = [r for r in records if held_out(r)]
     if not train_ids:
         raise ConfigError("no training sequences (every record fell in the validation split)")
     sequence = lambda r: (r["prompt_ids"] + r.get("answer_ids", []))[: config.max_seq_len]  # noqa: E731

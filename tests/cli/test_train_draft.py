@@ -48,3 +48,27 @@ def test_train_then_draft_with_the_head(run_cli: CliRun, tiny_model_dir: Path, t
 def test_refusals(run_cli: CliRun, tiny_model_dir: Path, tmp_path: Path, args: list[str], message: str) -> None:
     code, _, stderr = _train(run_cli, tiny_model_dir, tmp_path / "out", *args)
     assert code == 2 and message in stderr, stderr
+
+
+def test_fixed_text_of_prompts_not_answered(run_cli: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "category": "c", "turns": [f"Text number {i} to read."]}) + "\n"
+                            for i in range(6)))
+    # No prompt of the file answered: all 6 are fixed text (more asked for than there are).
+    code, _, stderr = _train(run_cli, tiny_model_dir, tmp_path / "head", "--data", str(data), "--text", "10",
+                             "--max-tokens", "100")
+    assert code == 0, stderr
+    assert "6 fixed texts" in stderr
+    # 2 of them answered: their text is left out, so no held-out answer's prompt is trained on.
+    out = tmp_path / "head2"
+    code, _, stderr = run_cli("train-draft", "--model", str(tiny_model_dir), "--backend", "native", "--answers", "2",
+                              "--code-prompts", "0", "--answer-tokens", "6", "--draft-vocab", "256", "--data", str(data),
+                              "--text", "10", "--max-tokens", "100", "--out", str(out))
+    assert code == 0, stderr
+    answered = [json.loads(line)["id"] for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(answered) == 2 and "4 fixed texts" in stderr
+
+
+def test_fixed_text_needs_data(run_cli: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
+    code, _, stderr = _train(run_cli, tiny_model_dir, tmp_path / "out", "--text", "3", "--max-tokens", "10")
+    assert code == 2 and "give --data" in stderr, stderr

@@ -300,3 +300,17 @@ def test_records_sharing_an_id_train_over_several_epochs(tiny_native: LoadedMode
     records = [{"id": "same", "prompt_ids": list(range(3, 3 + n)), "answer_ids": list(range(50, 60))} for n in (8, 14)]
     config = TrainConfig(draft_vocab_size=64, batch_sequences=2, max_tokens=4 * 42, validation_fraction=0.0)
     assert train_head(tiny_native, records, tmp_path, config)["epochs"] >= 3
+
+
+def test_fixed_text_trains_and_is_never_held_out(tiny_native: LoadedModel, tmp_path) -> None:
+    # With every record in the held-out split by its hash (fraction 1), answers are all held
+    # out, but fixed-text records still train; with only text, nothing is held out.
+    text = [{"id": f"text:t{i}", "kind": "text", "prompt_ids": [], "answer_ids": list(range(3 + i, 30 + i))}
+            for i in range(4)]
+    answers = [{"id": f"a{i}", "prompt_ids": [5, 6, 7], "answer_ids": list(range(40 + i, 60 + i))} for i in range(3)]
+    config = TrainConfig(draft_vocab_size=64, batch_sequences=1, max_tokens=60, validation_fraction=1.0)
+    report = train_head(tiny_native, text + answers, tmp_path / "mixed", config)
+    assert report["sequences"] == 4 and report["validation_sequences"] == 3
+    assert all(a == a for a in report["validation_agreement"])  # measured: not NaN
+    with pytest.raises(ConfigError, match="no training sequences"):
+        train_head(tiny_native, answers, tmp_path / "answers", config)
