@@ -62,8 +62,8 @@ def test_fixed_text_of_prompts_not_answered(run_cli: CliRun, tiny_model_dir: Pat
     # 2 of them answered: their text is left out, so no held-out answer's prompt is trained on.
     out = tmp_path / "head2"
     code, _, stderr = run_cli("train-draft", "--model", str(tiny_model_dir), "--backend", "native", "--answers", "2",
-                              "--code-prompts", "0", "--answer-tokens", "6", "--draft-vocab", "256", "--data", str(data),
-                              "--text", "10", "--max-tokens", "100", "--out", str(out))
+                              "--code-prompts", "0", "--answer-tokens", "6", "--draft-vocab", "256",
+                              "--data", str(data), "--text", "10", "--max-tokens", "100", "--out", str(out))
     assert code == 0, stderr
     answered = [json.loads(line)["id"] for line in (out / "answers.jsonl").read_text().splitlines()]
     assert len(answered) == 2 and "4 fixed texts" in stderr
