@@ -2,10 +2,11 @@
 
 Lookup costs nothing and, where the answer quotes the prompt or repeats itself, proposes long
 runs the target accepts whole; the head guesses everywhere, at a few percent of a target step a
-token. Each step tries lookup first with matches of at least `min_match` tokens (shorter
-matches are mostly coincidence, where the head guesses better) and drafts with the head when
-lookup finds none. The head sees every committed position's target states either way, so it
-is ready whenever lookup has nothing.
+token. Each step tries lookup first, with matches of at least `prompt_lookup_min` tokens
+(3 by default: shorter matches are often coincidence), and drafts with the head when lookup
+finds none, at most `hybrid_head_tokens` tokens (default k: a head whose later guesses are
+rarely right pays with fewer tokens than lookup's long runs). The head sees every committed
+position's target states either way, so it is ready whenever lookup has nothing.
 """
 
 from __future__ import annotations
@@ -18,20 +19,18 @@ import torch
 from specdec.drafters.base import Proposal
 from specdec.drafters.eagle import EagleDrafter, TreeOptions, load_head
 from specdec.drafters.ngram import NgramDrafter, NgramOptions
-from specdec.drafters.registry import register
+from specdec.drafters.registry import register, require_int
 from specdec.models.loader import LoadedModel
 from specdec.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from specdec.config import SpeculativeConfig
 
-MIN_MATCH = 3
-
-
 class HybridDrafter:
-    def __init__(self, eagle: EagleDrafter, lookup: NgramDrafter) -> None:
+    def __init__(self, eagle: EagleDrafter, lookup: NgramDrafter, head_tokens: int | None = None) -> None:
         self.eagle = eagle
         self.lookup = lookup
+        self.head_tokens = head_tokens
         self.target_layers = eagle.target_layers
         self.added_memory_bytes = eagle.added_memory_bytes
         self.proposal_size = eagle.proposal_size
@@ -51,29 +50,38 @@ class HybridDrafter:
         if proposal.tokens:
             self.used_lookup += 1
             return proposal
-        return self.eagle.propose(context, k, params, generator)
+        return self.eagle.propose(context, min(k, self.head_tokens or k), params, generator)
 
     def commit(self, context: list[int], num_accepted: int) -> None:
         self.eagle.commit(context, num_accepted)
         self.lookup.commit(context, num_accepted)
 
     def fork(self) -> HybridDrafter:
-        return HybridDrafter(self.eagle.fork(), self.lookup.fork())
+        return HybridDrafter(self.eagle.fork(), self.lookup.fork(), self.head_tokens)
 
 
 @dataclass(frozen=True)
 class HybridOptions(TreeOptions, NgramOptions):
-    """Prompt lookup's n-gram sizes (only matches of at least 3 tokens are used) and the head's
-    tree shape."""
+    """Prompt lookup's n-gram sizes (here from 3 tokens by default), the most tokens the head
+    drafts in a step (None: k) and the head's tree shape."""
+
+    prompt_lookup_min: int = 3
+    hybrid_head_tokens: int | None = None
 
     def __post_init__(self) -> None:
         NgramOptions.__post_init__(self)
         TreeOptions.__post_init__(self)
+        require_int("hybrid_head_tokens", self.hybrid_head_tokens, 1, optional=True)
+
+    def label_after_k(self) -> list[str]:
+        return ([f"head k={self.hybrid_head_tokens}"] if self.hybrid_head_tokens else []) + (
+            [f"lookup>={self.prompt_lookup_min}"] if self.prompt_lookup_min != 3 else []) + super().label_after_k()
 
 
 @register("hybrid", options=HybridOptions, default_k=4)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> HybridDrafter:
-    n_min = max(config.prompt_lookup_min, MIN_MATCH)
     return HybridDrafter(EagleDrafter(load_head(config, target), tree_width=config.tree_width,
                                       tree_nodes=config.tree_nodes),
-                         NgramDrafter(n_min, max(config.prompt_lookup_max, n_min)))
+                         NgramDrafter(config.prompt_lookup_min,
+                                      max(config.prompt_lookup_max, config.prompt_lookup_min)),
+                         config.hybrid_head_tokens)

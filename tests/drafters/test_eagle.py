@@ -314,3 +314,31 @@ def test_fixed_text_trains_and_is_never_held_out(tiny_native: LoadedModel, tmp_p
     assert all(a == a for a in report["validation_agreement"])  # measured: not NaN
     with pytest.raises(ConfigError, match="no training sequences"):
         train_head(tiny_native, answers, tmp_path / "answers", config)
+
+
+def test_hybrid_drafts_lookup_up_to_k_and_the_head_up_to_its_own_bound(tiny_native: LoadedModel,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdec.drafters.hybrid import HybridDrafter
+    from specdec.drafters.ngram import NgramDrafter
+
+    head = random_head(tiny_native, 512, seed=1)
+    hybrid = HybridDrafter(EagleDrafter(head), NgramDrafter(2, 6), head_tokens=1)
+    context = [5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7, 8, 9]  # a 5-token match: lookup proposes 4, up to k
+    hybrid.begin(context, 64)
+    assert hybrid.propose(context, 4, GREEDY, None).tokens == [10, 11, 12, 13] and hybrid.used_lookup == 1
+
+    by_lookup, by_head = [], []
+    propose = HybridDrafter.propose
+
+    def logged(self, *args):  # the engine drafts with a fork of `hybrid`
+        before = self.used_lookup
+        proposal = propose(self, *args)
+        (by_lookup if self.used_lookup > before else by_head).append(len(proposal.tokens))
+        return proposal
+
+    monkeypatch.setattr(HybridDrafter, "propose", logged)
+    prompt = [20, 21, 22, 23]
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+    out = Engine(tiny_native, hybrid, 4).generate(prompt, params)
+    assert out.token_ids == Engine(tiny_native).generate(prompt, params).token_ids
+    assert by_head and max(by_head) == 1  # the head: at most hybrid_head_tokens

@@ -221,6 +221,8 @@ REAL_DRAFTERS = [
     pytest.param({"method": "ngram", "num_speculative_tokens": 6, "adaptive": True}, id="ngram-adaptive-k6"),
     pytest.param({"method": "eagle", "model": "RANDOM_EAGLE", "num_speculative_tokens": 4}, id="eagle-random-k4"),
     pytest.param({"method": "hybrid", "model": "RANDOM_EAGLE", "num_speculative_tokens": 3}, id="hybrid-random-k3"),
+    pytest.param({"method": "hybrid", "model": "RANDOM_EAGLE", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                  "hybrid_head_tokens": 1}, id="hybrid-random-lookup1-head1"),
     pytest.param({"method": "eagle", "model": "RANDOM_EAGLE", "num_speculative_tokens": 3, "tree_width": 2,
                   "tree_nodes": 5}, id="eagle-random-tree"),
     pytest.param({"method": "medusa", "model": "RANDOM_MEDUSA", "num_speculative_tokens": 3}, id="medusa-random-k3"),
