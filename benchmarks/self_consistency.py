@@ -1,4 +1,4 @@
-"""Self-consistency: n samples of each math prompt at temperature 0.7, plain decoding against
+"""Self-consistency: n samples of each math prompt at temperature 0.7 (--temperature), plain decoding against
 prompt lookup and suffix drafting, through the library and through the server's `n`.
 
 Prompts: the `math_reasoning` records of the training prompt set (GSM8K's training split;
@@ -16,7 +16,8 @@ Reports tokens/s (output tokens / summed wall time) per system and its ratio to 
 and to prompt lookup, with acceptance; `--json` writes it all.
 
     python benchmarks/self_consistency.py --prompts 6 --n 8 --json benchmarks/results/self_consistency.json
-    python benchmarks/self_consistency.py --only library --compare '{"method": "suffix", "suffix_decoding_use_tree": true}'
+    python benchmarks/self_consistency.py --only library \
+        --compare '{"method": "suffix", "suffix_decoding_use_tree": true}'
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def systems(k_ngram: int, k_suffix: int, compare: list[str]) -> dict[str, Specul
     return configs
 
 
-def math_prompts(path: Path, count: int) -> list[str]:
+def math_prompts(path: Path, count: int, skip: int = 0) -> list[str]:
     records = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    return [r["turns"][0] for r in records if r.get("category") == "math_reasoning"][:count]
+    return [r["turns"][0] for r in records if r.get("category") == "math_reasoning"][skip : skip + count]
 
 
 def summary(totals: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -67,9 +68,9 @@ def summary(totals: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_library(target, configs, prompts: list[str], n: int, max_tokens: int) -> dict:
+def run_library(target, configs, prompts: list[str], n: int, max_tokens: int, temperature: float) -> dict:
     llms = {name: LLM(loaded=target, speculative_config=config) for name, config in configs.items()}
-    params = SamplingParams(temperature=0.7, max_tokens=max_tokens)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
     totals = {name: [0.0, 0.0, 0.0, 0.0] for name in configs}
     for i, prompt in enumerate(prompts):
         messages = [{"role": "user", "content": prompt}]
@@ -85,7 +86,7 @@ def run_library(target, configs, prompts: list[str], n: int, max_tokens: int) ->
     return summary(totals)
 
 
-def run_server(target, configs, prompts: list[str], n: int, max_tokens: int) -> dict:
+def run_server(target, configs, prompts: list[str], n: int, max_tokens: int, temperature: float) -> dict:
     routes = tuple(RouteConfig(name, config) for name, config in configs.items())
     server = ServerThread(build_state(ServerConfig(routes=routes, max_model_len=512, max_num_seqs=n,
                                                    graceful_shutdown_s=2), loaded=target)).start()
@@ -96,7 +97,7 @@ def run_server(target, configs, prompts: list[str], n: int, max_tokens: int) -> 
             for name in configs:
                 start = time.perf_counter()
                 r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}], n=n,
-                                                   max_tokens=max_tokens, temperature=0.7)
+                                                   max_tokens=max_tokens, temperature=temperature)
                 total = totals[name]
                 total[1] += time.perf_counter() - start
                 total[0] += r.usage.completion_tokens
@@ -112,8 +113,11 @@ def run_server(target, configs, prompts: list[str], n: int, max_tokens: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--skip", type=int, default=0,
+                        help="start after this many math prompts (to try settings on prompts the report does not use)")
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--k-ngram", type=int, default=4)
     parser.add_argument("--k-suffix", type=int, default=6)
     parser.add_argument("--compare", action="append", default=[],
@@ -126,12 +130,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = load_model(None)
     configs = systems(args.k_ngram, args.k_suffix, args.compare)
-    prompts = math_prompts(args.data, args.prompts)
-    report: dict = {"prompts": len(prompts), "n": args.n, "max_tokens": args.max_tokens, "temperature": 0.7,
+    prompts = math_prompts(args.data, args.prompts, args.skip)
+    report: dict = {"prompts": len(prompts), "skip": args.skip, "n": args.n, "max_tokens": args.max_tokens,
+                    "temperature": args.temperature,
                     "threads": args.threads, "systems": {k: (c.to_dict() if c else None) for k, c in configs.items()}}
     for mode, run in (("library", run_library), ("server", run_server)):
         if args.only in (None, mode):
-            report[mode] = run(target, configs, prompts, args.n, args.max_tokens)
+            report[mode] = run(target, configs, prompts, args.n, args.max_tokens, args.temperature)
             for name, row in report[mode].items():
                 print(f"{mode:8s} {name:16s} {row['tokens_per_s']:7.1f} tok/s  {row['vs_plain']:.2f}x plain  "
                       f"{row['vs_ngram']:.2f}x ngram  acceptance {row['acceptance']}")
