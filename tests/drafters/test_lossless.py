@@ -286,13 +286,20 @@ def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_med
     outputs = llm.generate(PROMPTS, PARAMS)
     assert_same_as_plain(outputs, plain)
     k = config["num_speculative_tokens"]
+    if config.get("model") == "default":
+        # The target drafting for itself agrees at every token where their caches were filled
+        # alike: a fresh request alone. In a batch the target's rows, and a draft reusing an earlier
+        # request's cached prefix, may round otherwise (seen on an AVX2 machine, at an exact tie of
+        # two logits; the output stays the target's).
+        outputs = [LLM(loaded=target, speculative_config=SpeculativeConfig.from_dict(config)).generate([p], PARAMS)[0]
+                   for p in PROMPTS]
+        assert_same_as_plain(outputs, plain)
     for output in outputs:
         stats = output.stats
         assert stats.committed_tokens == stats.accepted_tokens + stats.target_steps
         assert stats.target_forward_passes == stats.target_steps + 1
         assert len(stats.per_position_acceptance) <= k
         if config.get("model") == "default":
-            # The target drafting for itself always agrees.
             assert stats.acceptance_rate == 1.0
             assert stats.target_steps == math.ceil((MAX_TOKENS - 1) / (k + 1))
         elif config.get("quantization") == "int8" and config.get("adaptive"):
