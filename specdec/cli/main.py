@@ -664,10 +664,14 @@ def train_draft(
                       f"loss {p.loss:.3f}, agreement {p.agreement:.3f}", highlight=False)
 
     result = train_head(target, records, out_dir, config, resume=resume, init=init, on_progress=report)
-    agreement = ", ".join(f"{a:.3f}" for a in result["validation_agreement"])
+    if result["validation_agreement"] is None:
+        measured = ("no held-out answers to measure on (3% of the answers are held out, fixed text never): "
+                    "compare heads with benchmarks/head_agreement.py")
+    else:
+        agreement = ", ".join(f"{a:.3f}" for a in result["validation_agreement"])
+        measured = f"validation top-1 agreement per draft position (answer tokens): {agreement}"
     out.print(f"trained on {result['tokens']} tokens ({result['epochs']} epochs, {result['seconds']} s); "
-              f"validation top-1 agreement per draft position (answer tokens): {agreement}; "
-              f"head {result['head_bytes'] / 1e6:.1f} MB in {out_dir}")
+              f"{measured}; head {result['head_bytes'] / 1e6:.1f} MB in {out_dir}", soft_wrap=True)
 
 
 def _resumed_config(out_dir: Path, fresh):

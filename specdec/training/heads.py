@@ -376,8 +376,9 @@ def train_head(
 
     checkpoint()
     head.eval()
+    # None where nothing is held out (fixed text only): there are no answers to measure on.
     agreement = evaluate(head, view, [(sequence(r), answer_start(r)) for r in validation[: config.max_validation_sequences]],
-                         config.ttt_steps)
+                         config.ttt_steps) if validation else None
     head.config.training.update({
         "sequences": len(train_ids), "tokens": progress.tokens, "steps": progress.steps,
         "epochs": round(progress.epoch + progress.cursor / len(order), 3), "seconds": round(progress.elapsed_s),

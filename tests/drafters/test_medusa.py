@@ -90,7 +90,7 @@ def test_training_learns(self_distilled, tmp_path) -> None:
     config = TrainConfig(arch="medusa", medusa_heads=2, draft_vocab_size=8, batch_sequences=4,
                          max_tokens=22 * 4 * 80, validation_fraction=0.0, lr=1e-2)
     report = train_head(target, records, tmp_path, config)
-    assert report["arch"] == "medusa" and len(report["validation_agreement"]) == 2
+    assert report["arch"] == "medusa" and report["validation_agreement"] is None  # nothing held out
     heads = MedusaHeads.load(tmp_path, target)
     view = TargetView(target, (target.num_layers - 1,), heads.draft_ids)
     sequences = [(r["prompt_ids"] + r["answer_ids"], 0) for r in records]
