@@ -28,7 +28,7 @@ def load_records(path: str | Path) -> list[Record]:
     if not path.is_file():
         raise BenchDataError(f"data file not found: {path}")
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
         if not line.strip():
             continue
         try:

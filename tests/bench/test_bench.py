@@ -37,6 +37,14 @@ def test_malformed_data_names_the_line(tmp_path: Path) -> None:
         load_records(path)
 
 
+def test_records_are_split_at_newlines_only(tmp_path: Path) -> None:
+    # JSON keeps U+2028 (a line separator to str.splitlines) unescaped: the training prompts hold some.
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"id": "1", "turns": ["one\u2028two\x85three"]}, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
+    assert load_records(path)[0].turns == ("one\u2028two\x85three",)
+
+
 @pytest.mark.skipif(not SPEC_BENCH.exists(), reason="shared data not present")
 def test_spec_bench_file_loads_with_its_categories() -> None:
     records = load_records(SPEC_BENCH)
