@@ -102,6 +102,17 @@ def test_unknown_keys_are_all_named() -> None:
         SpeculativeConfig.from_dict({"method": "ngram", "k": 3, "draft": "x"})
 
 
+def test_head_defaults_are_the_measured_ones() -> None:
+    # Measured on the training prompts with the shipped head (README): k = 1 for eagle; the hybrid
+    # looks up from 2 tokens and lets the head draft one.
+    assert SpeculativeConfig("eagle").num_speculative_tokens == 1
+    hybrid = SpeculativeConfig("hybrid")
+    assert (hybrid.num_speculative_tokens, hybrid.prompt_lookup_min, hybrid.hybrid_head_tokens) == (4, 2, 1)
+    assert hybrid.label == "hybrid k=4"
+    older = SpeculativeConfig("hybrid", hybrid_head_tokens=None, prompt_lookup_min=3)
+    assert older.label == "hybrid k=4 head k=k lookup>=3"
+
+
 def test_method_keys_live_in_the_registry_options() -> None:
     # The common keys are the config's fields; a method's own keys are its registry options,
     # readable as attributes, flattened by to_dict and kept by dataclasses.replace.

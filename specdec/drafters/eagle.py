@@ -530,6 +530,6 @@ class TreeOptions(Options):
         return (self.tree_nodes or 4 * self.tree_width) if self.tree_width > 1 else 0
 
 
-@register("eagle", options=TreeOptions, default_k=4)
+@register("eagle", options=TreeOptions, default_k=1)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> EagleDrafter:
     return EagleDrafter(load_head(config, target), tree_width=config.tree_width, tree_nodes=config.tree_nodes)
