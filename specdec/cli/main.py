@@ -665,8 +665,8 @@ def train_draft(
 
     result = train_head(target, records, out_dir, config, resume=resume, init=init, on_progress=report)
     if result["validation_agreement"] is None:
-        measured = ("no held-out answers to measure on (3% of the answers are held out, fixed text never): "
-                    "compare heads with benchmarks/head_agreement.py")
+        measured = (f"no held-out answers to measure on ({config.validation_fraction:.0%} of the answers are held out, "
+                    "fixed text never): compare heads with benchmarks/head_agreement.py")
     else:
         agreement = ", ".join(f"{a:.3f}" for a in result["validation_agreement"])
         measured = f"validation top-1 agreement per draft position (answer tokens): {agreement}"

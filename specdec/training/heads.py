@@ -376,7 +376,7 @@ def train_head(
 
     checkpoint()
     head.eval()
-    # None where nothing is held out (fixed text only): there are no answers to measure on.
+    # None where nothing is held out (fixed text only, or too few answers): nothing to measure on.
     agreement = evaluate(head, view, [(sequence(r), answer_start(r)) for r in validation[: config.max_validation_sequences]],
                          config.ttt_steps) if validation else None
     head.config.training.update({

@@ -291,17 +291,19 @@ def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_med
         # alike: a fresh request alone. In a batch the target's rows, and a draft reusing an earlier
         # request's cached prefix, may round otherwise (seen on an AVX2 machine, at an exact tie of
         # two logits; the output stays the target's).
-        outputs = [LLM(loaded=target, speculative_config=SpeculativeConfig.from_dict(config)).generate([p], PARAMS)[0]
-                   for p in PROMPTS]
-        assert_same_as_plain(outputs, plain)
+        alone = [LLM(loaded=target, speculative_config=SpeculativeConfig.from_dict(config)).generate([p], PARAMS)[0]
+                 for p in PROMPTS]
+        assert_same_as_plain(alone, plain)
+        for output in alone:
+            assert output.stats.acceptance_rate == 1.0
+            assert output.stats.target_steps == math.ceil((MAX_TOKENS - 1) / (k + 1))
     for output in outputs:
         stats = output.stats
         assert stats.committed_tokens == stats.accepted_tokens + stats.target_steps
         assert stats.target_forward_passes == stats.target_steps + 1
         assert len(stats.per_position_acceptance) <= k
         if config.get("model") == "default":
-            assert stats.acceptance_rate == 1.0
-            assert stats.target_steps == math.ceil((MAX_TOKENS - 1) / (k + 1))
+            pass  # full agreement: checked on the lone requests above
         elif config.get("quantization") == "int8" and config.get("adaptive"):
             pass  # adaptive k may switch the draft off before a request drafts much: checked below
         elif config.get("quantization") == "int8":
