@@ -33,8 +33,12 @@ browser:
 		  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 		echo "no chromium/chromedriver: the dashboard's browser test will skip"
 
+# One worker per logical CPU (pytest-xdist), one torch thread each (tests/conftest.py); then
+# the Ray tests alone (their clusters take the whole machine). Fails if either part fails.
 test: setup browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n logical --dist loadgroup -m "not ray"; rest=$$?; \
+	$(PY) -m pytest -q -m ray; ray=$$?; \
+	exit $$(( rest || ray ))
 
 # llama.cpp as a peer for `specdec bench --peers`: llama-cpp-python compiles llama.cpp from its
 # source (about 8 minutes on two cores), for this machine's CPU.

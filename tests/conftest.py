@@ -25,9 +25,9 @@ TINY_MAX_POSITIONS = 512
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # One intra-op thread. The test machines have two cores, often shared with another job;
-    # oversubscribed OpenMP threads spin and make small forward passes up to 100x slower
-    # (measured: 5 ms vs 520 ms per tiny-model generation). Results do not depend on it.
+    # One intra-op thread per test process; `make test` runs one process per logical CPU
+    # (pytest-xdist). Oversubscribed OpenMP threads spin and make small forward passes up to
+    # 100x slower (measured: 5 ms vs 520 ms per tiny-model generation). Results do not depend on it.
     torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 
 
@@ -163,8 +163,10 @@ CliRun = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> CliRun:
-    """Runs the `specdec` command in this process, as `main()` runs it: (exit status, stdout, stderr)."""
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], default_model: LoadedModel) -> CliRun:
+    """Runs the `specdec` command in this process, as `main()` runs it: (exit status, stdout, stderr).
+    The default model is loaded first, so its one-time conversion (with its progress bar) never
+    lands in a command's output, whichever test of a worker runs first."""
     from specdec.cli.main import main
 
     def run(*args: str) -> tuple[int, str, str]:

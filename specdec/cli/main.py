@@ -360,13 +360,15 @@ def tune(
     from specdec.bench.data import load_records, select
     from specdec.models.loader import load_model
 
-    method_specs = [t.parse_method(m) for m in methods] if methods else None
+    # Every argument is checked before the model loads (a first load converts it: seconds a typo should not cost).
+    k_grid = t.parse_ks(ks) if ks is not None else None
+    candidates = t.build_candidates([t.parse_method(m) for m in methods], k_grid, adaptive) if methods else None
     records = select(load_records(data), per_category, category)
     params = SamplingParams(max_tokens=max_tokens)
     with err.status(f"loading {model or 'the default model'}..."):
         target = load_model(model, device=device, backend=backend, dtype=dtype)
-    method_specs = method_specs if method_specs is not None else t.default_methods(target)
-    candidates = t.build_candidates(method_specs, t.parse_ks(ks) if ks is not None else None, adaptive)
+    if candidates is None:
+        candidates = t.build_candidates(t.default_methods(target), k_grid, adaptive)
     candidates = t.pin_layers(candidates, target)
     turns = sum(len(r.turns) for r in records)
     err.print(f"{len(records)} prompts ({turns} turns) x {len(candidates) + 1} systems (plain decoding and "

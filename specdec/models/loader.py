@@ -146,7 +146,9 @@ def _convert_gguf(gguf_path: Path) -> Path:
     kwargs = {"gguf_file": gguf_path.name}
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-    partial = converted.with_name(converted.name + ".partial")
+    # Each process writes its own partial directory: two processes converting at once (server
+    # replicas, parallel test workers) must not write into one; the first rename wins.
+    partial = converted.with_name(f"{converted.name}.partial-{os.getpid()}")
     try:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -157,7 +159,12 @@ def _convert_gguf(gguf_path: Path) -> Path:
         model.generation_config.save_pretrained(partial)
         save_model(model, str(partial / "model.safetensors"))
         tokenizer.save_pretrained(partial)
-        partial.replace(converted)
+        try:
+            partial.replace(converted)
+        except OSError:
+            if not (converted / "config.json").exists():
+                raise
+            shutil.rmtree(partial, ignore_errors=True)  # another process finished first: use its copy
     except OSError as exc:
         raise ModelLoadError(f"could not write the converted model under {cache_dir()}: {exc} "
                              "(set SPECDEC_CACHE_DIR to a writable directory)") from exc

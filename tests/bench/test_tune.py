@@ -201,6 +201,20 @@ def test_tune_bad_input_is_one_line_error(
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("args", [["--methods", "bogus"], ["--k", "1,x"], ["--methods", "ngram", "--methods", "ngram"]])
+def test_tune_checks_its_arguments_before_loading_the_model(
+    run_cli, mini_data: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    import specdec.models.loader as loader
+
+    def no_load(*a: Any, **k: Any) -> None:
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    code, _, err = run_cli("tune", "--data", str(mini_data), *args)
+    assert code == 2 and err.startswith("error: "), err
+
+
 @pytest.mark.slow
 def test_measure_needs_prompts(default_model: LoadedModel) -> None:
     candidates = tune.build_candidates([{"method": "ngram"}], [2], adaptive=False)
@@ -219,6 +233,12 @@ def tuned(mini_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     return out, result
 
 
+# The tests reading one `tuned` run stay on one pytest-xdist worker (`--dist loadgroup`): a
+# module fixture is built once per worker that runs one of them, and this one takes a minute.
+ONE_TUNE_RUN = pytest.mark.xdist_group("tuned")
+
+
+@ONE_TUNE_RUN
 @pytest.mark.slow
 def test_tune_writes_results_and_files(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, result = tuned
@@ -244,6 +264,7 @@ def test_tune_writes_results_and_files(tuned: tuple[Path, subprocess.CompletedPr
         assert f"![{png}]({png})" in markdown
 
 
+@ONE_TUNE_RUN
 @pytest.mark.slow
 def test_tune_prediction_recomputes_from_its_measurements(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, result = tuned
@@ -271,6 +292,7 @@ def test_tune_prediction_recomputes_from_its_measurements(tuned: tuple[Path, sub
     assert checked >= 4
 
 
+@ONE_TUNE_RUN
 @pytest.mark.slow
 def test_tune_recommendation_loads(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, result = tuned

@@ -89,7 +89,29 @@ def test_default_gguf_conversion_is_cached(default_model: LoadedModel, monkeypat
     converted = _converted_dir(default_model_path())
     assert (converted / "config.json").exists()
     assert (converted / "model.safetensors").exists()
-    assert not converted.with_name(converted.name + ".partial").exists()
+    assert not list(converted.parent.glob(converted.name + ".partial*"))
+
+
+def test_conversion_finished_by_another_process_first_is_used(
+        default_model: LoadedModel, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes converting at once (server replicas, parallel test workers): each writes
+    its own partial directory; the one that renames second keeps the first one's copy."""
+    import specdec.models.loader as loader
+
+    converted = _converted_dir(default_model_path())  # under this module's private cache
+    tiny = loader.AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # stands in for the GGUF's weights
+    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    real_save = loader.save_model
+
+    def save_then_lose_the_race(model, path: str) -> None:
+        real_save(model, path)
+        converted.mkdir(parents=True)  # the other process renamed its copy in meanwhile
+        (converted / "config.json").write_text("{}")
+
+    monkeypatch.setattr(loader, "save_model", save_then_lose_the_race)
+    assert loader._convert_gguf(default_model_path()) == converted
+    assert (converted / "config.json").read_text() == "{}"  # the winner's copy, untouched
+    assert not list(converted.parent.glob(converted.name + ".partial*"))
 
 
 # --- vocabulary compatibility -----------------------------------------------------------------

@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 
+# `make test` runs Ray's tests after the others, alone: `ray stop` ends every Ray process of
+# the machine, and replicas must not compete with another test worker for the two cores.
+pytestmark = pytest.mark.ray
+
 pytest.importorskip("ray.serve", reason="the Ray Serve tests need specdec[ray] (make setup installs it)")
 
 from test_cli_serve import free_port  # noqa: E402  (after the skip)

@@ -33,6 +33,10 @@ from specdec.server.config import load_config
 from specdec.server.metrics import sample_value, samples_by_name
 from specdec.server.runtime import ServerThread, build_state
 
+# `make test` runs Ray's tests after the others, alone: `ray stop` ends every Ray process of
+# the machine, and replicas must not compete with another test worker for the two cores.
+pytestmark = pytest.mark.ray
+
 pytest.importorskip("ray.serve", reason="the Ray Serve tests need specdec[ray] (make setup installs it)")
 
 from test_cli_serve import cli_env, free_port  # noqa: E402  (after the skip)
