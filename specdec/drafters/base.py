@@ -29,6 +29,16 @@ class Proposal:
     parents: tuple[int, ...] | None = None
 
 
+def best_subtree(tokens: list[int], parents: list[int], scores: list[float], count: int) -> Proposal:
+    """The `count` highest-scoring nodes of a candidate tree (parents before children; ties
+    kept in order), as a proposal. Each score is its path's total log-probability, so a child
+    never outscores its parent and the kept set holds every kept node's parent."""
+    keep = sorted(sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:count])
+    where = {old: new for new, old in enumerate(keep)}
+    return Proposal(tokens=[tokens[n] for n in keep],
+                    parents=tuple(-1 if parents[n] < 0 else where[parents[n]] for n in keep))
+
+
 class Drafter(Protocol):
     # Bytes of weights the drafter holds beyond the target's (0 when it shares them).
     added_memory_bytes: int

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.drafters import head_files
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import Proposal, best_subtree
 from specdec.drafters.registry import Options, register, require_int
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
@@ -447,10 +447,7 @@ class EagleDrafter:
                     scores.append(base + value)
                     level_nodes.append(len(tokens) - 1)
             frontier = sorted(level_nodes, key=lambda n: -scores[n])[:width]
-        keep = sorted(sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[: self.tree_nodes])
-        where = {old: new for new, old in enumerate(keep)}
-        return Proposal(tokens=[tokens[n] for n in keep],
-                        parents=tuple(-1 if parents[n] < 0 else where[parents[n]] for n in keep))
+        return best_subtree(tokens, parents, scores, self.tree_nodes)
 
     def _entry_features(self, target_states: torch.Tensor) -> torch.Tensor:
         """[n, len(target_layers) * hidden] target states -> [n, hidden], the layer's features."""

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.drafters import head_files
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import Proposal, best_subtree
+from specdec.drafters.eagle import TreeOptions
 from specdec.drafters.registry import register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
@@ -161,12 +162,19 @@ class PackedMedusa:
 
 
 class MedusaDrafter:
-    """One sequence's Medusa drafting: the heads applied to the target's last committed state."""
+    """One sequence's Medusa drafting: the heads applied to the target's last committed state.
+    tree_width > 1: a token tree (Medusa's tree of per-depth top tokens), see `_propose_tree`."""
 
-    def __init__(self, heads: MedusaHeads, num_layers: int, weight_format: str = "int8") -> None:
+    def __init__(self, heads: MedusaHeads, num_layers: int, weight_format: str = "int8", tree_width: int = 1,
+                 tree_nodes: int | None = None) -> None:
+        if tree_width < 1 or (tree_nodes is not None and tree_nodes < 1):
+            raise ConfigError("tree_width and tree_nodes must be >= 1")
         self.heads = heads
         self.weight_format = weight_format
         self.target_layers = (num_layers - 1,)
+        self.tree_width = tree_width  # 1: a chain
+        self.tree_nodes = tree_nodes or 4 * tree_width
+        self.proposal_size = TreeOptions(tree_width, tree_nodes).proposal_nodes  # most tokens a proposal holds beyond k
         self.added_memory_bytes = self.weights.nbytes()
         self._state: torch.Tensor | None = None  # [1, hidden]
         self._positions = 0
@@ -194,6 +202,8 @@ class MedusaDrafter:
             raise RuntimeError(f"Medusa drafter has states for {self._positions} positions; the context has {len(context)} tokens")
         logits = self._logits(self._state, min(k, self.heads.config.num_heads))  # [k, draft_vocab]
         ids = self.heads.draft_ids
+        if self.tree_width > 1:
+            return self._propose_tree(logits)
         if params.greedy:
             return Proposal(tokens=ids[logits.argmax(-1)].tolist())
         draft_probs = torch.softmax(logits / params.temperature, dim=-1)
@@ -203,6 +213,32 @@ class MedusaDrafter:
             return Proposal(tokens=invariant_tokens(full, generator.initial_seed(), len(context)))
         indices = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
         return Proposal(tokens=ids[indices].tolist(), probs=full)
+
+    def _propose_tree(self, logits: torch.Tensor) -> Proposal:
+        """A token tree from one pass of the heads: every node of depth d + 1 has the same
+        candidate children, head d's top `tree_width` tokens (no head sees the tokens before its
+        own). As EAGLE-2 chooses, the `tree_width` most probable nodes of each depth are
+        expanded, a node scored by its path's total log-probability under the heads, and the
+        `tree_nodes` best kept. Children are top tokens, deterministic: verified with one-hot
+        drafts, in greedy and sampled decoding alike (the heads' own temperature would not
+        change which tokens are top)."""
+        width, ids = self.tree_width, self.heads.draft_ids
+        top = torch.log_softmax(logits, dim=-1).topk(width, dim=-1)  # per depth: [depth, width]
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        frontier = [-1]
+        for values, indices in zip(top.values.tolist(), top.indices.tolist()):
+            level = []
+            for node in frontier:
+                base = 0.0 if node < 0 else scores[node]
+                for value, index in zip(values, indices):
+                    tokens.append(int(ids[index]))
+                    parents.append(node)
+                    scores.append(base + value)
+                    level.append(len(tokens) - 1)
+            frontier = sorted(level, key=lambda n: -scores[n])[:width]
+        return best_subtree(tokens, parents, scores, self.tree_nodes)
 
     def _logits(self, state: torch.Tensor, count: int) -> torch.Tensor:
         """state: [1, hidden] -> [count, draft_vocab], the first `count` heads; the arithmetic of
@@ -218,7 +254,8 @@ class MedusaDrafter:
         pass  # the committed positions' states arrive through observe_target
 
     def fork(self) -> MedusaDrafter:
-        return MedusaDrafter(self.heads, self.target_layers[0] + 1, self.weight_format)
+        return MedusaDrafter(self.heads, self.target_layers[0] + 1, self.weight_format, self.tree_width,
+                             self.tree_nodes)
 
 
 def load_heads(config: SpeculativeConfig, target: LoadedModel) -> MedusaHeads:
@@ -226,6 +263,7 @@ def load_heads(config: SpeculativeConfig, target: LoadedModel) -> MedusaHeads:
     return MedusaHeads.load(head_files.config_dir("medusa", config, target), target)
 
 
-@register("medusa", default_k=3)
+@register("medusa", options=TreeOptions, default_k=3)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> MedusaDrafter:
-    return MedusaDrafter(load_heads(config, target), target.num_layers)
+    return MedusaDrafter(load_heads(config, target), target.num_layers, tree_width=config.tree_width,
+                         tree_nodes=config.tree_nodes)

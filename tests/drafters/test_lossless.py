@@ -226,6 +226,8 @@ REAL_DRAFTERS = [
     pytest.param({"method": "eagle", "model": "RANDOM_EAGLE", "num_speculative_tokens": 3, "tree_width": 2,
                   "tree_nodes": 5}, id="eagle-random-tree"),
     pytest.param({"method": "medusa", "model": "RANDOM_MEDUSA", "num_speculative_tokens": 3}, id="medusa-random-k3"),
+    pytest.param({"method": "medusa", "model": "RANDOM_MEDUSA", "num_speculative_tokens": 3, "tree_width": 2,
+                  "tree_nodes": 6}, id="medusa-random-tree"),
     pytest.param({"method": "mtp", "model": "RANDOM_MTP", "num_speculative_tokens": 2}, id="mtp-random-k2"),
     pytest.param({"method": "suffix", "num_speculative_tokens": 6}, id="suffix-k6"),
     pytest.param({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_spec_factor": 2.0,

@@ -42,6 +42,32 @@ def test_packed_drafting_matches_the_module(tiny_native: LoadedModel) -> None:
     assert len(drafter.propose([1, 2, 3, 4], 2, GREEDY, None).tokens) == 2
 
 
+def test_tree_expands_the_best_nodes_by_each_heads_top_tokens(tiny_native: LoadedModel) -> None:
+    # Every node of depth d + 1 has head d's top tokens as candidates; the tree_width best nodes
+    # of each depth are expanded; the tree_nodes best candidates (path log-probability) are kept.
+    heads = random_heads(tiny_native, 300)
+    drafter = MedusaDrafter(heads, tiny_native.num_layers, "float32", tree_width=2, tree_nodes=5)
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(4)) * 3
+    proposal = drafter._propose_tree(logits)
+    logp = torch.log_softmax(logits, -1)
+    top = [logp[d].topk(2).indices.tolist() for d in range(3)]
+    # Brute force: the candidate paths are the expanded nodes' children, depth by depth.
+    paths, frontier = {}, [()]
+    for d in range(3):
+        level = {path + (i,): sum(float(logp[j, t]) for j, t in enumerate(path + (i,)))
+                 for path in frontier for i in top[d]}
+        paths.update(level)
+        frontier = sorted(level, key=lambda p: -level[p])[:2]
+    best = sorted(paths, key=lambda p: -paths[p])[:5]
+    got = []
+    for node, token in enumerate(proposal.tokens):
+        parent = proposal.parents[node]
+        assert parent < node  # parents before children
+        got.append((got[parent] if parent >= 0 else ()) + (int(token),))
+    assert sorted(got) == sorted(tuple(int(heads.draft_ids[i]) for i in p) for p in best)
+    assert len(set(got)) == len(got)  # siblings distinct
+
+
 def test_medusa_layout_with_a_head_per_lm(tiny_native: LoadedModel, tmp_path) -> None:
     # Medusa's published layout: medusa_head.{i}.0.linear (the block), medusa_head.{i}.1 (a full
     # LM head of its own), no draft vocabulary.

@@ -190,12 +190,13 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoi
         return Engine(target, EagleDrafter(eagle_head(target)), 2)
     if name == "eagle-tree":  # top-2 children at the 2 best nodes of each depth, 3 nodes kept
         return Engine(target, EagleDrafter(eagle_head(target), tree_width=2, tree_nodes=3), 2)
-    if name == "medusa":
+    if name in ("medusa", "medusa-tree"):  # tree: each head's top 2 at the 2 best nodes of each depth, 3 kept
         heads = new_head(target, torch.arange(6), TrainConfig(arch="medusa", medusa_heads=2, draft_vocab_size=6))
         with torch.no_grad():
             for param in heads.parameters():
                 param.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
-        return Engine(target, MedusaDrafter(heads.eval(), target.num_layers), 2)
+        width, nodes = (2, 3) if name == "medusa-tree" else (1, None)
+        return Engine(target, MedusaDrafter(heads.eval(), target.num_layers, tree_width=width, tree_nodes=nodes), 2)
     if name == "mtp":
         return Engine(target, MtpDrafter(load_mtp(mtp_checkpoint(target, tmp_path, scale=1.0)[0], target)), 2)
     if name == "suffix":  # the engine's one drafter: later samples draft from the outputs of earlier ones
@@ -235,7 +236,7 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle",
-                                     "eagle-tree", "hybrid", "medusa", "mtp", "suffix", "suffix-tree",
+                                     "eagle-tree", "hybrid", "medusa", "medusa-tree", "mtp", "suffix", "suffix-tree",
                                      "lookahead"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str, mtp_checkpoint, tmp_path
