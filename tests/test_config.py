@@ -49,7 +49,7 @@ def test_config_is_frozen_and_round_trips() -> None:
         ({"method": "hydra"}, "unknown speculative method 'hydra'; choose one of: draft_model, eagle, hybrid, layer_skip, "
                               "lookahead, medusa, mtp, ngram, suffix"),
         ({"method": "ngram", "tree_width": 2}, "unknown speculative config key(s) for method 'ngram': tree_width; "
-                                               "'tree_width' is a key of eagle, hybrid, mtp"),
+                                               "'tree_width' is a key of eagle, hybrid, medusa, mtp"),
         ({"method": "eagle", "tree_width": 16, "num_speculative_tokens": 5}, "a tree of tree_width x num_speculative_tokens > 64"),
         ({"method": "ngram", "layers": [1]}, "'layers' is a key of layer_skip"),
         ({"method": "layer_skip", "layers": [1, 1]}, "layers must not repeat a layer, got [1, 1]"),
