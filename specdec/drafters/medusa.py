@@ -167,14 +167,12 @@ class MedusaDrafter:
 
     def __init__(self, heads: MedusaHeads, num_layers: int, weight_format: str = "int8", tree_width: int = 1,
                  tree_nodes: int | None = None) -> None:
-        if tree_width < 1 or (tree_nodes is not None and tree_nodes < 1):
-            raise ConfigError("tree_width and tree_nodes must be >= 1")
+        tree = TreeOptions(tree_width, tree_nodes)  # checks both
         self.heads = heads
         self.weight_format = weight_format
         self.target_layers = (num_layers - 1,)
-        self.tree_width = tree_width  # 1: a chain
-        self.tree_nodes = tree_nodes or 4 * tree_width
-        self.proposal_size = TreeOptions(tree_width, tree_nodes).proposal_nodes  # most tokens a proposal holds beyond k
+        self.tree_width, self.tree_nodes = tree_width, tree_nodes  # width 1: a chain
+        self.proposal_size = tree.proposal_nodes  # the most nodes a tree keeps (0: a chain)
         self.added_memory_bytes = self.weights.nbytes()
         self._state: torch.Tensor | None = None  # [1, hidden]
         self._positions = 0
@@ -238,7 +236,7 @@ class MedusaDrafter:
                     scores.append(base + value)
                     level.append(len(tokens) - 1)
             frontier = sorted(level, key=lambda n: -scores[n])[:width]
-        return best_subtree(tokens, parents, scores, self.tree_nodes)
+        return best_subtree(tokens, parents, scores, self.proposal_size)
 
     def _logits(self, state: torch.Tensor, count: int) -> torch.Tensor:
         """state: [1, hidden] -> [count, draft_vocab], the first `count` heads; the arithmetic of
