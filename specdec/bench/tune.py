@@ -53,6 +53,7 @@ from specdec.engine.estimate import expected_tokens_per_step
 from specdec.engine.stats import RequestStats
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
+from specdec.models.qlinear import QUANTIZED_FORMATS
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -77,7 +78,7 @@ def default_methods(target) -> list[dict[str, Any]]:
     """DEFAULT_METHODS for this target: without the int8 self-draft when the target's own weights
     are int8 or int4 already (such a copy costs as much as the target); with the EAGLE head and
     the hybrid, and Medusa, when such heads ship for the target."""
-    quantized = target.backend.weight_format.startswith(("int8", "int4"))
+    quantized = target.backend.weight_format.startswith(QUANTIZED_FORMATS)
     methods = [dict(m) for m in DEFAULT_METHODS if not (quantized and m.get("quantization") == "int8")]
     if shipped_dir("eagle", target.name) is not None:
         methods += [dict(m) for m in HEAD_METHODS]

@@ -39,6 +39,7 @@ from specdec.models.weights import GGUFWeights, SafetensorsWeights, StateDictWei
 from specdec.models.hf_backend import HFBackend
 from specdec.models.linear import use_thin_linear
 from specdec.models.native import NATIVE_MODEL_TYPES, NativeBackend
+from specdec.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,6 @@ def default_model_path() -> Path:
         if str(file).endswith(".gguf"):
             return Path(file.locate())
     raise ModelLoadError(f"package '{DEFAULT_MODEL_PACKAGE}' holds no .gguf file")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE_DIR", Path.home() / ".cache" / "specdec"))
 
 
 def _converted_dir(gguf_path: Path) -> Path:

@@ -7,10 +7,11 @@ step; the mask is built once per step and shared by every layer; the KV cache is
 in one of four formats, so a step costs about the bytes of its weights instead of float32's.
 
 The residual stream, norms, rotary embedding and attention run in float32 whatever the weight
-format; only the matrix products run in the format's kernel (int4 and bfloat16 take bfloat16
-activations). The embedding table is kept dequantized in float32: a lookup reads one row.
+format; only the matrix products run in the format's kernel (int4, int8 and bfloat16 take bfloat16
+activations; q4 and q8, specdec's own kernels, take float32 and quantize it per block of 32).
+The embedding table is kept dequantized in float32: a lookup reads one row.
 
-Weights come from a GGUF file (:mod:`specdec.models.weights`: Q4_0/Q4_1 repacked into int4
+Weights come from a GGUF file (:mod:`specdec.models.weights`: Q4_0/Q4_1 and Q8_0 blocks kept
 exactly, other types dequantized) or from a Hugging Face directory's safetensors.
 """
 
@@ -27,7 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdec.errors import ModelLoadError
 from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_token
-from specdec.models.qlinear import FORMATS, Int4Groups, PackedLinear, RawWeight
+from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear, RawWeight
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -36,7 +37,7 @@ class WeightSource(Protocol):
     """Tensors by Hugging Face name (e.g. "model.layers.0.self_attn.q_proj.weight")."""
 
     def raw(self, name: str) -> RawWeight:
-        """The tensor as stored: int4 groups, or float32."""
+        """The tensor as stored: int4 or int8 groups, or float32."""
 
     def auto_format(self, name: str) -> str:
         """The format the tensor runs in under `auto`: its own, where a kernel takes it."""
@@ -92,16 +93,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class NativeBackend:
     """A Llama-family model for decoding; see the module docstring.
 
-    weight_format: the format of every matrix (`float32`, `bfloat16`, `int8`, `int4`), or `auto`:
-    each in the format it is stored in where a kernel takes it (GGUF Q4_0/Q4_1 in int4, Q8_0 in
-    int8), else float32.
+    weight_format: the format of every matrix (`float32`, `bfloat16`, `int8`, `int4`, or a kernel
+    format, `q4` or `q8`, quantized from float where the source is not in blocks), or `auto`:
+    each in the format it is stored in where a kernel takes it (GGUF Q4_0/Q4_1 as q4 and Q8_0 as
+    q8 on specdec's kernels; int4 and int8 on PyTorch's where those are not built), else float32.
     """
 
     name = "native"
 
     def __init__(self, config: PretrainedConfig, weights: WeightSource, weight_format: str = "auto",
                  device: torch.device | str = "cpu") -> None:
-        if weight_format not in ("auto", *FORMATS):
+        if weight_format not in ("auto", *FORMATS, *KERNEL_FORMATS):
             raise ModelLoadError(f"unknown weight format {weight_format!r}; choose one of: auto, {', '.join(FORMATS)}")
         model_type = getattr(config, "model_type", "?")
         if model_type not in NATIVE_MODEL_TYPES:
@@ -144,7 +146,7 @@ class NativeBackend:
 
     def _tensor(self, name: str) -> torch.Tensor:
         raw = self._weights.raw(name)
-        return raw.dequantize() if isinstance(raw, Int4Groups) else raw
+        return raw if isinstance(raw, torch.Tensor) else raw.dequantize()
 
     def _linear(self, *names: str) -> PackedLinear:
         """One matrix, or several fused over their outputs, in the backend's format."""

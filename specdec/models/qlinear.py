@@ -17,6 +17,15 @@ GGUF's Q4_0 and Q4_1 blocks are groups of 32 as well (Q4_0: w = d * (q - 8); Q4_
 so they repack into int4 without a float round trip: scale = d, zero = m + 8d (Q4_1) or 0 (Q4_0).
 The only rounding is of d and m, stored as float16 in the file and as bfloat16 by the kernel.
 
+Two more formats run specdec's own kernels (:mod:`specdec.kernels`) on the file's blocks exactly
+as stored, float32 activations quantized to int8 per row and block of 32 on the fly:
+
+- `q4`: Q4_0/Q4_1 blocks (d and m in float16, as in the file);
+- `q8`: Q8_0 blocks (the default model's tied LM head).
+
+They are what `--dtype auto` runs where the kernels are built; a row's result is bitwise the same
+however many rows share the product, on every instruction-set path.
+
 Matrices arrive as :data:`RawWeight`: a float tensor or :class:`Int4Groups`. Fused projections
 (query/key/value, gate/up) are concatenated raw, then packed once.
 """
@@ -28,9 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec import kernels
+from specdec.kernels import packing
 from specdec.models.linear import thin_linear
 
-FORMATS = ("float32", "bfloat16", "int8", "int4")
+FORMATS = ("float32", "bfloat16", "int8", "int4")  # what `--dtype` names
+KERNEL_FORMATS = ("q4", "q8")  # GGUF blocks on specdec's kernels (`--dtype auto`)
+QUANTIZED_FORMATS = ("int8", "int4", "q8", "q4")
 INT4_GROUP = 32
 INT4_OUT_MULTIPLE = 16  # the int4 kernel's packing needs out_features divisible by this
 # oneDNN's bfloat16 product takes another path below this many rows, and that path rounds some
@@ -64,7 +77,29 @@ class Int4Groups:
         return Int4Groups(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), torch.cat([p.m for p in parts]))
 
 
-RawWeight = torch.Tensor | Int4Groups
+@dataclass(frozen=True)
+class Int8Groups:
+    """A matrix in groups of 32 along the input: w = d * q (GGUF's Q8_0).
+
+    q: [out, in] integers -128..127; d: [out, in / 32] float32 (float16 values)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: d * q, exact (as GGUF's own dequantization)."""
+        return self.d.repeat_interleave(INT4_GROUP, dim=1) * self.q.float()
+
+    @staticmethod
+    def cat(parts: list[Int8Groups]) -> Int8Groups:
+        return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
+
+
+RawWeight = torch.Tensor | Int4Groups | Int8Groups
 
 
 class PackedLinear:
@@ -84,17 +119,25 @@ class PackedLinear:
     def pack(cls, parts: RawWeight | list[RawWeight], fmt: str) -> PackedLinear:
         """Pack one matrix, or several stacked over their outputs, into `fmt`.
 
-        int4 groups go to int4 as they are; anything else is quantized from float: int8 per
-        output channel (symmetric), int4 per group of 32 (asymmetric, min to max).
+        int4 groups go to int4 or q4 as they are, int8 groups to q8; anything else is quantized
+        from float: int8 per output channel (symmetric), int4 per group of 32 (asymmetric, min to
+        max), q4 and q8 as GGUF's Q4_1 and Q8_0 blocks.
         """
-        if fmt not in FORMATS:
-            raise ValueError(f"unknown weight format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+        if fmt not in FORMATS + KERNEL_FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}; choose one of: {', '.join(FORMATS + KERNEL_FORMATS)}")
         parts = parts if isinstance(parts, list) else [parts]
-        if fmt == "int4" and all(isinstance(p, Int4Groups) for p in parts):
-            return cls._pack_int4(Int4Groups.cat(parts))
-        weight = torch.cat([p.dequantize() if isinstance(p, Int4Groups) else p.detach().float() for p in parts])
+        if fmt in ("int4", "q4") and all(isinstance(p, Int4Groups) for p in parts):
+            groups = Int4Groups.cat(parts)
+            return cls._pack_int4(groups) if fmt == "int4" else cls._pack_q4(groups)
+        if fmt == "q8" and all(isinstance(p, Int8Groups) for p in parts):
+            return cls._pack_q8(Int8Groups.cat(parts))
+        weight = torch.cat([p.detach().float() if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
         weight = weight.contiguous()  # [out, in]
         out_features, in_features = weight.shape
+        if fmt == "q4":
+            return cls._pack_q4(Int4Groups(*packing.quantize_q4(weight)))
+        if fmt == "q8":
+            return cls._pack_q8(Int8Groups(*packing.quantize_q8(weight)))
         if fmt == "float32":
             return cls(fmt, out_features, in_features, {"weight": weight})
         if fmt == "bfloat16":
@@ -110,6 +153,16 @@ class PackedLinear:
         d = ((high - low) / 15).clamp(min=1e-12)
         q = torch.round((groups - low[..., None]) / d[..., None]).clamp(0, 15).to(torch.int32)
         return cls._pack_int4(Int4Groups(q.reshape(out_features, in_features), d, low))
+
+    @classmethod
+    def _pack_q4(cls, groups: Int4Groups) -> PackedLinear:
+        out_features, in_features = groups.shape
+        return cls("q4", out_features, in_features, {"weight": packing.pack_q4(groups.q, groups.d, groups.m)})
+
+    @classmethod
+    def _pack_q8(cls, groups: Int8Groups) -> PackedLinear:
+        out_features, in_features = groups.shape
+        return cls("q8", out_features, in_features, {"weight": packing.pack_q8(groups.q, groups.d)})
 
     @classmethod
     def _pack_int4(cls, groups: Int4Groups) -> PackedLinear:
@@ -129,12 +182,16 @@ class PackedLinear:
     @property
     def compute_dtype(self) -> torch.dtype:
         """The activation dtype the kernel runs in (and returns)."""
-        return torch.float32 if self.fmt == "float32" else torch.bfloat16
+        return torch.float32 if self.fmt in ("float32", *KERNEL_FORMATS) else torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in_features] -> [rows, out_features]
         x = x.to(self.compute_dtype)
         t = self.tensors
+        if self.fmt == "q4":
+            return kernels.q4_matmul(x, t["weight"], self.out_features)
+        if self.fmt == "q8":
+            return kernels.q8_matmul(x, t["weight"], self.out_features)
         if self.fmt == "float32":
             return thin_linear(x, t["weight"])
         if self.fmt == "bfloat16":
@@ -151,6 +208,10 @@ class PackedLinear:
     def dequantized(self) -> torch.Tensor:
         """The float32 matrix `[out, in]` this layer computes with (a reference for tests)."""
         t = self.tensors
+        if self.fmt == "q4":
+            return Int4Groups(*packing.unpack_q4(t["weight"], self.out_features)).dequantize()
+        if self.fmt == "q8":
+            return Int8Groups(*packing.unpack_q8(t["weight"], self.out_features)).dequantize()
         if self.fmt in ("float32", "bfloat16"):
             return t["weight"].float()
         if self.fmt == "int8":
@@ -178,3 +239,14 @@ def unpack_q4_blocks(raw: np.ndarray, out_features: int, in_features: int, with_
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(out_features, in_features)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else -8 * d
     return Int4Groups(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def unpack_q8_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int8Groups:
+    """GGUF Q8_0 blocks of one matrix as :class:`Int8Groups`.
+
+    raw: the tensor's bytes, [out, blocks * 34] uint8; a block is d (f16) then 32 int8 values."""
+    groups = in_features // INT4_GROUP
+    blocks = np.ascontiguousarray(raw).reshape(out_features, groups, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, groups]
+    q = blocks[..., 2:].copy().view(np.int8).reshape(out_features, in_features)
+    return Int8Groups(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d))

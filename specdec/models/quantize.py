@@ -34,6 +34,7 @@ from specdec.models.hf_backend import HFBackend
 from specdec.models.linear import thin_linear
 from specdec.models.loader import LoadedModel
 from specdec.models.native import NativeBackend
+from specdec.models.qlinear import QUANTIZED_FORMATS
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -80,7 +81,7 @@ def quantize_int8(loaded: LoadedModel, full_precision_rows: int = FULL_PRECISION
     """
     backend = loaded.backend
     if isinstance(backend, NativeBackend):
-        if any(fmt in backend.weight_format for fmt in ("int8", "int4")):
+        if any(fmt in backend.weight_format for fmt in QUANTIZED_FORMATS):
             raise ConfigError(
                 f"the target already runs {backend.weight_format} weights: an int8 copy of it would cost as much as "
                 "the target; load the target with --dtype float32 or bfloat16, or draft with layer_skip"

@@ -4,8 +4,9 @@ A GGUF file names tensors its own way (`blk.0.attn_q.weight`) and, for Llama mod
 query and key projections with their rows permuted for llama.cpp's interleaved rotary layout;
 :class:`GGUFWeights` maps the names back to Hugging Face's and undoes the permutation (a row
 permutation, so quantized rows move whole). Q4_0 and Q4_1 matrices come back as
-:class:`~specdec.models.qlinear.Int4Groups`, exactly as stored; every other type is dequantized
-by the `gguf` package to float32, the same values transformers loads.
+:class:`~specdec.models.qlinear.Int4Groups` and Q8_0 as :class:`~specdec.models.qlinear.Int8Groups`,
+exactly as stored; every other type is dequantized by the `gguf` package to float32, the same
+values transformers loads.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors import safe_open
 
+from specdec import kernels
 from specdec.errors import ModelLoadError
-from specdec.models.qlinear import Int4Groups, RawWeight, unpack_q4_blocks
+from specdec.models.qlinear import Int4Groups, Int8Groups, RawWeight, unpack_q4_blocks, unpack_q8_blocks
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_NAMES = {
@@ -41,9 +43,11 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
-# The format each GGUF type runs in under `--dtype auto`: its own where a kernel takes it.
-_AUTO_FORMAT = {GGMLQuantizationType.Q4_0: "int4", GGMLQuantizationType.Q4_1: "int4",
-                GGMLQuantizationType.Q8_0: "int8", GGMLQuantizationType.BF16: "bfloat16"}
+# The format each GGUF type runs in under `--dtype auto`: its own where a kernel takes it
+# (specdec's kernels where they are built, else PyTorch's int4 and int8 ones).
+_AUTO_FORMAT = {GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4",
+                GGMLQuantizationType.Q8_0: "q8", GGMLQuantizationType.BF16: "bfloat16"}
+_FALLBACK_FORMAT = {"q4": "int4", "q8": "int8"}
 
 
 def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -78,10 +82,11 @@ class GGUFWeights:
         return GGMLQuantizationType(int(self.tensors[self.gguf_name(name)].tensor_type))
 
     def auto_format(self, name: str) -> str:
-        return _AUTO_FORMAT.get(self.tensor_type(name), "float32")
+        fmt = _AUTO_FORMAT.get(self.tensor_type(name), "float32")
+        return fmt if fmt not in _FALLBACK_FORMAT or kernels.available() else _FALLBACK_FORMAT[fmt]
 
     def raw(self, name: str) -> RawWeight:
-        """The tensor as stored: int4 groups for Q4_0/Q4_1, else float32."""
+        """The tensor as stored: int4 groups for Q4_0/Q4_1, int8 groups for Q8_0, else float32."""
         gguf_name = self.gguf_name(name)
         if gguf_name not in self.tensors:
             raise ModelLoadError(f"{self.path.name} has no tensor {gguf_name} ({name})")
@@ -90,13 +95,19 @@ class GGUFWeights:
         shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
         if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) and len(shape) == 2:
             value: RawWeight = unpack_q4_blocks(tensor.data, shape[0], shape[1], kind == GGMLQuantizationType.Q4_1)
+        elif kind == GGMLQuantizationType.Q8_0 and len(shape) == 2:
+            value = unpack_q8_blocks(tensor.data, shape[0], shape[1])
         else:
             value = torch.from_numpy(np.asarray(dequantize(tensor.data, kind), dtype=np.float32).reshape(shape).copy())
         if self.architecture == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             heads = self.heads if ".attn_q." in gguf_name else self.kv_heads
             order = _unpermute_rows(shape[0], heads)
-            value = (Int4Groups(value.q[order], value.d[order], value.m[order]) if isinstance(value, Int4Groups)
-                     else value[order])
+            if isinstance(value, Int4Groups):
+                value = Int4Groups(value.q[order], value.d[order], value.m[order])
+            elif isinstance(value, Int8Groups):
+                value = Int8Groups(value.q[order], value.d[order])
+            else:
+                value = value[order]
         return value
 
 

@@ -96,5 +96,5 @@ def test_costs_prints_a_ratio_per_size_and_format(tmp_path) -> None:
     cells = rows[0].split("│")
     assert cells[3].strip().endswith("(1.00)") and cells[4].strip().endswith("(1.00)")  # a plain step costs itself
     curves = json.loads(path.read_text())["curves"]
-    assert list(curves) == ["native int4 (LM head int8)", "hf float32"]
+    assert list(curves) == ["native q4 (LM head q8)", "hf float32"]
     assert all(c["cost_over_plain_step"]["1"] == 1.0 and len(c["seconds"]) == 3 for c in curves.values())

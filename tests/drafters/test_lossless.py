@@ -17,6 +17,7 @@ from specdec.drafters import Proposal
 from specdec.engine import Engine, Generation
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
+from specdec.models.qlinear import QUANTIZED_FORMATS
 from specdec.training.heads import TrainConfig, new_head
 
 MAX_TOKENS = 32
@@ -280,7 +281,7 @@ def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_med
         config = config | {"model": random_medusa_dir}
     if config.get("model") == "RANDOM_MTP":
         config = config | {"model": random_mtp_dir}
-    if config.get("quantization") == "int8" and target.backend.weight_format.startswith(("int8", "int4")):
+    if config.get("quantization") == "int8" and target.backend.weight_format.startswith(QUANTIZED_FORMATS):
         with pytest.raises(ConfigError, match="would cost as much as the target"):
             LLM(loaded=target, speculative_config=SpeculativeConfig.from_dict(config))
         return

@@ -28,6 +28,7 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
+from specdec.models.qlinear import QUANTIZED_FORMATS
 from specdec.models import LoadedModel, ModelRunner
 from specdec.models.quantize import quantize_int8
 from specdec.sampling import AcceptResult, logits_to_probs
@@ -41,7 +42,7 @@ SAMPLED = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
 
 # The suite runs on every backend and format: the target on hf, and on native in each format
 # (its own exact distribution is the reference each time).
-BACKENDS = ["hf", "native-float32", "native-bfloat16", "native-int8", "native-int4"]
+BACKENDS = ["hf", "native-float32", "native-bfloat16", "native-int8", "native-int4", "native-q4"]
 
 
 def on_backend(loaded: LoadedModel, variant: str) -> LoadedModel:
@@ -179,7 +180,7 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoi
     if name == "layer_skip":
         return Engine(target, DraftModelDrafter(target, layers=[0, 2]), 2)
     if name == "int8":
-        if target.backend.weight_format.startswith(("int8", "int4")):
+        if target.backend.weight_format.startswith(QUANTIZED_FORMATS):
             pytest.skip("an int8 self-draft of an int8 or int4 target is refused (it would cost as much as the target)")
         return Engine(target, DraftModelDrafter(quantize_int8(target)), 2)
     if name == "adaptive":

@@ -13,7 +13,7 @@ from specdec import LLM, SamplingParams
 from specdec.models import LoadedModel, ModelRunner
 from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import default_model_path
-from specdec.models.qlinear import Int4Groups, PackedLinear, unpack_q4_blocks
+from specdec.models.qlinear import Int4Groups, PackedLinear, unpack_q4_blocks, unpack_q8_blocks
 from specdec.models.weights import GGUFWeights
 
 PROMPTS = [
@@ -22,7 +22,7 @@ PROMPTS = [
     [{"role": "user", "content": "List the planets of the solar system in order."}],
 ]
 # Relative error of a matrix product against float32 x @ W.T, per format (random weights).
-FORMAT_TOLERANCE = {"float32": 1e-6, "bfloat16": 1e-2, "int8": 2e-2, "int4": 0.12}
+FORMAT_TOLERANCE = {"float32": 1e-6, "bfloat16": 1e-2, "int8": 2e-2, "int4": 0.12, "q4": 0.12, "q8": 2e-2}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -59,8 +59,22 @@ def test_formats_compute_the_product(fmt: str) -> None:
     assert linear(x).shape == (5, 80)  # 80 rows: int4 pads the kernel's outputs to 16s and slices
 
 
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_kernel_formats_keep_gguf_blocks_exactly(fmt: str) -> None:
+    # q4 and q8 run the file's blocks as stored: the matrix they compute with is GGUF's own
+    # dequantization, bit for bit (the only rounding is of the activations).
+    kind = GGMLQuantizationType.Q4_1 if fmt == "q4" else GGMLQuantizationType.Q8_0
+    raw = quantize(np.random.default_rng(2).standard_normal((48, 96)).astype(np.float32), kind)
+    groups = unpack_q4_blocks(raw, 48, 96, with_min=True) if fmt == "q4" else unpack_q8_blocks(raw, 48, 96)
+    assert torch.equal(groups.dequantize(), torch.from_numpy(dequantize(raw, kind)))
+    linear = PackedLinear.pack(groups, fmt)
+    assert torch.equal(linear.dequantized(), groups.dequantize())
+    x = torch.randn(3, 96)
+    assert relative_error(linear(x), x @ groups.dequantize().t()) < 1e-2
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4", "q4", "q8"])
 def test_products_are_row_invariant(fmt: str, threads: int) -> None:
     # What makes a verification pass bitwise a plain step: a row's product does not depend on
     # how many rows are multiplied with it. 576 x 1536 is the default model's down projection,
@@ -98,10 +112,10 @@ def test_gguf_weights_match_transformers_dequantization(default_model_hf: Loaded
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
         raw = weights.raw(name)
-        value = raw.dequantize() if isinstance(raw, Int4Groups) else raw
+        value = raw if isinstance(raw, torch.Tensor) else raw.dequantize()
         assert torch.equal(value, state[name]), name  # the un-permuted query/key rows included
-    assert weights.auto_format("model.layers.0.mlp.up_proj.weight") == "int4"
-    assert weights.auto_format("lm_head.weight") == "int8"  # tied: the Q8_0 embedding
+    assert weights.auto_format("model.layers.0.mlp.up_proj.weight") == "q4"
+    assert weights.auto_format("lm_head.weight") == "q8"  # tied: the Q8_0 embedding
 
 
 def test_native_float32_is_the_hf_model(default_model_hf: LoadedModel, default_model_native_f32: LoadedModel) -> None:
@@ -127,8 +141,8 @@ def test_native_float32_is_the_hf_model(default_model_hf: LoadedModel, default_m
 @pytest.mark.parametrize("variant, tolerance", [("native-bfloat16", 0.05), ("native-int8", 0.08), ("native-auto", 0.08)])
 def test_quantized_formats_stay_close_to_float32(default_model_variants, variant: str, tolerance: float) -> None:
     # Relative error of the logits over a real sentence against hf float32 (the GGUF's own values
-    # dequantized): bfloat16 activations everywhere, plus int8 weights per channel, plus (auto)
-    # the Q4_1 groups' bfloat16 scales and the Q8_0 head requantized per channel.
+    # dequantized): bfloat16 activations everywhere, plus int8 weights per channel; auto keeps the
+    # file's Q4_1 and Q8_0 blocks and rounds the activations to int8 per block of 32 instead.
     reference = default_model_variants("hf-float32")
     loaded = default_model_variants(variant)
     tokens = reference.tokenizer("Speculative decoding verifies several guessed tokens in one pass.")["input_ids"]
@@ -139,7 +153,7 @@ def test_quantized_formats_stay_close_to_float32(default_model_variants, variant
 
 
 def test_native_weights_are_smaller(default_model: LoadedModel, default_model_native_f32: LoadedModel) -> None:
-    assert default_model.backend.weight_format == "int4 (LM head int8)"
-    # int4 groups (4.5 bits a weight with two bfloat16s per 32) and an int8 head, against float32.
-    assert default_model.weight_bytes() < 0.35 * default_model_native_f32.weight_bytes()
-    assert default_model.describe() == "native int4 (LM head int8)"
+    assert default_model.backend.weight_format == "q4 (LM head q8)"
+    # Q4_1 blocks (5 bits a weight with two float16s per 32) and a Q8_0 head, against float32.
+    assert default_model.backend.matrix_bytes() < 0.2 * default_model_native_f32.backend.matrix_bytes()
+    assert default_model.describe() == "native q4 (LM head q8)"

@@ -120,7 +120,7 @@ def test_health_reports_memory_plan(server: ServerThread) -> None:
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and health["max_num_seqs"] == 8
     memory = health["memory"]
-    assert memory["target_format"] == "native int4 (LM head int8)"  # the default backend and the GGUF's own format
+    assert memory["target_format"] == "native q4 (LM head q8)"  # the default backend and the GGUF's own format
     assert memory["bytes_per_sequence"] == 256 * memory["target_kv_bytes_per_token"]
     assert memory["max_sequences"] == memory["cache_budget_bytes"] // memory["bytes_per_sequence"]
 

@@ -1,0 +1,352 @@
+// specdec's CPU kernels: products of a few float rows with GGUF-style quantized weights.
+//
+// Activations are quantized per row and per block of 32 to int8 (d = amax / 127, q = round(x / d)
+// computed as round(x * (1 / d)), half to even), with each block's integer sum kept beside its scale.
+// Weights are in blocks of 32 along the input as the GGUF stores them (Q4_1: w = d q + m with q in
+// 0..15; Q4_0 is m = -8 d; Q8_0: w = d q with q in -128..127), repacked so that 16 output columns
+// are interleaved: one 512-bit integer dot product (vpdpbusd) computes 16 columns x 4 inputs, the
+// activation's 4 bytes broadcast, and the unpacking of a weight vector is shared by every row.
+//
+// Row invariance, which makes a verification pass bitwise a plain step: each row's integer sums
+// are exact, and its float epilogue is the same sequence of IEEE operations (no FMA, fixed order
+// over blocks) whatever the number of rows, the tile a row lands in, the thread that computes a
+// column, or the instruction set. The AVX2 path computes the same integers (maddubs) and the same
+// float operations per lane, so both paths give the same bits; `reference.py` is the plain PyTorch
+// emulation of the same arithmetic that the tests hold both to.
+//
+// Packed layouts (U = output columns / 16, G = inputs / 32), one contiguous record per (unit, block):
+//   q4: 256 bytes of nibbles, then 16 float16 d, then 16 float16 m           (320 bytes)
+//       byte 64 p + 4 c + i: low nibble input 4 p + i, high nibble input 16 + 4 p + i, column c
+//   q8: 512 bytes of int8, then 16 float16 d                                   (544 bytes)
+//       byte 64 j + 4 c + i: input 4 j + i, column c
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int QK = 32;                 // inputs per block
+constexpr int NC = 16;                 // output columns per unit
+constexpr int Q4_RECORD = 256 + 64;    // bytes per (unit, block)
+constexpr int Q8_RECORD = 512 + 32;
+
+enum Isa : int64_t { ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+bool has_avx512() {
+    static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return yes;
+}
+
+bool has_avx2() {
+    static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                            __builtin_cpu_supports("f16c");
+    return yes;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activation quantization: x [rows, K] float -> q [rows, K] int8, d [rows, G], s [rows, G].
+
+void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s, float* sf) {
+    const int64_t G = K / QK;
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+            const float* xb = x + r * K + g * QK;
+            float amax = 0.0f;
+            for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+            const float scale = amax / 127.0f;
+            const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+            int32_t sum = 0;
+            int8_t* qb = q + r * K + g * QK;
+            for (int i = 0; i < QK; ++i) {
+                const int v = static_cast<int>(std::nearbyint(xb[i] * inverse));
+                qb[i] = static_cast<int8_t>(v);
+                sum += v;
+            }
+            d[r * G + g] = scale;
+            s[r * G + g] = sum;
+            sf[r * G + g] = static_cast<float>(sum);
+        }
+    }
+}
+
+struct Rows {
+    const int8_t* q;    // [rows, K]
+    const float* d;     // [rows, G]
+    const int32_t* s;   // [rows, G]
+    const float* sf;    // [rows, G] the sums as floats
+    int64_t K, G;
+};
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI: a tile of T rows times one unit of 16 columns.
+
+template <int T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, int64_t ldo, int ncols) {
+    __m512 acc[T];
+    for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < x.G; ++g) {
+        const uint8_t* rec = unit + g * Q4_RECORD;
+        __m512i lo_sum[T], hi_sum[T];  // two dependency chains per row
+        for (int r = 0; r < T; ++r) lo_sum[r] = hi_sum[r] = _mm512_setzero_si512();
+        for (int p = 0; p < 4; ++p) {
+            const __m512i v = _mm512_loadu_si512(rec + 64 * p);
+            const __m512i wl = _mm512_and_si512(v, low);
+            const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < T; ++r) {
+                const int8_t* xb = x.q + (row0 + r) * x.K + g * QK;
+                int32_t a, b;
+                std::memcpy(&a, xb + 4 * p, 4);
+                std::memcpy(&b, xb + 16 + 4 * p, 4);
+                lo_sum[r] = _mm512_dpbusd_epi32(lo_sum[r], wl, _mm512_set1_epi32(a));
+                hi_sum[r] = _mm512_dpbusd_epi32(hi_sum[r], wh, _mm512_set1_epi32(b));
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+        for (int r = 0; r < T; ++r) {
+            const int64_t i = (row0 + r) * x.G + g;
+            __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_sum[r], hi_sum[r]));
+            t = _mm512_mul_ps(t, dw);
+            t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(x.sf[i]), mw));
+            t = _mm512_mul_ps(t, _mm512_set1_ps(x.d[i]));
+            acc[r] = _mm512_add_ps(acc[r], t);
+        }
+    }
+    const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+    for (int r = 0; r < T; ++r) _mm512_mask_storeu_ps(out + (row0 + r) * ldo, mask, acc[r]);
+}
+
+template <int T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, int64_t ldo, int ncols) {
+    __m512 acc[T];
+    for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t g = 0; g < x.G; ++g) {
+        const uint8_t* rec = unit + g * Q8_RECORD;
+        __m512i even[T], odd[T];
+        for (int r = 0; r < T; ++r) even[r] = odd[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+            // w + 128 as unsigned bytes: sum((w + 128) x) - 128 sum(x) is the exact signed sum.
+            const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * j), flip);
+            const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * (j + 1)), flip);
+            for (int r = 0; r < T; ++r) {
+                const int8_t* xb = x.q + (row0 + r) * x.K + g * QK;
+                int32_t a, b;
+                std::memcpy(&a, xb + 4 * j, 4);
+                std::memcpy(&b, xb + 4 * (j + 1), 4);
+                even[r] = _mm512_dpbusd_epi32(even[r], w0, _mm512_set1_epi32(a));
+                odd[r] = _mm512_dpbusd_epi32(odd[r], w1, _mm512_set1_epi32(b));
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
+        for (int r = 0; r < T; ++r) {
+            const int64_t i = (row0 + r) * x.G + g;
+            const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(even[r], odd[r]), _mm512_set1_epi32(128 * x.s[i]));
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dw);
+            t = _mm512_mul_ps(t, _mm512_set1_ps(x.d[i]));
+            acc[r] = _mm512_add_ps(acc[r], t);
+        }
+    }
+    const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+    for (int r = 0; r < T; ++r) _mm512_mask_storeu_ps(out + (row0 + r) * ldo, mask, acc[r]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2: the same records, 8 columns at a time (half h of a unit), maddubs for the integer sums.
+
+__attribute__((target("avx2,fma,f16c")))
+inline void store_cols(float* dst, __m256 v, int ncols) {
+    if (ncols >= 8) {
+        _mm256_storeu_ps(dst, v);
+    } else if (ncols > 0) {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, v);
+        std::memcpy(dst, tmp, sizeof(float) * ncols);
+    }
+}
+
+template <int T>
+__attribute__((target("avx2,fma,f16c")))
+void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, int64_t ldo, int ncols) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[T];
+        for (int r = 0; r < T; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < x.G; ++g) {
+            const uint8_t* rec = unit + g * Q4_RECORD;
+            __m256i sum[T];
+            for (int r = 0; r < T; ++r) sum[r] = _mm256_setzero_si256();
+            for (int p = 0; p < 4; ++p) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p + 32 * h));
+                const __m256i wl = _mm256_and_si256(v, low);
+                const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int r = 0; r < T; ++r) {
+                    const int8_t* xb = x.q + (row0 + r) * x.K + g * QK;
+                    int32_t a, b;
+                    std::memcpy(&a, xb + 4 * p, 4);
+                    std::memcpy(&b, xb + 16 + 4 * p, 4);
+                    // |w x + w' x'| <= 2 * 15 * 127: the 16-bit pair sums cannot saturate.
+                    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(wl, _mm256_set1_epi32(a)), ones);
+                    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(wh, _mm256_set1_epi32(b)), ones);
+                    sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(pl, ph));
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
+            for (int r = 0; r < T; ++r) {
+                const int64_t i = (row0 + r) * x.G + g;
+                __m256 t = _mm256_cvtepi32_ps(sum[r]);
+                t = _mm256_mul_ps(t, dw);
+                t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_set1_ps(x.sf[i]), mw));
+                t = _mm256_mul_ps(t, _mm256_set1_ps(x.d[i]));
+                acc[r] = _mm256_add_ps(acc[r], t);
+            }
+        }
+        for (int r = 0; r < T; ++r) store_cols(out + (row0 + r) * ldo + 8 * h, acc[r], ncols - 8 * h);
+    }
+}
+
+template <int T>
+__attribute__((target("avx2,fma,f16c")))
+void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, int64_t ldo, int ncols) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[T];
+        for (int r = 0; r < T; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < x.G; ++g) {
+            const uint8_t* rec = unit + g * Q8_RECORD;
+            __m256i sum[T];
+            for (int r = 0; r < T; ++r) sum[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
+                const __m256i wabs = _mm256_abs_epi8(w);  // -128 becomes 128 as an unsigned byte
+                for (int r = 0; r < T; ++r) {
+                    int32_t a;
+                    std::memcpy(&a, x.q + (row0 + r) * x.K + g * QK + 4 * j, 4);
+                    // |w| times x with w's sign: |pair sum| <= 2 * 128 * 127, no saturation.
+                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
+                    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * h)));
+            for (int r = 0; r < T; ++r) {
+                const int64_t i = (row0 + r) * x.G + g;
+                __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum[r]), dw);
+                t = _mm256_mul_ps(t, _mm256_set1_ps(x.d[i]));
+                acc[r] = _mm256_add_ps(acc[r], t);
+            }
+        }
+        for (int r = 0; r < T; ++r) store_cols(out + (row0 + r) * ldo + 8 * h, acc[r], ncols - 8 * h);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch: rows in tiles of the largest size the instruction set keeps in registers.
+
+using TileFn = void (*)(const uint8_t*, const Rows&, int64_t, float*, int64_t, int);
+
+#define SPECDEC_TILES(NAME)                                                                              \
+    TileFn NAME##_tile(int rows) {                                                                       \
+        static const TileFn table[] = {nullptr, NAME<1>, NAME<2>, NAME<3>, NAME<4>, NAME<5>, NAME<6>}; \
+        return table[rows];                                                                              \
+    }
+SPECDEC_TILES(q4_tile_avx512)
+SPECDEC_TILES(q8_tile_avx512)
+#undef SPECDEC_TILES
+
+TileFn q4_tile_avx2_n(int rows) {
+    static const TileFn table[] = {nullptr, q4_tile_avx2<1>, q4_tile_avx2<2>, q4_tile_avx2<3>, q4_tile_avx2<4>};
+    return table[rows];
+}
+TileFn q8_tile_avx2_n(int rows) {
+    static const TileFn table[] = {nullptr, q8_tile_avx2<1>, q8_tile_avx2<2>, q8_tile_avx2<3>, q8_tile_avx2<4>};
+    return table[rows];
+}
+
+int64_t resolve_isa(int64_t isa) {
+    if (isa == ISA_AUTO) return has_avx512() ? ISA_AVX512 : ISA_AVX2;
+    TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512, "unknown instruction set ", isa);
+    TORCH_CHECK(isa != ISA_AVX512 || has_avx512(), "this CPU has no AVX-512 VNNI");
+    TORCH_CHECK(has_avx2(), "this CPU has no AVX2");
+    return isa;
+}
+
+torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                               int64_t isa, bool q4) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
+    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+                "packed weights must be a contiguous [units, blocks, bytes] uint8 tensor");
+    const int record = q4 ? Q4_RECORD : Q8_RECORD;
+    const int64_t units = packed.size(0), G = packed.size(1), K = G * QK;
+    TORCH_CHECK(packed.size(2) == record, "packed record size ", packed.size(2), ", expected ", record);
+    TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs, the weights ", K);
+    TORCH_CHECK(out_features > (units - 1) * NC && out_features <= units * NC, "out_features does not match units");
+    isa = resolve_isa(isa);
+
+    const torch::Tensor xc = x.contiguous();
+    const int64_t rows = xc.size(0);
+    auto q = torch::empty({rows, K}, torch::kInt8);
+    auto d = torch::empty({rows, G}, torch::kFloat32);
+    auto s = torch::empty({rows, G}, torch::kInt32);
+    auto sf = torch::empty({rows, G}, torch::kFloat32);
+    quantize_rows(xc.data_ptr<float>(), rows, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(),
+                  sf.data_ptr<float>());
+    auto out = torch::empty({rows, out_features}, torch::kFloat32);
+    const Rows xr{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), sf.data_ptr<float>(), K, G};
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    float* o = out.data_ptr<float>();
+    const int max_tile = isa == ISA_AVX512 ? 6 : 4;
+    auto tile = [&](int n) {
+        if (isa == ISA_AVX512) return q4 ? q4_tile_avx512_tile(n) : q8_tile_avx512_tile(n);
+        return q4 ? q4_tile_avx2_n(n) : q8_tile_avx2_n(n);
+    };
+    // Tiles: as many full tiles as fit, then one of the remaining rows (a row's bits never depend on it).
+    const int64_t full = rows / max_tile;
+    const int rest = static_cast<int>(rows % max_tile);
+    const TileFn full_fn = full ? tile(max_tile) : nullptr;
+    const TileFn rest_fn = rest ? tile(rest) : nullptr;
+    const int64_t grain = std::max<int64_t>(1, units / (4 * at::get_num_threads()));
+    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t u = begin; u < end; ++u) {
+            const uint8_t* unit = w + u * G * record;
+            const int ncols = static_cast<int>(std::min<int64_t>(NC, out_features - u * NC));
+            float* col = o + u * NC;
+            for (int64_t t = 0; t < full; ++t) full_fn(unit, xr, t * max_tile, col, out_features, ncols);
+            if (rest) rest_fn(unit, xr, full * max_tile, col, out_features, ncols);
+        }
+    });
+    return out;
+}
+
+torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa) {
+    return quantized_matmul(x, packed, out_features, isa, true);
+}
+
+torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa) {
+    return quantized_matmul(x, packed, out_features, isa, false);
+}
+
+std::vector<std::string> instruction_sets() {
+    std::vector<std::string> found;
+    if (has_avx2()) found.emplace_back("avx2");
+    if (has_avx512()) found.emplace_back("avx512_vnni");
+    return found;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("q4_matmul", &q4_matmul, "x [rows, in] float32 times packed q4 weights -> [rows, out] float32");
+    m.def("q8_matmul", &q8_matmul, "x [rows, in] float32 times packed q8 weights -> [rows, out] float32");
+    m.def("instruction_sets", &instruction_sets, "the kernel paths this CPU can run");
+}

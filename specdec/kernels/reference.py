@@ -1,0 +1,59 @@
+"""The kernels' arithmetic in plain PyTorch: what `quant.cpp` computes, bit for bit.
+
+Integer sums are exact in both; every float operation is a single IEEE float32 multiply or add
+in the same order (over blocks, first to last), so the results are identical, not merely close.
+Slow (it materializes per-block sums): for tests and for checking a new kernel path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.kernels.packing import BLOCK
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, in] float32 -> q [rows, blocks, 32] int32 in -127..127, d [rows, blocks], sums [rows, blocks] int32.
+
+    Per row and block of 32: d = amax / 127 and q = round(x * (1 / d)), half to even (0 where amax is 0).
+    """
+    rows, in_features = x.shape
+    blocks = x.float().reshape(rows, in_features // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse[..., None]).to(torch.int32)
+    return q, d, q.sum(dim=-1, dtype=torch.int32)
+
+
+def _block_sums(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    # xq [rows, blocks, 32], wq [out, blocks, 32] integers -> [rows, out, blocks] exact sums
+    # (float64 holds every partial sum of these small integers exactly).
+    return torch.einsum("rgk,ngk->rng", xq.double(), wq.double()).to(torch.int32)
+
+
+def q4_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 times w = d q + m (q [out, in] 0..15; d, m [out, blocks]) -> [rows, out].
+
+    Per block: t = sum(q_w q_x) d_w; t = t + sum(q_x) m_w; t = t d_x; out = out + t.
+    """
+    xq, dx, sx = quantize_rows(x)
+    sums = _block_sums(xq, q.reshape(q.shape[0], -1, BLOCK))
+    out = torch.zeros(x.shape[0], q.shape[0])
+    for g in range(sums.shape[-1]):
+        t = sums[..., g].float() * d[None, :, g].float()
+        t = t + sx[:, None, g].float() * m[None, :, g].float()
+        out = out + t * dx[:, None, g]
+    return out
+
+
+def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 times w = d q (q [out, in] -128..127, d [out, blocks]) -> [rows, out].
+
+    Per block: t = sum(q_w q_x) d_w; t = t d_x; out = out + t.
+    """
+    xq, dx, _ = quantize_rows(x)
+    sums = _block_sums(xq, q.reshape(q.shape[0], -1, BLOCK))
+    out = torch.zeros(x.shape[0], q.shape[0])
+    for g in range(sums.shape[-1]):
+        out = out + (sums[..., g].float() * d[None, :, g].float()) * dx[:, None, g]
+    return out
