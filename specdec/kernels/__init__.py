@@ -3,7 +3,10 @@
 `quant.cpp` holds products of a few float rows with GGUF-style quantized weights (q4: Q4_0/Q4_1
 blocks, q8: Q8_0 blocks), with AVX-512 VNNI and AVX2 paths chosen at run time; `packing.py` lays
 weights out for them and `reference.py` is the plain PyTorch arithmetic they are tested against
-bit for bit. The extension is compiled once per machine and torch version with the compiler on
+bit for bit. `attention.cpp` attends a few queries per row over the KV cache in one call a layer;
+`layer_ops.cpp` fuses RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate)
+* up (tested against PyTorch within float32 rounding, the rotary bitwise, and all of them bitwise
+across pass shapes: a row's result never depends on the other rows). The extension is compiled once per machine and torch version with the compiler on
 the machine (about a minute on two cores); where it cannot be built (no compiler, no AVX2),
 :func:`load` says why once and the native backend runs PyTorch's own int4/int8 kernels instead.
 """
@@ -23,7 +26,7 @@ from specdec.paths import cache_dir
 
 log = logging.getLogger("specdec.kernels")
 
-SOURCE = Path(__file__).with_name("quant.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.cpp", "layer_ops.cpp")]
 # The instruction sets a product may be asked to run on: auto picks the best this CPU has.
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2}
 # Set to `avx2` to run the AVX2 path on an AVX-512 machine (tests and comparisons), or `off`.
@@ -51,7 +54,7 @@ def _build() -> ModuleType | str:
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
-            name="specdec_kernels", sources=[str(SOURCE)], build_directory=str(directory),
+            name="specdec_kernels", sources=[str(p) for p in SOURCES], build_directory=str(directory),
             # Baseline x86-64 code; the AVX2 and AVX-512 functions carry their own target
             # attributes and are chosen at run time. No FMA contraction: the reference's float
             # operations are separate multiplies and adds, and the kernels must round alike.
@@ -101,11 +104,47 @@ def default_isa() -> str:
     return wanted
 
 
-def q4_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str | None = None) -> torch.Tensor:
-    """x [rows, in] float32 times q4-packed weights ([units, blocks, 320] uint8) -> [rows, out] float32."""
-    return load().q4_matmul(x, packed, out_features, ISAS[isa or default_isa()])
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] float32 times q4-packed weights ([units, blocks, 320] uint8) -> [rows, out] float32,
+    plus `residual` ([rows, out] float32) where given."""
+    return load().q4_matmul(x, packed, out_features, ISAS[isa or default_isa()], residual)
 
 
-def q8_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str | None = None) -> torch.Tensor:
-    """x [rows, in] float32 times q8-packed weights ([units, blocks, 544] uint8) -> [rows, out] float32."""
-    return load().q8_matmul(x, packed, out_features, ISAS[isa or default_isa()])
+def q8_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] float32 times q8-packed weights ([units, blocks, 544] uint8) -> [rows, out] float32,
+    plus `residual` where given."""
+    return load().q8_matmul(x, packed, out_features, ISAS[isa or default_isa()], residual)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., dim] float32 -> x / sqrt(mean(x^2) + eps) * weight, per row."""
+    return load().rms_norm(x, weight, eps)
+
+
+def rotary_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int, heads: int,
+                 kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [rows * new, (heads + 2 kv_heads) * head_dim], cos and sin [rows * new, head_dim] ->
+    q [rows, heads, new, head_dim], k and v [rows, kv_heads, new, head_dim], q and k rotated."""
+    q, k, v = load().rotary_split(qkv, cos, sin, rows, heads, kv_heads)
+    return q, k, v
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """h [rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]."""
+    return load().silu_mul(h)
+
+
+def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor,
+                  slots: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention of each query over the cache slots it sees -> [rows, new, heads * head_dim] float32.
+
+    q: [rows, heads, new, head_dim]; keys, values: [rows, kv_heads, S, head_dim] (heads share kv
+    heads in groups, as GQA); counts: [rows, new] int32, how many slots each query sees: slots
+    0 .. n - 1, or with `slots` ([rows, new, L] int32) the first n listed there (a tree node's).
+    scale: default 1 / sqrt(head_dim).
+    """
+    empty = torch.empty(0, dtype=torch.int32)
+    return load().attend_cached(q, keys, values, counts, empty if slots is None else slots,
+                                q.shape[-1] ** -0.5 if scale is None else scale)

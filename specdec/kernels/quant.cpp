@@ -282,7 +282,7 @@ int64_t resolve_isa(int64_t isa) {
 }
 
 torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                               int64_t isa, bool q4) {
+                               int64_t isa, bool q4, const c10::optional<torch::Tensor>& residual) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
     TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
                 "packed weights must be a contiguous [units, blocks, bytes] uint8 tensor");
@@ -302,6 +302,10 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
     quantize_rows(xc.data_ptr<float>(), rows, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(),
                   sf.data_ptr<float>());
     auto out = torch::empty({rows, out_features}, torch::kFloat32);
+    if (residual) {
+        TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->numel() == rows * out_features,
+                    "the residual must be [rows, out] float32");
+    }
     const Rows xr{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), sf.data_ptr<float>(), K, G};
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
@@ -325,15 +329,18 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
             if (rest) rest_fn(unit, xr, full * max_tile, col, out_features, ncols);
         }
     });
-    return out;
+    // The residual stream's add (x + W y), one float add per element after the product.
+    return residual ? out.add_(residual->reshape({rows, out_features})) : out;
 }
 
-torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa) {
-    return quantized_matmul(x, packed, out_features, isa, true);
+torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa,
+                        const c10::optional<torch::Tensor>& residual) {
+    return quantized_matmul(x, packed, out_features, isa, true, residual);
 }
 
-torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa) {
-    return quantized_matmul(x, packed, out_features, isa, false);
+torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa,
+                        const c10::optional<torch::Tensor>& residual) {
+    return quantized_matmul(x, packed, out_features, isa, false, residual);
 }
 
 std::vector<std::string> instruction_sets() {
@@ -345,8 +352,22 @@ std::vector<std::string> instruction_sets() {
 
 }  // namespace
 
+// attention.cpp and layer_ops.cpp
+torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                            const torch::Tensor& counts, const torch::Tensor& slots, double scale);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+std::vector<torch::Tensor> rotary_split(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                        int64_t rows, int64_t heads, int64_t kv_heads);
+torch::Tensor silu_mul(const torch::Tensor& h);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("q4_matmul", &q4_matmul, "x [rows, in] float32 times packed q4 weights -> [rows, out] float32");
-    m.def("q8_matmul", &q8_matmul, "x [rows, in] float32 times packed q8 weights -> [rows, out] float32");
+    m.def("q4_matmul", &q4_matmul, "x [rows, in] float32 times packed q4 weights (+ residual) -> [rows, out] float32",
+          py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("isa"), py::arg("residual") = py::none());
+    m.def("q8_matmul", &q8_matmul, "x [rows, in] float32 times packed q8 weights (+ residual) -> [rows, out] float32",
+          py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("isa"), py::arg("residual") = py::none());
+    m.def("attend_cached", &attend_cached, "a few queries per row over the KV cache -> [rows, new, heads * head_dim]");
+    m.def("rms_norm", &rms_norm, "x [..., dim] float32 -> RMSNorm(x) * weight");
+    m.def("rotary_split", &rotary_split, "qkv [tokens, width] -> rotated q, k and v [rows, heads, new, head_dim]");
+    m.def("silu_mul", &silu_mul, "h [rows, 2 * inter] -> silu(gate) * up [rows, inter]");
     m.def("instruction_sets", &instruction_sets, "the kernel paths this CPU can run");
 }

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from specdec import kernels
 from specdec.errors import ModelLoadError
 from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_token
 from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear, RawWeight
@@ -61,21 +62,40 @@ class NativeLayer:
 PER_QUERY_MAX = 32
 
 
-def _visible_slots(mask: torch.Tensor | None, cached: int, new: int) -> list[list[int | torch.Tensor]] | None:
-    """Per row and query, the slots it sees: an int n for a prefix (slots 0 .. n - 1: a plain
-    step, a chain verification, a batch without holes), else the slot indices (a token tree's
-    node sees the row's prefix and its ancestors). None for a long block (prefill)."""
+@dataclass
+class Visible:
+    """Per row and query of a short block, the cache slots it attends to.
+
+    counts: [rows, new] int32, how many; slots: None where every query sees a prefix (slots
+    0 .. n - 1: a plain step, a chain verification, a batch without holes), else [rows, new, L]
+    int32 whose first n entries are the slots (a token tree's node sees its row's prefix and its
+    ancestors)."""
+
+    counts: torch.Tensor
+    slots: torch.Tensor | None
+
+    def per_query(self) -> list[list[int | torch.Tensor]]:
+        """For PyTorch's attention: an int n for a prefix, else the slot indices."""
+        counts = self.counts.tolist()
+        if self.slots is None:
+            return counts
+        return [[self.slots[r, i, :n].long() for i, n in enumerate(row)] for r, row in enumerate(counts)]
+
+
+def _visible_slots(mask: torch.Tensor | None, cached: int, new: int) -> Visible | None:
+    """The slots each query of a short block sees (see :class:`Visible`); None for a long block (prefill)."""
     if new > PER_QUERY_MAX:
         return None
     if mask is None:  # one row: the new tokens follow everything cached
-        return [[cached + i + 1 for i in range(new)]]
-    counts = mask.sum(dim=-1)  # [rows, 1, new]
+        return Visible(torch.arange(cached + 1, cached + new + 1, dtype=torch.int32)[None], None)
+    counts = mask.sum(dim=-1)[:, 0]  # [rows, new]
     slots = torch.arange(mask.shape[-1], device=mask.device)
-    prefix = (mask == (slots < counts[..., None])).all(dim=-1)[:, 0]  # [rows, new]
+    prefix = (mask[:, 0] == (slots < counts[..., None])).all(dim=-1)  # [rows, new]
     if bool(prefix.all()):
-        return counts[:, 0].tolist()
-    return [[int(counts[r, 0, i]) if bool(prefix[r, i]) else mask[r, 0, i].nonzero()[:, 0] for i in range(new)]
-            for r in range(mask.shape[0])]
+        return Visible(counts.to(torch.int32), None)
+    # A tree: the visible slots in order, padded (a prefix query lists its prefix the same way).
+    listed = torch.sort(torch.where(mask[:, 0], slots, mask.shape[-1]), dim=-1).values[..., : int(counts.max())]
+    return Visible(counts.to(torch.int32), listed.clamp(max=mask.shape[-1] - 1).to(torch.int32).contiguous())
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,6 +144,8 @@ class NativeBackend:
         self.vocab_size = int(config.vocab_size)
         self.eps = float(config.rms_norm_eps)
         self.kv_dtype = torch.float32
+        # specdec's fused layer operations where the kernels are built (see `_norm`).
+        self.fused = kernels.available()
         self._weights, self._format = weights, weight_format
 
         self.embed = self._tensor("model.embed_tokens.weight")  # [vocab, hidden] float32
@@ -227,45 +249,65 @@ class NativeBackend:
             mask = None
         elif mask is None:  # a long block (prefill) of one row: causal over the cache, built once
             mask = causal_mask(cached, new, input_ids.device)
-        x = self.embed[input_ids]  # [rows, new, hidden] float32
-        cos = self.cos[positions][:, None]  # [rows, 1, new, head_dim]
-        sin = self.sin[positions][:, None]
+        x = self.embed[input_ids].view(rows * new, -1)  # [rows * new, hidden] float32
+        cos = self.cos[positions].view(rows * new, -1)  # [rows * new, head_dim]
+        sin = self.sin[positions].view(rows * new, -1)
         states: dict[int, torch.Tensor] = {}
         for index in range(self.num_layers) if layers is None else layers:
             layer = self.layers[index]
-            x = x + self._attention(layer, cache.layers[index], _rms_norm(x, layer.attn_norm, self.eps), cos, sin,
-                                    mask, visible)
-            h = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps).view(rows * new, -1))  # [rows * new, 2 * inter]
-            gate, up = h.chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up).view(rows, new, -1)
+            attended = self._attention(layer, cache.layers[index], self._norm(x, layer.attn_norm), rows, cos, sin,
+                                       mask, visible)  # [rows * new, heads * head_dim]
+            x = layer.o(attended, residual=x)
+            x = layer.down(self._silu_mul(layer.gate_up(self._norm(x, layer.mlp_norm))), residual=x)
             if index in hidden_layers:
-                states[index] = x
+                states[index] = x.view(rows, new, -1)
+        x = x.view(rows, new, -1)
         if last_only:
             x = x[:, -1:]
-        normed = _rms_norm(x, self.norm, self.eps)  # [rows, new or 1, hidden]
+        normed = self._norm(x, self.norm)  # [rows, new or 1, hidden]
         logits = self.lm_head(normed.view(-1, self.hidden_size)).float().view(rows, -1, self.vocab_size)
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)
 
-    def _attention(self, layer: NativeLayer, cache_layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor | None, visible: list[list[int]] | None) -> torch.Tensor:
-        # x: [rows, new, hidden] float32 (normed) -> [rows, new, hidden] float32
-        rows, new, _ = x.shape
-        qkv = layer.qkv(x.view(rows * new, -1)).float()  # [rows * new, (heads + 2 kv_heads) * head_dim]
+    # With the kernels built, RMSNorm, the rotary embedding, SiLU * up and attention over the cache
+    # run fused (specdec.kernels: a few calls a layer); otherwise as PyTorch operations.
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, weight, self.eps) if self.fused else _rms_norm(x, weight, self.eps)
+
+    def _silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [tokens, 2 * inter] (gate, then up) -> [tokens, inter]
+        if self.fused:
+            return kernels.silu_mul(h.float())
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _attention(self, layer: NativeLayer, cache_layer, x: torch.Tensor, rows: int, cos: torch.Tensor,
+                   sin: torch.Tensor, mask: torch.Tensor | None, visible: Visible | None) -> torch.Tensor:
+        # x: [rows * new, hidden] float32 (normed) -> [rows * new, heads * head_dim] float32
+        new = x.shape[0] // rows
+        qkv = layer.qkv(x).float()  # [rows * new, (heads + 2 kv_heads) * head_dim]
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
-        qkv = qkv.view(rows, new, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)  # [rows, h, new, head_dim]
-        if layer.q_norm is not None:
-            q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.fused and layer.q_norm is None:
+            q, k, v = kernels.rotary_split(qkv, cos, sin, rows, self.heads, self.kv_heads)  # [rows, h, new, head_dim]
+        else:
+            qkv = qkv.view(rows, new, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)  # [rows, h, new, head_dim]
+            if layer.q_norm is not None:
+                q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
+            cos4, sin4 = cos.view(rows, 1, new, -1), sin.view(rows, 1, new, -1)  # [rows, 1, new, head_dim]
+            q, k = _rotate(q, cos4, sin4), _rotate(k, cos4, sin4)
         keys, values = cache_layer.update(k, v)  # [rows, kv_heads, cached + new, head_dim]
+        if visible is not None and self.fused:
+            # Each query of each row attends alone over its row's visible slots, exactly as a
+            # one-token step of that sequence alone would (specdec's kernel: one call a layer).
+            return kernels.attend_cached(q, keys, values, visible.counts, visible.slots).view(rows * new, -1)
         gqa = self.heads != self.kv_heads
         if visible is not None:
-            # Each query of each row attends alone over its row's visible slots, exactly as a one-token
-            # step of that sequence alone would, so its attention (and so its bfloat16-rounded
-            # activations) are bitwise those of plain decoding, whatever else is in the pass.
-            # A tree node's slots (its row's prefix, its ancestors, itself) are gathered in order:
-            # the same keys in the same order as the plain step at its position would read.
+            # The same with PyTorch's attention, a call per query: its activations are bitwise
+            # those of plain decoding, whatever else is in the pass. A tree node's slots (its
+            # row's prefix, its ancestors, itself) are gathered in order: the same keys in the
+            # same order as the plain step at its position would read.
             out = torch.cat([
                 torch.cat([
                     F.scaled_dot_product_attention(
@@ -275,10 +317,9 @@ class NativeBackend:
                         enable_gqa=gqa)
                     for i, seen in enumerate(row)
                 ], dim=2)
-                for r, row in enumerate(visible)
+                for r, row in enumerate(visible.per_query())
             ])
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-        out = out.transpose(1, 2).reshape(rows * new, self.heads * self.head_dim)  # [rows * new, heads * head_dim]
-        return layer.o(out).float().view(rows, new, -1)
+        return out.transpose(1, 2).reshape(rows * new, self.heads * self.head_dim)
 

@@ -184,14 +184,17 @@ class PackedLinear:
         """The activation dtype the kernel runs in (and returns)."""
         return torch.float32 if self.fmt in ("float32", *KERNEL_FORMATS) else torch.bfloat16
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [rows, in_features] -> [rows, out_features]
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [rows, in_features] -> [rows, out_features]; with a float32 residual [rows, out_features],
+        # residual + the product, in float32.
         x = x.to(self.compute_dtype)
         t = self.tensors
         if self.fmt == "q4":
-            return kernels.q4_matmul(x, t["weight"], self.out_features)
+            return kernels.q4_matmul(x, t["weight"], self.out_features, residual=residual)
         if self.fmt == "q8":
-            return kernels.q8_matmul(x, t["weight"], self.out_features)
+            return kernels.q8_matmul(x, t["weight"], self.out_features, residual=residual)
+        if residual is not None:
+            return residual + self(x).float()
         if self.fmt == "float32":
             return thin_linear(x, t["weight"])
         if self.fmt == "bfloat16":

@@ -1,0 +1,133 @@
+// The small per-layer operations of decoding, fused so that a layer is a handful of calls:
+// RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate) * up. Each row
+// (token) is computed alone in a fixed order, so a row's bits never depend on the rest of the pass.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "simd.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+using specdec::exp8;
+using specdec::horizontal_sum;
+
+// x [rows, dim] -> x * (1 / sqrt(mean(x^2) + eps)) * weight, the sum of squares in 8 lanes then
+// folded in a fixed order.
+__attribute__((target("avx2,fma")))
+void rms_norm_range(const float* x, const float* w, float* out, int64_t begin, int64_t end, int64_t dim, float eps) {
+    for (int64_t r = begin; r < end; ++r) {
+        const float* xr = x + r * dim;
+        float* o = out + r * dim;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+        }
+        float ss = horizontal_sum(acc);
+        for (; i < dim; ++i) ss += xr[i] * xr[i];
+        const float inverse = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+        const __m256 inv = _mm256_set1_ps(inverse);
+        for (i = 0; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), _mm256_loadu_ps(w + i)));
+        for (; i < dim; ++i) o[i] = (xr[i] * inverse) * w[i];
+    }
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32 only");
+    const int64_t dim = x.size(-1);
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim, "weight must be [dim]");
+    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
+    const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
+    auto out = torch::empty_like(xc);
+    const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const float e = static_cast<float>(eps);
+    at::parallel_for(0, xc.numel() / dim, 16, [&](int64_t begin, int64_t end) {
+        rms_norm_range(xp, wp, op, begin, end, dim, e);
+    });
+    return out;
+}
+
+std::vector<torch::Tensor> rotary_split(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                        int64_t rows, int64_t heads, int64_t kv_heads) {
+    // qkv [rows * new, (heads + 2 kv_heads) * head_dim]; cos, sin [rows * new, head_dim] (halves
+    // repeated) -> q [rows, heads, new, head_dim] and k [rows, kv_heads, new, head_dim] rotated
+    // (x cos - x_other sin on the first half, x cos + x_other sin on the second: the same float
+    // operations as rotating by concatenation), v [rows, kv_heads, new, head_dim] copied.
+    TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32, "qkv must be [tokens, width] float32");
+    const int64_t tokens = qkv.size(0), width = qkv.size(1), all = heads + 2 * kv_heads;
+    TORCH_CHECK(width % all == 0 && tokens % rows == 0, "qkv does not split into heads and rows");
+    const int64_t head_dim = width / all, half = head_dim / 2, nq = tokens / rows;
+    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({tokens, head_dim}) && sin.sizes() == cos.sizes(),
+                "cos and sin must be [tokens, head_dim]");
+    const torch::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+    auto q = torch::empty({rows, heads, nq, head_dim}, torch::kFloat32);
+    auto k = torch::empty({rows, kv_heads, nq, head_dim}, torch::kFloat32);
+    auto v = torch::empty({rows, kv_heads, nq, head_dim}, torch::kFloat32);
+    const float *xp = x.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+    float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            const int64_t r = t / nq, i = t % nq;
+            const float *ct = cp + t * head_dim, *st = sp + t * head_dim;
+            for (int64_t h = 0; h < all; ++h) {
+                const float* src = xp + t * width + h * head_dim;
+                float* dst;
+                if (h < heads) dst = qp + ((r * heads + h) * nq + i) * head_dim;
+                else if (h < heads + kv_heads) dst = kp + ((r * kv_heads + h - heads) * nq + i) * head_dim;
+                else {
+                    std::memcpy(vp + ((r * kv_heads + h - heads - kv_heads) * nq + i) * head_dim, src,
+                                sizeof(float) * head_dim);
+                    continue;
+                }
+                for (int64_t d = 0; d < half; ++d) dst[d] = src[d] * ct[d] + (-src[d + half]) * st[d];
+                for (int64_t d = half; d < head_dim; ++d) dst[d] = src[d] * ct[d] + src[d - half] * st[d];
+            }
+        }
+    });
+    return {q, k, v};
+}
+
+namespace {
+
+__attribute__((target("avx2,fma")))
+void silu_mul_range(const float* h, float* out, int64_t begin, int64_t end, int64_t inter) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = begin; r < end; ++r) {
+        const float* gate = h + r * 2 * inter;
+        const float* up = gate + inter;
+        float* o = out + r * inter;
+        for (int64_t i = 0; i < inter; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+        }
+    }
+}
+
+}  // namespace
+
+torch::Tensor silu_mul(const torch::Tensor& h) {
+    // h [rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]
+    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat32 && h.size(1) % 2 == 0, "h must be [rows, 2 * inter] float32");
+    TORCH_CHECK(h.size(1) % 16 == 0, "inter must be a multiple of 8");
+    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
+    const torch::Tensor hc = h.contiguous();
+    auto out = torch::empty({h.size(0), h.size(1) / 2}, torch::kFloat32);
+    const float* hp = hc.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t inter = h.size(1) / 2;
+    at::parallel_for(0, h.size(0), 4, [&](int64_t begin, int64_t end) { silu_mul_range(hp, op, begin, end, inter); });
+    return out;
+}

@@ -1,0 +1,39 @@
+// Small AVX2 helpers shared by the kernels: fixed-order reductions and an exponential whose bits
+// do not depend on the machine's libm.
+#pragma once
+
+#include <immintrin.h>
+
+namespace specdec {
+
+__attribute__((target("avx2,fma"))) inline float horizontal_sum(__m256 v) {
+    // Fixed order: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
+    const __m128 folded = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pairs = _mm_add_ps(folded, _mm_movehl_ps(folded, folded));
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+    // x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error ~2e-7),
+    // scaled by 2^n through the exponent bits; x is clamped to [-87, 88] (no infinities, no denormals).
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    // 2^n in two factors, so that n = 128 (x near 88) stays finite.
+    const __m256i half = _mm256_srai_epi32(_mm256_cvtps_epi32(n), 1);
+    const __m256i rest = _mm256_sub_epi32(_mm256_cvtps_epi32(n), half);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
+
+}  // namespace specdec
