@@ -39,8 +39,13 @@ def _chat(server: ServerThread, route: str, text: str, max_tokens: int) -> None:
                                             max_tokens=max_tokens, temperature=0)
 
 
+# The logic tests hold a curve of their own (a CPU's, measured with PyTorch's int4 kernels), so
+# that a change of the shipped default, measured on newer kernels, does not move their premises.
+STEEP_COSTS = {1: 1.0, 2: 1.09, 3: 1.22, 4: 1.35, 5: 1.81, 6: 1.91, 7: 2.01, 8: 2.15, 9: 2.66}
+
+
 def _reports(server: ServerThread) -> dict[str, RouteReport]:
-    return {r.route: r for r in diagnose(*fetch(server.url))}
+    return {r.route: r for r in diagnose(*fetch(server.url), STEEP_COSTS)}
 
 
 def _causes(report: RouteReport) -> set[str]:
@@ -65,11 +70,11 @@ def lookup_server(default_model: LoadedModel) -> Iterator[ServerThread]:
 
 def test_estimates_follow_the_cost_curve() -> None:
     # Beyond the curve a pass costs at least its last slope more per token.
-    assert verify_cost(DEFAULT_VERIFY_COSTS, 4) == 1.35
+    assert verify_cost(DEFAULT_VERIFY_COSTS, 4) == DEFAULT_VERIFY_COSTS[4]
     assert verify_cost(DEFAULT_VERIFY_COSTS, 12) > DEFAULT_VERIFY_COSTS[9]
     # Position 1 accepted half the time, later positions never: k = 1 is best.
     k, speedups = best_k([0.5, 0.0, 0.0], DEFAULT_VERIFY_COSTS)
-    assert k == 1 and speedups[0] == pytest.approx(1.5 / 1.09)
+    assert k == 1 and speedups[0] == pytest.approx(1.5 / DEFAULT_VERIFY_COSTS[2])
 
 
 def test_a_fresh_server_has_nothing_to_say(lookup_server: ServerThread) -> None:

@@ -1,0 +1,125 @@
+"""specdec's fused layer operations against PyTorch: attention over the cache, RMSNorm, the
+rotary split and SiLU * up. Each is checked against the PyTorch computation it replaces (the
+rotary bitwise, the others within float32 rounding) and for row invariance: a row's or a query's
+bits never depend on the other rows or queries in the pass, which keeps verification lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec import kernels
+from specdec.models.native import _rms_norm, _rotate
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built on this machine")
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def _cache(rows: int, span: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # Views into a longer preallocated buffer, as the KV caches hand them out.
+    keys = torch.randn(rows, KV_HEADS, span + 17, HEAD_DIM, generator=gen)[:, :, :span]
+    values = torch.randn(rows, KV_HEADS, span + 17, HEAD_DIM, generator=gen)[:, :, :span]
+    return keys, values
+
+
+def _sdpa(q, keys, values, r: int, i: int, seen) -> torch.Tensor:
+    k = keys[r : r + 1, :, :seen] if isinstance(seen, int) else keys[r : r + 1, :, seen]
+    v = values[r : r + 1, :, :seen] if isinstance(seen, int) else values[r : r + 1, :, seen]
+    return F.scaled_dot_product_attention(q[r : r + 1, :, i : i + 1], k, v, enable_gqa=True).transpose(1, 2).reshape(-1)
+
+
+def test_attention_over_prefixes_is_pytorchs() -> None:
+    keys, values = _cache(2, 300, seed=0)
+    q = torch.randn(2, HEADS, 5, HEAD_DIM)
+    counts = torch.tensor([[290, 291, 292, 293, 294], [1, 2, 3, 9, 100]], dtype=torch.int32)
+    out = kernels.attend_cached(q, keys, values, counts)  # [rows, new, heads * head_dim]
+    for r in range(2):
+        for i in range(5):
+            torch.testing.assert_close(out[r, i], _sdpa(q, keys, values, r, i, int(counts[r, i])), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_over_listed_slots_is_pytorchs() -> None:
+    # A token tree: each node sees its own slots (listed in order, padded past its count).
+    keys, values = _cache(1, 64, seed=1)
+    q = torch.randn(1, HEADS, 3, HEAD_DIM)
+    seen = [torch.tensor([0, 1, 2, 40]), torch.tensor([0, 1, 2, 41]), torch.tensor([0, 1, 2, 40, 42])]
+    slots = torch.zeros(1, 3, 5, dtype=torch.int32)
+    for i, s in enumerate(seen):
+        slots[0, i, : len(s)] = s
+    counts = torch.tensor([[len(s) for s in seen]], dtype=torch.int32)
+    out = kernels.attend_cached(q, keys, values, counts, slots)
+    for i, s in enumerate(seen):
+        torch.testing.assert_close(out[0, i], _sdpa(q, keys, values, 0, i, s), rtol=1e-5, atol=1e-6)
+    # Listing a prefix's slots is the prefix, bit for bit.
+    prefix = torch.arange(4, dtype=torch.int32).expand(1, 1, 4).contiguous()
+    assert torch.equal(kernels.attend_cached(q[:, :, :1], keys, values, counts[:, :1], prefix),
+                       kernels.attend_cached(q[:, :, :1], keys, values, counts[:, :1]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_is_query_invariant(threads: int) -> None:
+    keys, values = _cache(3, 200, seed=2)
+    q = torch.randn(3, HEADS, 8, HEAD_DIM)
+    counts = (torch.arange(8, dtype=torch.int32) + 150).expand(3, 8).contiguous()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = kernels.attend_cached(q, keys, values, counts)
+        for r in range(3):
+            for i in range(8):
+                alone = kernels.attend_cached(q[r : r + 1, :, i : i + 1].contiguous(), keys[r : r + 1], values[r : r + 1],
+                                              counts[r : r + 1, i : i + 1].contiguous())
+                assert torch.equal(alone[0, 0], together[r, i]), (r, i)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_attention_refuses_slots_past_the_cache() -> None:
+    keys, values = _cache(1, 10, seed=3)
+    q = torch.randn(1, HEADS, 1, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        kernels.attend_cached(q, keys, values, torch.tensor([[11]], dtype=torch.int32))
+
+
+def test_rms_norm_is_pytorchs_and_row_invariant() -> None:
+    x = 4 * torch.randn(12, 576)
+    weight = torch.rand(576) + 0.5
+    out = kernels.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out, _rms_norm(x, weight, 1e-5), rtol=2e-6, atol=1e-6)
+    for i in range(12):
+        assert torch.equal(kernels.rms_norm(x[i : i + 1], weight, 1e-5)[0], out[i])
+
+
+def test_rotary_split_is_the_rotation_bit_for_bit() -> None:
+    rows, new = 2, 3
+    qkv = torch.randn(rows * new, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    angles = torch.rand(rows * new, HEAD_DIM // 2) * 6
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q, k, v = kernels.rotary_split(qkv, cos, sin, rows, HEADS, KV_HEADS)
+    split = qkv.view(rows, new, HEADS + 2 * KV_HEADS, HEAD_DIM).transpose(1, 2)
+    want_q, want_k, want_v = split.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    cos4, sin4 = cos.view(rows, 1, new, -1), sin.view(rows, 1, new, -1)
+    assert torch.equal(q, _rotate(want_q, cos4, sin4))
+    assert torch.equal(k, _rotate(want_k, cos4, sin4))
+    assert torch.equal(v, want_v)
+
+
+def test_silu_mul_is_pytorchs_and_row_invariant() -> None:
+    h = 6 * torch.randn(7, 2 * 1536)
+    out = kernels.silu_mul(h)
+    gate, up = h.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    for i in range(7):
+        assert torch.equal(kernels.silu_mul(h[i : i + 1])[0], out[i])
+
+
+def test_products_add_the_residual() -> None:
+    from specdec.kernels import packing
+
+    q, d, m = packing.quantize_q4(torch.randn(48, 64))
+    packed = packing.pack_q4(q, d, m)
+    x, residual = torch.randn(3, 64), torch.randn(3, 48)
+    assert torch.equal(kernels.q4_matmul(x, packed, 48, residual=residual), residual + kernels.q4_matmul(x, packed, 48))
