@@ -34,6 +34,10 @@ struct Item {
 
 __attribute__((target("avx2,fma")))
 void attend_one(const Item& it, int64_t head_dim, float scale, std::vector<float>& scores) {
+    if (it.n == 0) {  // a padding query that sees nothing: zeros, not NaN
+        for (int64_t d = 0; d < head_dim; ++d) it.out[d] = 0.0f;
+        return;
+    }
     scores.resize(static_cast<size_t>(it.n) + 8);
     const int64_t chunks = head_dim / 8;
     // 1. scores
@@ -109,7 +113,7 @@ torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, c
     const torch::Tensor qc = q.contiguous(), cc = counts.contiguous(), sc = listed ? slots.contiguous() : slots;
     const int32_t* count = cc.data_ptr<int32_t>();
     for (int64_t i = 0; i < rows * nq; ++i) {
-        TORCH_CHECK(count[i] >= 1 && count[i] <= (listed ? sc.size(2) : span), "a query sees no slot or past the cache");
+        TORCH_CHECK(count[i] >= 0 && count[i] <= (listed ? sc.size(2) : span), "a query sees past the cache");
     }
     if (listed) {
         const int32_t* s = sc.data_ptr<int32_t>();

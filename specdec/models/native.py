@@ -57,8 +57,10 @@ class NativeLayer:
     down: PackedLinear  # [hidden, intermediate]
 
 
-# Blocks of at most this many tokens per row (a plain step, a verification) attend per query; a
-# longer block (a prompt) attends in one masked pass, which is faster and rounds differently.
+# Without specdec's kernels, blocks of at most this many tokens per row (a plain step, a
+# verification) attend per query; a longer block (a prompt) attends in one masked pass, which is
+# faster and rounds differently. With them, every block attends per query in one call a layer,
+# so a prompt's positions are bitwise what decoding them one by one would give.
 PER_QUERY_MAX = 32
 
 
@@ -82,9 +84,10 @@ class Visible:
         return [[self.slots[r, i, :n].long() for i, n in enumerate(row)] for r, row in enumerate(counts)]
 
 
-def _visible_slots(mask: torch.Tensor | None, cached: int, new: int) -> Visible | None:
-    """The slots each query of a short block sees (see :class:`Visible`); None for a long block (prefill)."""
-    if new > PER_QUERY_MAX:
+def _visible_slots(mask: torch.Tensor | None, cached: int, new: int, long_blocks: bool = False) -> Visible | None:
+    """The slots each query of a block sees (see :class:`Visible`); None for a long block
+    (prefill) unless `long_blocks`."""
+    if new > PER_QUERY_MAX and not long_blocks:
         return None
     if mask is None:  # one row: the new tokens follow everything cached
         return Visible(torch.arange(cached + 1, cached + new + 1, dtype=torch.int32)[None], None)
@@ -244,7 +247,7 @@ class NativeBackend:
     ) -> ForwardOutput:
         rows, new = input_ids.shape
         cached = cache.layers[(layers or [0])[0]].get_seq_length()  # before this pass writes
-        visible = _visible_slots(mask, cached, new)
+        visible = _visible_slots(mask, cached, new, long_blocks=self.fused)
         if visible is not None:
             mask = None
         elif mask is None:  # a long block (prefill) of one row: causal over the cache, built once

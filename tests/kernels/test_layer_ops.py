@@ -82,6 +82,9 @@ def test_attention_refuses_slots_past_the_cache() -> None:
     q = torch.randn(1, HEADS, 1, HEAD_DIM)
     with pytest.raises(RuntimeError, match="past the cache"):
         kernels.attend_cached(q, keys, values, torch.tensor([[11]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="past the cache"):
+        kernels.attend_cached(q, keys, values, torch.tensor([[2]], dtype=torch.int32),
+                              torch.tensor([[[0, 10]]], dtype=torch.int32))
 
 
 def test_rms_norm_is_pytorchs_and_row_invariant() -> None:
@@ -123,3 +126,11 @@ def test_products_add_the_residual() -> None:
     packed = packing.pack_q4(q, d, m)
     x, residual = torch.randn(3, 64), torch.randn(3, 48)
     assert torch.equal(kernels.q4_matmul(x, packed, 48, residual=residual), residual + kernels.q4_matmul(x, packed, 48))
+
+
+def test_a_query_that_sees_nothing_gets_zeros() -> None:
+    # A padding position whose mask row is empty: zeros, where a softmax over nothing is NaN.
+    keys, values = _cache(1, 10, seed=4)
+    q = torch.randn(1, HEADS, 2, HEAD_DIM)
+    out = kernels.attend_cached(q, keys, values, torch.tensor([[0, 3]], dtype=torch.int32))
+    assert torch.equal(out[0, 0], torch.zeros(HEADS * HEAD_DIM)) and bool(out[0, 1].abs().sum() > 0)
