@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -102,6 +103,13 @@ def default_isa() -> str:
     if wanted == "auto":
         return "avx512_vnni" if "avx512_vnni" in instruction_sets() else "avx2"
     return wanted
+
+
+def product(fmt: str, isa: str | None = None) -> Callable[..., torch.Tensor]:
+    """The extension's `q4_matmul` or `q8_matmul` with the instruction set bound: called as
+    `f(x, packed, out_features, residual)` (the hot path: no look-ups per call)."""
+    function, code = getattr(load(), f"{fmt}_matmul"), ISAS[isa or default_isa()]
+    return lambda x, packed, out_features, residual=None: function(x, packed, out_features, code, residual)
 
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str | None = None,

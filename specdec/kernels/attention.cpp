@@ -20,7 +20,7 @@
 namespace {
 
 using specdec::exp8;
-using specdec::horizontal_sum;
+using specdec::horizontal_sum;  // the softmax's sum
 
 struct Item {
     const float* q;          // [head_dim]
@@ -40,17 +40,30 @@ void attend_one(const Item& it, int64_t head_dim, float scale, std::vector<float
     }
     scores.resize(static_cast<size_t>(it.n) + 8);
     const int64_t chunks = head_dim / 8;
-    // 1. scores
+    // 1. scores, 8 keys at a time; each key's dot product is the same fixed tree whatever its
+    //    place in a block (a tail block repeats its last key and drops the copies)
     float top = -INFINITY;
-    for (int64_t j = 0; j < it.n; ++j) {
-        const int64_t slot = it.slots ? it.slots[j] : j;
-        const float* k = it.keys + slot * it.slot_stride;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t c = 0; c < chunks; ++c)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(it.q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
-        const float s = horizontal_sum(acc) * scale;
-        scores[j] = s;
-        top = s > top ? s : top;
+    for (int64_t j0 = 0; j0 < it.n; j0 += 8) {
+        const float* k[8];
+        for (int jj = 0; jj < 8; ++jj) {
+            const int64_t j = std::min<int64_t>(j0 + jj, it.n - 1);
+            k[jj] = it.keys + (it.slots ? it.slots[j] : j) * it.slot_stride;
+        }
+        __m256 acc[8];
+        for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) {
+            const __m256 qc = _mm256_loadu_ps(it.q + 8 * c);
+            for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[jj] + 8 * c), acc[jj]);
+        }
+        const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+        const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+        const __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+        alignas(32) float block[8];
+        _mm256_store_ps(block, _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
+        for (int jj = 0; jj < 8 && j0 + jj < it.n; ++jj) {
+            scores[j0 + jj] = block[jj];
+            top = block[jj] > top ? block[jj] : top;
+        }
     }
     // 2. softmax weights (unnormalized) and their sum, 8 at a time
     __m256 total = _mm256_setzero_ps();

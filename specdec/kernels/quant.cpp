@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -50,29 +51,53 @@ bool has_avx2() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Activation quantization: x [rows, K] float -> q [rows, K] int8, d [rows, G], s [rows, G].
+// One block of 32: d = amax / 127, q = round(x * (1 / d)) half to even (the default rounding mode,
+// as nearbyint), and the sum of q. The maximum is exact in any order and each element's multiply
+// and rounding are single IEEE operations, so this is bitwise the scalar definition.
+__attribute__((target("avx2,fma")))
+void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int32_t* s, float* sf) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    const float amax = _mm_cvtss_f32(m);
+    const float scale = amax / 127.0f;
+    const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    const __m256 inv = _mm256_set1_ps(inverse);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // rounds half to even
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    // Pack 32 int32 (each in -127..127) to int8 in order: packs interleave 128-bit lanes, so fix
+    // the order with a permute.
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]);
+    const __m256i w23 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i b = _mm256_packs_epi16(w01, w23);
+    const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), ordered);
+    const int32_t sum = _mm_cvtsi128_si32(t);
+    *d = scale;
+    *s = sum;
+    *sf = static_cast<float>(sum);
+}
 
+// Activation quantization: x [rows, K] float -> q [rows, K] int8, d [rows, G], s [rows, G].
 void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s, float* sf) {
     const int64_t G = K / QK;
-    for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t g = 0; g < G; ++g) {
-            const float* xb = x + r * K + g * QK;
-            float amax = 0.0f;
-            for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-            const float scale = amax / 127.0f;
-            const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-            int32_t sum = 0;
-            int8_t* qb = q + r * K + g * QK;
-            for (int i = 0; i < QK; ++i) {
-                const int v = static_cast<int>(std::nearbyint(xb[i] * inverse));
-                qb[i] = static_cast<int8_t>(v);
-                sum += v;
-            }
-            d[r * G + g] = scale;
-            s[r * G + g] = sum;
-            sf[r * G + g] = static_cast<float>(sum);
+    at::parallel_for(0, rows * G, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            const int64_t r = i / G, g = i % G;
+            quantize_block_avx2(x + r * K + g * QK, q + r * K + g * QK, d + i, s + i, sf + i);
         }
-    }
+    });
 }
 
 struct Rows {
@@ -257,7 +282,7 @@ using TileFn = void (*)(const uint8_t*, const Rows&, int64_t, float*, int64_t, i
 
 #define SPECDEC_TILES(NAME)                                                                              \
     TileFn NAME##_tile(int rows) {                                                                       \
-        static const TileFn table[] = {nullptr, NAME<1>, NAME<2>, NAME<3>, NAME<4>, NAME<5>, NAME<6>}; \
+        static const TileFn table[] = {nullptr, NAME<1>, NAME<2>, NAME<3>, NAME<4>, NAME<5>, NAME<6>, NAME<7>, NAME<8>}; \
         return table[rows];                                                                              \
     }
 SPECDEC_TILES(q4_tile_avx512)
@@ -295,38 +320,44 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
 
     const torch::Tensor xc = x.contiguous();
     const int64_t rows = xc.size(0);
-    auto q = torch::empty({rows, K}, torch::kInt8);
-    auto d = torch::empty({rows, G}, torch::kFloat32);
-    auto s = torch::empty({rows, G}, torch::kInt32);
-    auto sf = torch::empty({rows, G}, torch::kFloat32);
-    quantize_rows(xc.data_ptr<float>(), rows, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(),
-                  sf.data_ptr<float>());
+    // The quantized activations live in a per-thread scratch buffer, reused from call to call.
+    thread_local std::vector<int8_t> q_buf;
+    thread_local std::vector<float> d_buf, sf_buf;
+    thread_local std::vector<int32_t> s_buf;
+    q_buf.resize(rows * K);
+    d_buf.resize(rows * G);
+    sf_buf.resize(rows * G);
+    s_buf.resize(rows * G);
+    quantize_rows(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data());
     auto out = torch::empty({rows, out_features}, torch::kFloat32);
     if (residual) {
         TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->numel() == rows * out_features,
                     "the residual must be [rows, out] float32");
     }
-    const Rows xr{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), sf.data_ptr<float>(), K, G};
+    const Rows xr{q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data(), K, G};
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
-    const int max_tile = isa == ISA_AVX512 ? 6 : 4;
+    const int max_tile = isa == ISA_AVX512 ? 8 : 4;
     auto tile = [&](int n) {
         if (isa == ISA_AVX512) return q4 ? q4_tile_avx512_tile(n) : q8_tile_avx512_tile(n);
         return q4 ? q4_tile_avx2_n(n) : q8_tile_avx2_n(n);
     };
-    // Tiles: as many full tiles as fit, then one of the remaining rows (a row's bits never depend on it).
-    const int64_t full = rows / max_tile;
-    const int rest = static_cast<int>(rows % max_tile);
-    const TileFn full_fn = full ? tile(max_tile) : nullptr;
-    const TileFn rest_fn = rest ? tile(rest) : nullptr;
+    // Tiles: as few as the registers allow, of balanced sizes (7 rows: 4 + 3, not 6 + 1, whose
+    // lone row would be latency-bound). A row's bits never depend on the tile it lands in.
+    const int64_t tiles = (rows + max_tile - 1) / max_tile;
+    std::vector<std::pair<int64_t, TileFn>> plan;  // (first row, tile function)
+    for (int64_t t = 0, row = 0; t < tiles; ++t) {
+        const int size = static_cast<int>((rows - row) / (tiles - t) + ((rows - row) % (tiles - t) ? 1 : 0));
+        plan.emplace_back(row, tile(size));
+        row += size;
+    }
     const int64_t grain = std::max<int64_t>(1, units / (4 * at::get_num_threads()));
     at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
         for (int64_t u = begin; u < end; ++u) {
             const uint8_t* unit = w + u * G * record;
             const int ncols = static_cast<int>(std::min<int64_t>(NC, out_features - u * NC));
             float* col = o + u * NC;
-            for (int64_t t = 0; t < full; ++t) full_fn(unit, xr, t * max_tile, col, out_features, ncols);
-            if (rest) rest_fn(unit, xr, full * max_tile, col, out_features, ncols);
+            for (const auto& [row, fn] : plan) fn(unit, xr, row, col, out_features, ncols);
         }
     });
     // The residual stream's add (x + W y), one float add per element after the product.

@@ -62,6 +62,7 @@ class NativeLayer:
 # faster and rounds differently. With them, every block attends per query in one call a layer,
 # so a prompt's positions are bitwise what decoding them one by one would give.
 PER_QUERY_MAX = 32
+_NO_SLOTS = torch.empty(0, dtype=torch.int32)  # every query sees a prefix
 
 
 @dataclass
@@ -149,6 +150,7 @@ class NativeBackend:
         self.kv_dtype = torch.float32
         # specdec's fused layer operations where the kernels are built (see `_norm`).
         self.fused = kernels.available()
+        self._ops = kernels.load() if self.fused else None
         self._weights, self._format = weights, weight_format
 
         self.embed = self._tensor("model.embed_tokens.weight")  # [vocab, hidden] float32
@@ -275,12 +277,12 @@ class NativeBackend:
     # run fused (specdec.kernels: a few calls a layer); otherwise as PyTorch operations.
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, weight, self.eps) if self.fused else _rms_norm(x, weight, self.eps)
+        return self._ops.rms_norm(x, weight, self.eps) if self.fused else _rms_norm(x, weight, self.eps)
 
     def _silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         # h: [tokens, 2 * inter] (gate, then up) -> [tokens, inter]
         if self.fused:
-            return kernels.silu_mul(h.float())
+            return self._ops.silu_mul(h.float())
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -292,7 +294,7 @@ class NativeBackend:
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         if self.fused and layer.q_norm is None:
-            q, k, v = kernels.rotary_split(qkv, cos, sin, rows, self.heads, self.kv_heads)  # [rows, h, new, head_dim]
+            q, k, v = self._ops.rotary_split(qkv, cos, sin, rows, self.heads, self.kv_heads)  # [rows, h, new, head_dim]
         else:
             qkv = qkv.view(rows, new, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
             q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)  # [rows, h, new, head_dim]
@@ -304,7 +306,8 @@ class NativeBackend:
         if visible is not None and self.fused:
             # Each query of each row attends alone over its row's visible slots, exactly as a
             # one-token step of that sequence alone would (specdec's kernel: one call a layer).
-            return kernels.attend_cached(q, keys, values, visible.counts, visible.slots).view(rows * new, -1)
+            slots = _NO_SLOTS if visible.slots is None else visible.slots
+            return self._ops.attend_cached(q, keys, values, visible.counts, slots, self.head_dim ** -0.5).view(rows * new, -1)
         gqa = self.heads != self.kv_heads
         if visible is not None:
             # The same with PyTorch's attention, a call per query: its activations are bitwise

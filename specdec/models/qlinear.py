@@ -32,6 +32,7 @@ Matrices arrive as :data:`RawWeight`: a float tensor or :class:`Int4Groups`. Fus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,6 +115,7 @@ class PackedLinear:
         self.out_features = out_features
         self.in_features = in_features
         self.tensors = tensors
+        self._product: Callable[..., torch.Tensor] | None = None  # the kernel, bound on first use
 
     @classmethod
     def pack(cls, parts: RawWeight | list[RawWeight], fmt: str) -> PackedLinear:
@@ -189,10 +191,10 @@ class PackedLinear:
         # residual + the product, in float32.
         x = x.to(self.compute_dtype)
         t = self.tensors
-        if self.fmt == "q4":
-            return kernels.q4_matmul(x, t["weight"], self.out_features, residual=residual)
-        if self.fmt == "q8":
-            return kernels.q8_matmul(x, t["weight"], self.out_features, residual=residual)
+        if self.fmt in KERNEL_FORMATS:
+            if self._product is None:
+                self._product = kernels.product(self.fmt)
+            return self._product(x, t["weight"], self.out_features, residual)
         if residual is not None:
             return residual + self(x).float()
         if self.fmt == "float32":

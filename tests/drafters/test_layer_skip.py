@@ -165,5 +165,5 @@ def test_native_int8_self_draft_shares_the_rest_and_mostly_agrees(default_model_
 
 
 def test_int8_self_draft_of_a_quantized_target_is_refused(default_model: LoadedModel) -> None:
-    with pytest.raises(ConfigError, match="already runs int4"):
+    with pytest.raises(ConfigError, match=r"already runs q4 \(LM head q8\) weights"):
         quantize_int8(default_model)
