@@ -127,9 +127,10 @@ def test_native_float32_is_the_hf_model(default_model_hf: LoadedModel, default_m
         positions = torch.arange(len(tokens))[None]
         outs.append(loaded.backend.forward(cache, torch.tensor([tokens]), positions, hidden_layers=layers))
     hf, native = outs
-    # The same float32 arithmetic but for the order of attention's sums (native attends per query).
+    # The same float32 arithmetic but for the order of sums (native attends per query) and, with
+    # specdec's kernels, their exponential (a polynomial, relative error ~2e-7) in attention and SiLU.
     for layer in layers:
-        torch.testing.assert_close(native.layer_states[layer], hf.layer_states[layer], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(native.layer_states[layer], hf.layer_states[layer], rtol=1e-4, atol=2e-4)
     torch.testing.assert_close(native.logits, hf.logits, rtol=1e-4, atol=1e-3)
     # Greedy outputs of both backends on real prompts: float32 gives the same tokens.
     params = SamplingParams(max_tokens=24)
