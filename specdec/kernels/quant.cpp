@@ -89,23 +89,25 @@ void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int32_t* s, floa
     *sf = static_cast<float>(sum);
 }
 
-// Activation quantization: x [rows, K] float -> q [rows, K] int8, d [rows, G], s [rows, G].
+// Activation quantization: x [rows, K] float -> q [G, rows, 32] int8, d, s, sf [G, rows]. Block-major,
+// so that a tile reads every row's block g from one pointer at fixed offsets (no per-row pointers
+// competing for registers in the inner loop).
 void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s, float* sf) {
     const int64_t G = K / QK;
     at::parallel_for(0, rows * G, 256, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
-            const int64_t r = i / G, g = i % G;
-            quantize_block_avx2(x + r * K + g * QK, q + r * K + g * QK, d + i, s + i, sf + i);
+            const int64_t r = i / G, g = i % G, j = g * rows + r;
+            quantize_block_avx2(x + r * K + g * QK, q + j * QK, d + j, s + j, sf + j);
         }
     });
 }
 
 struct Rows {
-    const int8_t* q;    // [rows, K]
-    const float* d;     // [rows, G]
-    const int32_t* s;   // [rows, G]
-    const float* sf;    // [rows, G] the sums as floats
-    int64_t K, G;
+    const int8_t* q;    // [G, rows, 32]
+    const float* d;     // [G, rows]
+    const int32_t* s;   // [G, rows]
+    const float* sf;    // [G, rows] the sums as floats
+    int64_t rows, G;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -117,7 +119,10 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
     __m512 acc[T];
     for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int64_t g = 0; g < x.G; ++g) {
+    const int8_t* xq = x.q + row0 * QK;
+    const float* xd = x.d + row0;
+    const float* xs = x.sf + row0;
+    for (int64_t g = 0; g < x.G; ++g, xq += x.rows * QK, xd += x.rows, xs += x.rows) {
         const uint8_t* rec = unit + g * Q4_RECORD;
         __m512i lo_sum[T], hi_sum[T];  // two dependency chains per row
         for (int r = 0; r < T; ++r) lo_sum[r] = hi_sum[r] = _mm512_setzero_si512();
@@ -126,7 +131,7 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
             const __m512i wl = _mm512_and_si512(v, low);
             const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int r = 0; r < T; ++r) {
-                const int8_t* xb = x.q + (row0 + r) * x.K + g * QK;
+                const int8_t* xb = xq + r * QK;
                 int32_t a, b;
                 std::memcpy(&a, xb + 4 * p, 4);
                 std::memcpy(&b, xb + 16 + 4 * p, 4);
@@ -137,11 +142,10 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
         const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
         for (int r = 0; r < T; ++r) {
-            const int64_t i = (row0 + r) * x.G + g;
             __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_sum[r], hi_sum[r]));
             t = _mm512_mul_ps(t, dw);
-            t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(x.sf[i]), mw));
-            t = _mm512_mul_ps(t, _mm512_set1_ps(x.d[i]));
+            t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(xs[r]), mw));
+            t = _mm512_mul_ps(t, _mm512_set1_ps(xd[r]));
             acc[r] = _mm512_add_ps(acc[r], t);
         }
     }
@@ -155,7 +159,10 @@ void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
     __m512 acc[T];
     for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int64_t g = 0; g < x.G; ++g) {
+    const int8_t* xq = x.q + row0 * QK;
+    const float* xd = x.d + row0;
+    const int32_t* xs = x.s + row0;
+    for (int64_t g = 0; g < x.G; ++g, xq += x.rows * QK, xd += x.rows, xs += x.rows) {
         const uint8_t* rec = unit + g * Q8_RECORD;
         __m512i even[T], odd[T];
         for (int r = 0; r < T; ++r) even[r] = odd[r] = _mm512_setzero_si512();
@@ -164,7 +171,7 @@ void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
             const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * j), flip);
             const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * (j + 1)), flip);
             for (int r = 0; r < T; ++r) {
-                const int8_t* xb = x.q + (row0 + r) * x.K + g * QK;
+                const int8_t* xb = xq + r * QK;
                 int32_t a, b;
                 std::memcpy(&a, xb + 4 * j, 4);
                 std::memcpy(&b, xb + 4 * (j + 1), 4);
@@ -174,10 +181,9 @@ void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
         for (int r = 0; r < T; ++r) {
-            const int64_t i = (row0 + r) * x.G + g;
-            const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(even[r], odd[r]), _mm512_set1_epi32(128 * x.s[i]));
+            const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(even[r], odd[r]), _mm512_set1_epi32(128 * xs[r]));
             __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dw);
-            t = _mm512_mul_ps(t, _mm512_set1_ps(x.d[i]));
+            t = _mm512_mul_ps(t, _mm512_set1_ps(xd[r]));
             acc[r] = _mm512_add_ps(acc[r], t);
         }
     }
@@ -207,7 +213,10 @@ void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
     for (int h = 0; h < 2; ++h) {
         __m256 acc[T];
         for (int r = 0; r < T; ++r) acc[r] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < x.G; ++g) {
+        const int8_t* xq = x.q + row0 * QK;
+        const float* xd = x.d + row0;
+        const float* xs = x.sf + row0;
+        for (int64_t g = 0; g < x.G; ++g, xq += x.rows * QK, xd += x.rows, xs += x.rows) {
             const uint8_t* rec = unit + g * Q4_RECORD;
             __m256i sum[T];
             for (int r = 0; r < T; ++r) sum[r] = _mm256_setzero_si256();
@@ -216,7 +225,7 @@ void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
                 const __m256i wl = _mm256_and_si256(v, low);
                 const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 for (int r = 0; r < T; ++r) {
-                    const int8_t* xb = x.q + (row0 + r) * x.K + g * QK;
+                    const int8_t* xb = xq + r * QK;
                     int32_t a, b;
                     std::memcpy(&a, xb + 4 * p, 4);
                     std::memcpy(&b, xb + 16 + 4 * p, 4);
@@ -229,11 +238,10 @@ void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
             const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
             for (int r = 0; r < T; ++r) {
-                const int64_t i = (row0 + r) * x.G + g;
                 __m256 t = _mm256_cvtepi32_ps(sum[r]);
                 t = _mm256_mul_ps(t, dw);
-                t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_set1_ps(x.sf[i]), mw));
-                t = _mm256_mul_ps(t, _mm256_set1_ps(x.d[i]));
+                t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_set1_ps(xs[r]), mw));
+                t = _mm256_mul_ps(t, _mm256_set1_ps(xd[r]));
                 acc[r] = _mm256_add_ps(acc[r], t);
             }
         }
@@ -248,7 +256,9 @@ void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
     for (int h = 0; h < 2; ++h) {
         __m256 acc[T];
         for (int r = 0; r < T; ++r) acc[r] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < x.G; ++g) {
+        const int8_t* xq = x.q + row0 * QK;
+        const float* xd = x.d + row0;
+        for (int64_t g = 0; g < x.G; ++g, xq += x.rows * QK, xd += x.rows) {
             const uint8_t* rec = unit + g * Q8_RECORD;
             __m256i sum[T];
             for (int r = 0; r < T; ++r) sum[r] = _mm256_setzero_si256();
@@ -257,7 +267,7 @@ void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
                 const __m256i wabs = _mm256_abs_epi8(w);  // -128 becomes 128 as an unsigned byte
                 for (int r = 0; r < T; ++r) {
                     int32_t a;
-                    std::memcpy(&a, x.q + (row0 + r) * x.K + g * QK + 4 * j, 4);
+                    std::memcpy(&a, xq + r * QK + 4 * j, 4);
                     // |w| times x with w's sign: |pair sum| <= 2 * 128 * 127, no saturation.
                     const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
                     sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
@@ -265,9 +275,8 @@ void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
             }
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * h)));
             for (int r = 0; r < T; ++r) {
-                const int64_t i = (row0 + r) * x.G + g;
                 __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum[r]), dw);
-                t = _mm256_mul_ps(t, _mm256_set1_ps(x.d[i]));
+                t = _mm256_mul_ps(t, _mm256_set1_ps(xd[r]));
                 acc[r] = _mm256_add_ps(acc[r], t);
             }
         }
@@ -334,7 +343,7 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
         TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->numel() == rows * out_features,
                     "the residual must be [rows, out] float32");
     }
-    const Rows xr{q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data(), K, G};
+    const Rows xr{q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data(), rows, G};
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
     const int max_tile = isa == ISA_AVX512 ? 8 : 4;
