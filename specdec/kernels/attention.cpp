@@ -3,8 +3,9 @@
 // else the pass holds: scores q.k * scale over the slots the query sees (a prefix 0..n-1, or a
 // tree node's own slot list), a max-subtracted softmax, and the weighted sum of the values. So a
 // query's output is bitwise the same in a pass of one token or of many, which is what keeps a
-// verification pass identical to plain decoding. One AVX2 + FMA path (every supported CPU has
-// it); the exponential is simd.h's polynomial, not the C library's.
+// verification pass identical to plain decoding. The heads that share a key/value head are computed
+// together (each key and value loaded once for them), each with its own unchanged arithmetic. One
+// AVX2 + FMA path (every supported CPU has it); the exponential is simd.h's polynomial, not the C library's.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -13,6 +14,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -22,83 +24,120 @@ namespace {
 using specdec::exp8;
 using specdec::horizontal_sum;  // the softmax's sum
 
-struct Item {
-    const float* q;          // [head_dim]
+// One query of one row, for HG query heads that share a key/value head (grouped-query attention):
+// each key and value is loaded once for all HG heads. Every head's arithmetic is the same
+// sequence of operations as it would be alone, so the bits do not depend on the grouping.
+template <int HG>
+struct Heads {
+    const float* q[HG];      // [head_dim] each
+    float* out[HG];          // [head_dim] each
     const float* keys;       // slot s at keys + s * slot_stride
     const float* values;
     int64_t slot_stride;
     const int32_t* slots;    // the slots seen, or null for 0 .. n - 1
     int64_t n;
-    float* out;              // [head_dim]
 };
 
+template <int HG>
 __attribute__((target("avx2,fma")))
-void attend_one(const Item& it, int64_t head_dim, float scale, std::vector<float>& scores) {
+void attend_heads(const Heads<HG>& it, int64_t head_dim, float scale, std::vector<float>& buffer) {
     if (it.n == 0) {  // a padding query that sees nothing: zeros, not NaN
-        for (int64_t d = 0; d < head_dim; ++d) it.out[d] = 0.0f;
+        for (int h = 0; h < HG; ++h)
+            for (int64_t d = 0; d < head_dim; ++d) it.out[h][d] = 0.0f;
         return;
     }
-    scores.resize(static_cast<size_t>(it.n) + 8);
+    const int64_t stride = it.n + 8;  // room for a tail block's copies
+    buffer.resize(static_cast<size_t>(HG * stride));
+    float* scores[HG];
+    for (int h = 0; h < HG; ++h) scores[h] = buffer.data() + h * stride;
     const int64_t chunks = head_dim / 8;
-    // 1. scores, 8 keys at a time; each key's dot product is the same fixed tree whatever its
-    //    place in a block (a tail block repeats its last key and drops the copies)
-    float top = -INFINITY;
-    for (int64_t j0 = 0; j0 < it.n; j0 += 8) {
-        const float* k[8];
-        for (int jj = 0; jj < 8; ++jj) {
-            const int64_t j = std::min<int64_t>(j0 + jj, it.n - 1);
-            k[jj] = it.keys + (it.slots ? it.slots[j] : j) * it.slot_stride;
-        }
-        __m256 acc[8];
-        for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_setzero_ps();
+    auto slot = [&](int64_t j) { return it.slots ? it.slots[j] : j; };
+
+    // 1. scores, 4 keys at a time: each key's dot product is 8-wide FMAs over the chunks in order,
+    //    then the fixed tree ((0+1)+(2+3)) + ((4+5)+(6+7)) of its lanes, whatever its place in a
+    //    block (a tail block repeats its last key; the copies land past n and are never read).
+    __m128 top[HG];
+    for (int h = 0; h < HG; ++h) top[h] = _mm_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < it.n; j0 += 4) {
+        const float* k[4];
+        for (int jj = 0; jj < 4; ++jj) k[jj] = it.keys + slot(std::min<int64_t>(j0 + jj, it.n - 1)) * it.slot_stride;
+        __m256 acc[HG][4];
+        for (int h = 0; h < HG; ++h)
+            for (int jj = 0; jj < 4; ++jj) acc[h][jj] = _mm256_setzero_ps();
         for (int64_t c = 0; c < chunks; ++c) {
-            const __m256 qc = _mm256_loadu_ps(it.q + 8 * c);
-            for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[jj] + 8 * c), acc[jj]);
+            for (int jj = 0; jj < 4; ++jj) {
+                const __m256 kc = _mm256_loadu_ps(k[jj] + 8 * c);
+                for (int h = 0; h < HG; ++h) acc[h][jj] = _mm256_fmadd_ps(_mm256_loadu_ps(it.q[h] + 8 * c), kc, acc[h][jj]);
+            }
         }
-        const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-        const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-        const __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-        alignas(32) float block[8];
-        _mm256_store_ps(block, _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
-        for (int jj = 0; jj < 8 && j0 + jj < it.n; ++jj) {
-            scores[j0 + jj] = block[jj];
-            top = block[jj] > top ? block[jj] : top;
+        for (int h = 0; h < HG; ++h) {
+            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]), _mm256_hadd_ps(acc[h][2], acc[h][3]));
+            const __m128 dots = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)),
+                                           _mm_set1_ps(scale));
+            _mm_storeu_ps(scores[h] + j0, dots);
+            top[h] = _mm_max_ps(top[h], dots);  // a copy's score equals its key's: the maximum holds
         }
     }
-    // 2. softmax weights (unnormalized) and their sum, 8 at a time
-    __m256 total = _mm256_setzero_ps();
-    const __m256 shift = _mm256_set1_ps(top);
-    int64_t j = 0;
-    for (; j + 8 <= it.n; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[j]), shift));
-        _mm256_storeu_ps(&scores[j], e);
-        total = _mm256_add_ps(total, e);
-    }
-    if (j < it.n) {
-        alignas(32) float tail[8];
-        for (int i = 0; i < 8; ++i) tail[i] = j + i < it.n ? scores[j + i] - top : -INFINITY;
-        const __m256 e = exp8(_mm256_load_ps(tail));
-        _mm256_store_ps(tail, e);
-        for (int i = 0; j + i < it.n; ++i) scores[j + i] = tail[i];
-        total = _mm256_add_ps(total, _mm256_blendv_ps(_mm256_setzero_ps(), e,
-                                                       _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                                                           _mm256_set1_epi32(static_cast<int>(it.n - j)),
-                                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
-    }
-    const float inverse = 1.0f / horizontal_sum(total);
-    // 3. the weighted sum of the values, up to 256 dimensions in registers per pass of 8 chunks
-    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
-        const int64_t width = std::min<int64_t>(8, chunks - c0);
-        __m256 acc[8];
-        for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-        for (int64_t jj = 0; jj < it.n; ++jj) {
-            const int64_t slot = it.slots ? it.slots[jj] : jj;
-            const float* v = it.values + slot * it.slot_stride + 8 * c0;
-            const __m256 w = _mm256_set1_ps(scores[jj]);
-            for (int c = 0; c < width; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+
+    // 2. per head, softmax weights (unnormalized) and their sum, 8 at a time
+    float inverse[HG];
+    for (int h = 0; h < HG; ++h) {
+        __m128 m = _mm_max_ps(top[h], _mm_movehl_ps(top[h], top[h]));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        const float highest = _mm_cvtss_f32(m);
+        float* sc = scores[h];
+        __m256 total = _mm256_setzero_ps();
+        const __m256 shift = _mm256_set1_ps(highest);
+        int64_t j = 0;
+        for (; j + 8 <= it.n; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), shift));
+            _mm256_storeu_ps(sc + j, e);
+            total = _mm256_add_ps(total, e);
         }
-        const __m256 inv = _mm256_set1_ps(inverse);
-        for (int c = 0; c < width; ++c) _mm256_storeu_ps(it.out + 8 * (c0 + c), _mm256_mul_ps(acc[c], inv));
+        if (j < it.n) {
+            alignas(32) float tail[8];
+            for (int i = 0; i < 8; ++i) tail[i] = j + i < it.n ? sc[j + i] - highest : -INFINITY;
+            const __m256 e = exp8(_mm256_load_ps(tail));
+            _mm256_store_ps(tail, e);
+            for (int i = 0; j + i < it.n; ++i) sc[j + i] = tail[i];
+            total = _mm256_add_ps(total, _mm256_blendv_ps(_mm256_setzero_ps(), e,
+                                                           _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                                                               _mm256_set1_epi32(static_cast<int>(it.n - j)),
+                                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
+        }
+        inverse[h] = 1.0f / horizontal_sum(total);
+    }
+
+    // 3. the weighted sums of the values, 4 chunks (32 dimensions) at a time, each value row
+    //    loaded once for the HG heads; every element sums over the slots in order
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+        const int width = static_cast<int>(std::min<int64_t>(4, chunks - c0));
+        __m256 acc[HG][4];
+        for (int h = 0; h < HG; ++h)
+            for (int c = 0; c < 4; ++c) acc[h][c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < it.n; ++j) {
+            const float* v = it.values + slot(j) * it.slot_stride + 8 * c0;
+            if (width == 4) {
+                const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                             v3 = _mm256_loadu_ps(v + 24);
+                for (int h = 0; h < HG; ++h) {
+                    const __m256 w = _mm256_broadcast_ss(scores[h] + j);
+                    acc[h][0] = _mm256_fmadd_ps(w, v0, acc[h][0]);
+                    acc[h][1] = _mm256_fmadd_ps(w, v1, acc[h][1]);
+                    acc[h][2] = _mm256_fmadd_ps(w, v2, acc[h][2]);
+                    acc[h][3] = _mm256_fmadd_ps(w, v3, acc[h][3]);
+                }
+            } else {
+                for (int h = 0; h < HG; ++h) {
+                    const __m256 w = _mm256_broadcast_ss(scores[h] + j);
+                    for (int c = 0; c < width; ++c) acc[h][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[h][c]);
+                }
+            }
+        }
+        for (int h = 0; h < HG; ++h) {
+            const __m256 inv = _mm256_set1_ps(inverse[h]);
+            for (int c = 0; c < width; ++c) _mm256_storeu_ps(it.out[h] + 8 * (c0 + c), _mm256_mul_ps(acc[h][c], inv));
+        }
     }
 }
 
@@ -138,20 +177,38 @@ torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, c
     const float* vp = values.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t group = heads / kv_heads;
+    // Each task: one query of one row and a set of up to 3 heads sharing a key/value head (the
+    // group split into balanced sets: 4 -> 2 + 2).
+    const int64_t sets = (group + 2) / 3;
     const float fscale = static_cast<float>(scale);
-    at::parallel_for(0, rows * nq * heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores;
-        for (int64_t item = begin; item < end; ++item) {
-            const int64_t h = item % heads, i = (item / heads) % nq, r = item / (heads * nq);
-            const int64_t kvh = h / group;
-            const Item it{qp + ((r * heads + h) * nq + i) * head_dim,
-                          kp + r * keys.stride(0) + kvh * keys.stride(1),
-                          vp + r * values.stride(0) + kvh * values.stride(1),
-                          keys.stride(2),
-                          listed ? sc.data_ptr<int32_t>() + (r * nq + i) * sc.size(2) : nullptr,
-                          count[r * nq + i],
-                          op + (r * nq + i) * heads * head_dim + h * head_dim};
-            attend_one(it, head_dim, fscale, scores);
+    const int64_t qs = qc.stride(1);  // between heads
+    at::parallel_for(0, rows * nq * kv_heads * sets, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buffer;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t set = task % sets, kvh = (task / sets) % kv_heads;
+            const int64_t i = (task / (sets * kv_heads)) % nq, r = task / (sets * kv_heads * nq);
+            const int64_t first = kvh * group + set * group / sets, last = kvh * group + (set + 1) * group / sets;
+            const float* qbase = qp + ((r * heads) * nq + i) * head_dim;
+            float* obase = op + (r * nq + i) * heads * head_dim;
+            const float* kb = kp + r * keys.stride(0) + kvh * keys.stride(1);
+            const float* vb = vp + r * values.stride(0) + kvh * values.stride(1);
+            const int32_t* sl = listed ? sc.data_ptr<int32_t>() + (r * nq + i) * sc.size(2) : nullptr;
+            const int64_t n = count[r * nq + i];
+            auto run = [&](auto heads_tag) {
+                constexpr int HG = decltype(heads_tag)::value;
+                Heads<HG> it{};
+                for (int h = 0; h < HG; ++h) {
+                    it.q[h] = qbase + (first + h) * qs;
+                    it.out[h] = obase + (first + h) * head_dim;
+                }
+                it.keys = kb; it.values = vb; it.slot_stride = keys.stride(2); it.slots = sl; it.n = n;
+                attend_heads<HG>(it, head_dim, fscale, buffer);
+            };
+            switch (last - first) {
+                case 1: run(std::integral_constant<int, 1>{}); break;
+                case 2: run(std::integral_constant<int, 2>{}); break;
+                default: run(std::integral_constant<int, 3>{}); break;
+            }
         }
     });
     return out;

@@ -1,7 +1,8 @@
 """The lossless suite (STYLE habit 8): with greedy decoding, every drafter gives exactly the
 tokens of plain decoding, whether it always agrees with the target, never agrees, or agrees
-partly. Runs on the real default model, on every backend and weight format: lossless means
-identical to the same backend's own plain decoding."""
+partly. Runs on the real default model: the synthetic drafters on every backend and weight
+format, every registered drafter on the default backend and one per kind of verification pass on
+the others. Lossless means identical to the same backend's own plain decoding."""
 
 from __future__ import annotations
 
@@ -270,17 +271,45 @@ def random_mtp_dir(default_model: LoadedModel, mtp_checkpoint, tmp_path_factory:
     return str(mtp_checkpoint(default_model, tmp_path_factory.mktemp("mtp-random"))[0])
 
 
+# On the other backends and formats, one configuration per kind of verification pass: a chain
+# (prompt lookup), a tree (an EAGLE head's), and a draft model's catch-up (the target itself).
+# Every drafter runs on the default backend; the synthetic drafters above on every backend.
+BACKEND_DRAFTERS = ["ngram-k3", "eagle-random-tree", "self-k2"]
+
+
+@pytest.fixture(scope="module")
+def default_plain(default_model: LoadedModel) -> list[RequestOutput]:
+    """Plain greedy decoding on the default backend (native, the GGUF's own formats)."""
+    outputs = LLM(loaded=default_model).generate(PROMPTS, PARAMS, speculate=False)
+    assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
+    return outputs
+
+
+@pytest.fixture
+def model_dirs(tiny_model_dir, random_eagle_dir, random_medusa_dir, random_mtp_dir) -> dict[str, str]:
+    """The placeholders of REAL_DRAFTERS' `model` keys -> the directories they stand for."""
+    return {"TINY": str(tiny_model_dir), "RANDOM_EAGLE": random_eagle_dir, "RANDOM_MEDUSA": random_medusa_dir,
+            "RANDOM_MTP": random_mtp_dir}
+
+
 @pytest.mark.parametrize("config", REAL_DRAFTERS)
-def test_registered_drafter(target, tiny_model_dir, random_eagle_dir, random_medusa_dir, random_mtp_dir, plain,
-                            config: dict) -> None:
-    if config.get("model") == "TINY":
-        config = config | {"model": str(tiny_model_dir)}
-    if config.get("model") == "RANDOM_EAGLE":
-        config = config | {"model": random_eagle_dir}
-    if config.get("model") == "RANDOM_MEDUSA":
-        config = config | {"model": random_medusa_dir}
-    if config.get("model") == "RANDOM_MTP":
-        config = config | {"model": random_mtp_dir}
+def test_registered_drafter(default_model, default_plain, model_dirs, config: dict) -> None:
+    check_registered(default_model, default_plain, model_dirs, config)
+
+
+@pytest.mark.parametrize("config", [p for p in REAL_DRAFTERS if p.id in BACKEND_DRAFTERS])
+def test_registered_drafter_on_backend(target, default_model, plain, model_dirs, config: dict) -> None:
+    if target is default_model:
+        pytest.skip("the default backend runs every drafter in test_registered_drafter")
+    check_registered(target, plain, model_dirs, config)
+
+
+def check_registered(target: LoadedModel, plain: list[RequestOutput], model_dirs: dict[str, str],
+                     config: dict) -> None:
+    """Greedy output identical to the target's plain decoding, with the statistics each kind of
+    drafter must show."""
+    if config.get("model") in model_dirs:
+        config = config | {"model": model_dirs[config["model"]]}
     if config.get("quantization") == "int8" and target.backend.weight_format.startswith(QUANTIZED_FORMATS):
         with pytest.raises(ConfigError, match="would cost as much as the target"):
             LLM(loaded=target, speculative_config=SpeculativeConfig.from_dict(config))
