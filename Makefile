@@ -1,12 +1,12 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   installs everything and runs a speculative generation on the default model
-#   make test   installs everything and runs the test suite
+#   make test   installs everything and runs the test suite (CI's tier; make test-all: all of it)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then show three example calls.
 
-.PHONY: setup demo test browser bench peers clean
+.PHONY: setup demo test test-all browser bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,9 +36,14 @@ browser:
 		  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 		echo "no chromium/chromedriver: the dashboard's browser test will skip"
 
-# One worker per logical CPU (pytest-xdist), one torch thread each (tests/conftest.py); then
-# the Ray tests alone (their clusters take the whole machine). Fails if either part fails.
-test: setup browser
+# Two tiers. `make test` is CI's: everything but the Ray clusters and the browser, one worker per
+# logical CPU (pytest-xdist), one torch thread each (tests/conftest.py). `make test-all` adds
+# the browser test (Chromium installed as above) and then the Ray tests alone (their clusters
+# take the whole machine); it fails if either part fails.
+test: setup
+	$(PY) -m pytest -q -n logical --dist loadgroup -m "not ray and not browser"
+
+test-all: setup browser
 	$(PY) -m pytest -q -n logical --dist loadgroup -m "not ray"; rest=$$?; \
 	$(PY) -m pytest -q -m ray; ray=$$?; \
 	exit $$(( rest || ray ))

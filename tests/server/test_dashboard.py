@@ -54,10 +54,11 @@ def test_data_endpoint(server: ServerThread) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.browser
 def test_charts_render_and_update_in_a_browser(server: ServerThread, tmp_path: Path) -> None:
     if not (CHROMIUM and CHROMEDRIVER):
         if os.environ.get("CI"):
-            pytest.fail("CI must install Debian's chromium and chromium-driver (make test does)")
+            pytest.fail("CI must install Debian's chromium and chromium-driver (make test-all does)")
         pytest.skip("no chromium/chromedriver here (apt-get install chromium chromium-driver)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
