@@ -11,7 +11,8 @@ from specdec.errors import ConfigError
 class SamplingParams:
     """How to pick tokens. `temperature == 0` is greedy decoding.
 
-    top_k = 0 and top_p = 1 and min_p = 0 turn those filters off.
+    top_k = 0 and top_p = 1 and min_p = 0 turn those filters off; top_p = 0 and min_p = 1 keep
+    only the most likely token (min_p: every token tied with it), as OpenAI's API allows.
     drafter_invariant: sample each token as argmax(log p + Gumbel noise keyed by the seed and the
         token's position), so a seeded request gives the same tokens whatever the drafter, k,
         batch or load, speculation on or off (see `specdec.sampling.invariant`).
@@ -38,10 +39,10 @@ class SamplingParams:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0 <= self.min_p < 1:
-            raise ConfigError(f"min_p must be in [0, 1), got {self.min_p!r}")
+        if not 0 <= self.top_p <= 1:
+            raise ConfigError(f"top_p must be in [0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
         if not isinstance(self.drafter_invariant, bool):

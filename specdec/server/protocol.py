@@ -3,8 +3,11 @@
 Fields follow OpenAI's API; specdec adds `top_k`, `min_p`, `ignore_eos` and `speculative`
 (`false`, or `{"num_speculative_tokens": k}` with 0 <= k <= the route's cap). Unknown fields
 are refused, as are OpenAI features specdec does not implement when set to anything but
-their neutral value (penalties, logprobs, echo, best_of > 1), and text that is not valid
-Unicode (JSON's `\ud800` escapes decode to lone surrogates, which no tokenizer takes).
+their neutral value (penalties, logprobs, echo, best_of > 1, structured outputs, audio,
+predicted outputs), and text that is not valid Unicode (JSON's `\ud800` escapes decode to lone
+surrogates, which no tokenizer takes). Fields that do not change what is generated here
+(`metadata`, `store`, `service_tier`, `reasoning_effort`, `modalities: ["text"]`) are taken and
+ignored, as OpenAI's newer SDKs and proxies send them; `seed` takes any integer.
 """
 
 from __future__ import annotations
@@ -86,10 +89,10 @@ class _SamplingRequest(_Strict):
     model: StrictStr
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # -1 and 0 are off
-    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None  # any integer, as OpenAI takes it (reduced modulo 2**63)
     stop: StrictStr | list[StrictStr] | None = None
     n: int = Field(default=1, ge=1, le=16)
     stream: StrictBool = False
@@ -100,6 +103,13 @@ class _SamplingRequest(_Strict):
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
+    # Fields that newer SDKs and proxies send and that do not change what is generated here:
+    # taken and ignored (`store` keeps nothing; `service_tier` and `reasoning_effort` have one
+    # tier and no reasoning model to steer), or refused when set to what specdec does not do.
+    metadata: dict[StrictStr, StrictStr] | None = Field(default=None, max_length=16)
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    reasoning_effort: StrictStr | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -158,8 +168,27 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: Literal[False] | None = None
     top_logprobs: None = None
+    # Accepted at their plain-text values; structured outputs, audio and predicted outputs are
+    # not implemented yet and are refused with a message that says so.
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None
+    audio: None = None
+    prediction: None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") in ("json_object", "json_schema"):
+            raise field_error("response_format", f"response_format {value['type']!r} (structured outputs) is not "
+                                                 "supported yet; only {\"type\": \"text\"}")
+        return value

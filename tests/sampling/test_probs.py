@@ -233,10 +233,15 @@ def test_tiny_temperature_splits_exact_ties_evenly() -> None:
     assert probs.tolist() == [0.0, 0.5, 0.5, 0.0]
 
 
-@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-45])
+@pytest.mark.parametrize("top_p", [0.0, 1e-300, 5e-324, 1e-45])
 def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(top_p: float) -> None:
     probs = logits_to_probs(LOGITS, params(top_p=top_p))
     assert probs.tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_min_p_of_one_keeps_the_top_token_and_its_ties() -> None:
+    assert logits_to_probs(LOGITS, params(min_p=1.0)).tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert logits_to_probs(torch.tensor([2.0, 7.0, 7.0, 1.0]), params(min_p=1.0)).tolist() == [0.0, 0.5, 0.5, 0.0]
 
 
 def test_infinite_temperature_is_uniform_over_finite_logits() -> None:

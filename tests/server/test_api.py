@@ -151,3 +151,20 @@ def test_non_streaming_client_that_gives_up_frees_its_sequence(server: ServerThr
     while scheduler.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert scheduler.running == 0 and metrics(server)[key] == aborted + 1
+
+
+def test_fields_newer_clients_send_are_taken_and_change_nothing(client: openai.OpenAI) -> None:
+    base = dict(model="spec", messages=[{"role": "user", "content": PROMPT}], max_tokens=10,
+                extra_body={"ignore_eos": True})
+    greedy = client.chat.completions.create(**base, temperature=0).choices[0].message.content
+    # Set as newer SDKs and proxies forward them: no effect on what is generated.
+    forwarded = client.chat.completions.create(
+        **base | {"extra_body": {"ignore_eos": True, "prediction": None, "audio": None}}, temperature=0,
+        metadata={"run": "7"}, store=False, service_tier="auto", reasoning_effort="low", modalities=["text"],
+        response_format={"type": "text"}, parallel_tool_calls=False, seed=-1)
+    assert forwarded.choices[0].message.content == greedy
+    # top_p = 0 and min_p = 1 keep only the most likely token: sampling at temperature 1 is greedy
+    # (speculation on: each verified position's distribution is the one-hot of plain decoding).
+    for extra in ({"top_p": 0.0, "seed": 2**70}, {"seed": 3, "extra_body": {"ignore_eos": True, "min_p": 1.0}}):
+        sampled = client.chat.completions.create(**base | extra, temperature=1.0)
+        assert sampled.choices[0].message.content == greedy

@@ -46,7 +46,13 @@ def _assert_openai_error(response: httpx.Response, status: int, param: str | Non
         (COMPLETIONS, {"model": "plain", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
         (COMPLETIONS, {"model": "plain", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
         (COMPLETIONS, {"model": "plain", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-        (COMPLETIONS, {"model": "plain", "prompt": "hi", "top_p": 0}, 400, "top_p"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "min_p": -1}, 400, "min_p"),
+        (CHAT, {"model": "plain", "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_object"}}, 400, "response_format"),
+        (CHAT, {"model": "plain", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, 400,
+         "modalities.0"),
+        (CHAT, {"model": "plain", "messages": [{"role": "user", "content": "hi"}], "store": "yes"}, 400, "store"),
         (COMPLETIONS, {"model": "plain", "prompt": "hi", "n": 0}, 400, "n"),
         (COMPLETIONS, {"model": "plain", "prompt": "hi", "stop": [""]}, 400, "stop"),
         (COMPLETIONS, {"model": "plain", "prompt": "hi", "stream": "yes"}, 400, "stream"),
@@ -238,7 +244,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(tiny_server: ServerThread
 def test_refusals_and_failures_are_counted(tiny_server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     before = {(route, reason): _metric(tiny_server, route, reason)
               for route in ("plain", "") for reason in ("rejected", "error", "abort")}
-    _assert_openai_error(_post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": "hi", "top_p": 0}), 400)
+    _assert_openai_error(_post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": "hi", "top_p": 2}), 400)
     _assert_openai_error(_post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": [5] * 256}), 400)
     _assert_openai_error(_post(tiny_server, COMPLETIONS, {"model": "nope", "prompt": "hi"}), 404)
     _assert_openai_error(_post(tiny_server, CHAT, raw=b"{"), 400)
