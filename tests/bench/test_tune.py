@@ -168,7 +168,7 @@ def test_cli_speculative_config_takes_a_file(tmp_path: Path) -> None:
 # The command ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mini_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_jsonl(
         tmp_path_factory.mktemp("tune-data") / "mini.jsonl",
@@ -222,7 +222,7 @@ def test_measure_needs_prompts(default_model: LoadedModel) -> None:
         tune.measure(default_model, candidates, [], SamplingParams(max_tokens=4))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tuned(mini_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("tune-out")
     result = subprocess.run(
@@ -233,8 +233,9 @@ def tuned(mini_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     return out, result
 
 
-# The tests reading one `tuned` run stay on one pytest-xdist worker (`--dist loadgroup`): a
-# module fixture is built once per worker that runs one of them, and this one takes a minute.
+# The tests reading one `tuned` run stay on one pytest-xdist worker (`--dist loadgroup`), and the
+# run is session-scoped: a worker interleaves other modules' tests between them, which would tear
+# a module fixture down and run the minute-long tune again.
 ONE_TUNE_RUN = pytest.mark.xdist_group("tuned")
 
 

