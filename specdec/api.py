@@ -14,6 +14,7 @@ from specdec.drafters import build_drafter
 from specdec.engine import Engine, Generation, RequestStats, StreamChunk
 from specdec.errors import ConfigError, PromptError
 from specdec.models.loader import LoadedModel, load_model
+from specdec.sampling.logprobs import TokenLogprob
 
 Message = dict[str, str]
 Prompt = str | list[Message]
@@ -21,13 +22,16 @@ Prompt = str | list[Message]
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One finished request: text, token ids, why it finished, and its statistics."""
+    """One finished request: text, token ids, why it finished, and its statistics; with
+    SamplingParams.logprobs (and prompt_logprobs) the tokens' log-probabilities."""
 
     prompt: Prompt
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _as_config(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -126,9 +130,11 @@ class LLM:
         outputs = []
         for prompt, prompt_ids in zip(batch, encoded):
             result: Generation = engine.generate(prompt_ids, params)
-            outputs.append(
-                RequestOutput(prompt, result.text, result.token_ids, result.finish_reason, result.stats)
-            )
+            outputs.append(RequestOutput(
+                prompt, result.text, result.token_ids, result.finish_reason, result.stats,
+                logprobs=result.logprobs if params.logprobs is not None else None,
+                prompt_logprobs=result.prompt_logprobs if params.prompt_logprobs else None,
+            ))
         return outputs
 
     def chat(self, messages: list[Message], sampling_params: SamplingParams | None = None, **kwargs: Any) -> RequestOutput:

@@ -39,6 +39,7 @@ from specdec.models.runner import ModelRunner
 from specdec.models.vocab import check_vocabulary_compatible
 from specdec.sampling.invariant import invariant_tokens
 from specdec.sampling.params import SamplingParams
+from specdec.sampling.penalties import History
 from specdec.sampling.probs import logits_to_probs, sample
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ class DraftModelDrafter:
         self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
         self.offset = 0  # the draft sees context[:sink] + context[offset:]; 0: all of the context
         self._resumed = False  # resume() was called: the next proposal may shorten the view
+        self.prompt_len = 0  # the request's prompt: context[:prompt_len] (penalties count the rest)
 
     def view(self, context: list[int]) -> list[int]:
         """The part of the context the draft runs on."""
@@ -94,6 +96,7 @@ class DraftModelDrafter:
             self.cached = []
         self.offset = 0  # a new request is seen whole (unless the draft is resumed mid-way)
         self._resumed = False
+        self.prompt_len = len(prompt_ids)
 
     def resume(self) -> None:
         """The engine paused speculation and asks again: catch up on the sink and the recent
@@ -120,12 +123,19 @@ class DraftModelDrafter:
         self.cache.rollback(keep)
         del self.cached[keep:]
         feed = view[keep:]
-        # 2. Draft k tokens one at a time.
+        # 2. Draft k tokens one at a time, from logits with the request's bias and penalties (as
+        #    the target's are verified), so that the draft follows what the target will sample.
+        history = None
+        if params.adjusts_logits:
+            history = History(params, self.runner.loaded.vocab_size, context[: self.prompt_len])
+            history.add(context[self.prompt_len :])
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for _ in range(k):
             logits = self.runner.forward(self.cache, feed, last_only=True).logits  # [1, vocab]
             self.cached.extend(feed)
+            if history is not None:
+                logits = history.adjust(logits, [tokens])
             if params.greedy:
                 token = int(logits[0].argmax())
             elif params.drafter_invariant:  # the target's noise at this position: a deterministic draft

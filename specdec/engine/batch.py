@@ -45,6 +45,8 @@ from specdec.models.runner import ModelRunner
 from specdec.sampling import SamplingRule, accept_batch, speculative_accept
 from specdec.sampling.acceptance import PAD_TOKEN
 from specdec.sampling.invariant import perturbed_log_probs
+from specdec.sampling.logprobs import TokenLogprob, token_logprobs
+from specdec.sampling.penalties import History, chain_paths, tree_paths
 from specdec.sampling.probs import logits_to_probs
 from specdec.sampling.tree import TokenTree, TreeRule, accept_tree_greedy, accept_tree_sampling
 
@@ -73,6 +75,7 @@ class Sequence:
     finished: bool = field(init=False, default=False)
     paused_steps: int = field(init=False, default=0)  # steps in a row with speculation off (k 0)
     generator: torch.Generator | None = field(init=False, default=None)
+    history: History | None = field(init=False, default=None)  # for a bias or penalties
     _text: TextAssembler | None = field(init=False, default=None)
     _eos: frozenset[int] = field(init=False, default=frozenset())
     _start: float = field(init=False, default=0.0)
@@ -97,7 +100,7 @@ class SequenceOutput:
 class _Prefill:
     prompt_ids: list[int]
     cache: PreallocatedCache
-    logits: torch.Tensor  # [1, vocab]
+    logits: torch.Tensor  # [1, vocab], or [prompt, vocab] when every position's was asked for
     states: dict[int, torch.Tensor]  # {layer: [prompt, hidden]}, the layers asked for
 
 
@@ -176,32 +179,41 @@ class BatchEngine:
             else:
                 seq.generator.manual_seed(params.seed)
         max_len = len(seq.prompt_ids) + seq.budget
+        if params.adjusts_logits:
+            seq.history = History(params, self.target.vocab_size, seq.prompt_ids)
         if seq.drafter is not None:
             seq.drafter.begin(list(seq.prompt_ids), max_len)
 
         # 0. Prefill: one pass over the prompt alone gives the first token; its KV joins the batch.
         layers = target_layers(seq.drafter)
-        prefill_cache, logits, states = self._prefill(list(seq.prompt_ids), layers)  # logits: [1, vocab]
+        prefill_cache, logits, states = self._prefill(list(seq.prompt_ids), layers, params.prompt_logprobs)
+        if params.prompt_logprobs:  # each prompt token's from the position before it
+            seq.result.prompt_logprobs = [None, *token_logprobs(logits[:-1], seq.prompt_ids[1:], params.logprobs or 0)]
+        raw = logits[-1:]  # [1, vocab]
         if layers:
             seq.drafter.observe_target(_features({i: s[None] for i, s in states.items()}, layers, 0,
                                                  list(range(len(seq.prompt_ids)))))
-        first = self._accept([seq], logits[None], [[]], [None], [len(seq.prompt_ids)]).row(0)
+        adjusted = seq.history.adjust(raw, [[]]) if seq.history is not None else raw
+        first = self._accept([seq], adjusted[None], [[]], [None], [len(seq.prompt_ids)]).row(0)
         seq.context = list(seq.prompt_ids) + first
         seq.row = self.cache.insert_row(prefill_cache)
         stats.prefill_time_s = time.perf_counter() - seq._start
         self.sequences.append(seq)
-        return self._emit(seq, first, drafted=0, accepted=0)
+        return self._emit(seq, first, drafted=0, accepted=0, raw=raw, offsets=[0])
 
-    def _prefill(self, prompt_ids: list[int], layers: tuple[int, ...]
+    def _prefill(self, prompt_ids: list[int], layers: tuple[int, ...], every_position: bool = False
                  ) -> tuple[PreallocatedCache, torch.Tensor, dict[int, torch.Tensor]]:
+        """The prompt's cache, its logits ([1, vocab]: the last position's; [prompt, vocab] with
+        `every_position`) and the asked layers' states."""
         # The prompt's cache is only read (copied into a row), so a later sequence can reuse it.
         last = self._last_prefill
-        if last is not None and last.prompt_ids == prompt_ids and set(layers) <= set(last.states):
-            return last.cache, last.logits, last.states
+        if (last is not None and last.prompt_ids == prompt_ids and set(layers) <= set(last.states)
+                and (not every_position or len(last.logits) == len(prompt_ids))):
+            return last.cache, last.logits if every_position else last.logits[-1:], last.states
         cache = self.runner.new_cache(len(prompt_ids))
-        out = self.runner.forward(cache, prompt_ids, last_only=True, hidden_layers=layers)
+        out = self.runner.forward(cache, prompt_ids, last_only=not every_position, hidden_layers=layers)
         self._last_prefill = _Prefill(prompt_ids, cache, out.logits, out.layer_states or {})
-        return cache, out.logits, self._last_prefill.states
+        return cache, out.logits if every_position else out.logits[-1:], self._last_prefill.states
 
     def remove(self, seq: Sequence) -> None:
         """Free a sequence's row (finished or cancelled)."""
@@ -274,7 +286,8 @@ class BatchEngine:
                 self.cache.tree_inputs(positions, mask, i, tree.depths(), tree.ancestors_mask())
         layers = sorted({i for seq in seqs for i in target_layers(seq.drafter)})
         out = self.target.backend.forward(self.cache, input_ids, positions, mask, hidden_layers=layers)
-        logits = out.logits  # [rows, new, vocab]
+        raw = out.logits  # [rows, new, vocab]
+        logits = self._adjusted(seqs, raw, drafts, trees)
 
         # 3. Accept, once for the step: each chain row a prefix of its draft, with its own
         #    parameters; each tree row a branch of its tree.
@@ -294,6 +307,7 @@ class BatchEngine:
         verify_time = time.perf_counter() - start
 
         # 4. Commit: a row keeps its fed token and accepted drafts; its length forgets the rest.
+        #    Committed token j was chosen at new-token offset ([0] + kept)[j].
         self.cache.commit(new, torch.tensor([1 + len(k) for k in kept]))
         outputs = []
         for i, (seq, tree, committed) in enumerate(zip(seqs, trees, committed_rows)):
@@ -313,8 +327,21 @@ class BatchEngine:
             if seq.policy is not None:
                 seq.policy.observe(drafted, accepted, draft_times[i], verify_time)
             seq.result.stats.record_step(drafted, accepted, draft_times[i], verify_time)
-            outputs.append(self._emit(seq, committed, drafted=drafted, accepted=accepted))
+            outputs.append(self._emit(seq, committed, drafted=drafted, accepted=accepted, raw=raw[i], offsets=[0, *kept[i]]))
         return outputs
+
+    def _adjusted(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
+                  trees: list[TokenTree | None]) -> torch.Tensor:
+        """The logits acceptance reads: each row's with its bias and penalties applied at every
+        position from the tokens before it (its draft's, or its tree node's ancestors')."""
+        if all(seq.history is None for seq in seqs):
+            return logits
+        logits = logits.float().clone()
+        for i, (seq, draft, tree) in enumerate(zip(seqs, drafts, trees)):
+            if seq.history is not None:
+                paths = tree_paths(tree.tokens, tree.parents) if tree is not None else chain_paths(draft)
+                logits[i, : len(paths)] = seq.history.adjust(logits[i, : len(paths)], paths)
+        return logits
 
     def _accept_tree(self, seq: Sequence, logits: torch.Tensor, tree: TokenTree,
                      draft_probs: torch.Tensor | None) -> tuple[list[int], int]:
@@ -343,9 +370,11 @@ class BatchEngine:
         return accept_batch(logits[:, : longest + 1], padded, [len(d) for d in drafts], draft_probs,
                             [s.params for s in seqs], [s.generator for s in seqs], self.sampling_rule, keys)
 
-    def _emit(self, seq: Sequence, committed: list[int], drafted: int, accepted: int) -> SequenceOutput:
+    def _emit(self, seq: Sequence, committed: list[int], drafted: int, accepted: int,
+              raw: torch.Tensor, offsets: list[int]) -> SequenceOutput:
         """Apply the stop conditions to the committed tokens in token order: EOS, then the token
-        budget, then stop strings."""
+        budget, then stop strings. raw: [new, vocab], the row's logits from the target; offsets:
+        the positions in it that chose the committed tokens (for logprobs)."""
         assert seq._text is not None
         result = seq.result
         finish = None
@@ -360,6 +389,12 @@ class BatchEngine:
         if update.stopped:
             committed, finish = committed[: update.kept_tokens], "stop"
         result.token_ids.extend(committed)
+        if seq.history is not None:
+            seq.history.add(committed)
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if seq.params.logprobs is not None:
+            logprobs = tuple(token_logprobs(raw[offsets[: len(committed)]], committed, seq.params.logprobs))
+            result.logprobs.extend(logprobs)
         result.stats.generated_tokens = len(result.token_ids)
         result.stats.wall_time_s = time.perf_counter() - seq._start
         delta = update.delta + (seq._text.finish() if finish else "")
@@ -367,4 +402,5 @@ class BatchEngine:
         if finish:
             result.finish_reason = finish
             seq.finished = True
-        return SequenceOutput(seq, StreamChunk(token_ids=committed, text=delta), seq.finished, drafted, accepted)
+        return SequenceOutput(seq, StreamChunk(token_ids=committed, text=delta, logprobs=logprobs), seq.finished,
+                              drafted, accepted)

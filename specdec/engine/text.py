@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -71,3 +72,56 @@ class TextAssembler:
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character each byte is written as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+class TokenBytes:
+    """Each token's own bytes and text, as OpenAI's logprobs report them (`token`, `bytes`).
+
+    A token can be part of a UTF-8 character (byte-level BPE splits them; SentencePiece falls back
+    to `<0xNN>` bytes), so its bytes come from the tokenizer's vocabulary, not from decoding it
+    alone: byte-level vocabularies through GPT-2's byte alphabet, SentencePiece ones with `▁` as a
+    space and byte pieces as their byte. Its text is those bytes decoded, an incomplete character
+    written as `bytes:\\xNN` escapes (as OpenAI does). Special tokens are their own name.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        # The whole table at once: afterwards nothing touches the tokenizer (which must not be
+        # used from two threads at once).
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+        alphabet = _byte_level_alphabet() if decoder.get("type") == "ByteLevel" else {}
+        special = set(tokenizer.all_special_ids)
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        self.table = [self._bytes(i, piece, alphabet, special) for i, piece in enumerate(pieces)]
+
+    @staticmethod
+    def _bytes(token: int, piece: str | None, alphabet: dict[str, int], special: set[int]) -> bytes:
+        if token in special or piece is None:
+            return (piece or "").encode()
+        if alphabet and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def bytes(self, token: int) -> bytes:
+        return self.table[token] if 0 <= token < len(self.table) else b""
+
+    def text(self, token: int) -> str:
+        raw = self.bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "".join(f"bytes:\\x{b:02x}" for b in raw) if not raw.isascii() else raw.decode("latin-1")

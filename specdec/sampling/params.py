@@ -16,6 +16,12 @@ class SamplingParams:
     drafter_invariant: sample each token as argmax(log p + Gumbel noise keyed by the seed and the
         token's position), so a seeded request gives the same tokens whatever the drafter, k,
         batch or load, speculation on or off (see `specdec.sampling.invariant`).
+    presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]), repetition_penalty (> 0; 1 is
+        off) and logit_bias ({token id: bias in [-100, 100]}): applied to the target's logits at
+        every position from the tokens before it (`specdec.sampling.penalties`).
+    logprobs: None for none; n >= 0 to report each output token's log-probability and the n
+        most likely tokens' at its position (the model's own distribution, before temperature,
+        penalties, bias and filters). prompt_logprobs: also each prompt token's (after the first).
     """
 
     max_tokens: int = 128
@@ -27,6 +33,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     drafter_invariant: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,7 +59,32 @@ class SamplingParams:
             raise ConfigError("stop strings must be non-empty")
         if not isinstance(self.drafter_invariant, bool):
             raise ConfigError(f"drafter_invariant must be true or false, got {self.drafter_invariant!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ConfigError(f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        pairs: dict[int, float] = {}
+        for token, value in bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ConfigError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if isinstance(value, bool) or not -100 <= value <= 100:
+                raise ConfigError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
+            pairs[token] = float(value)
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs.items())))
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= 20):
+            raise ConfigError(f"logprobs must be None or an integer in 0..20, got {self.logprobs!r}")
+        if not isinstance(self.prompt_logprobs, bool):
+            raise ConfigError(f"prompt_logprobs must be true or false, got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a bias or a penalty changes the target's logits."""
+        return (bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)

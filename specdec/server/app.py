@@ -33,10 +33,13 @@ from specdec.api import LLM
 from specdec.config import SamplingParams
 from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine.stats import RequestStats
+from specdec.engine.text import TokenBytes
 from specdec.errors import PromptError
+from specdec.sampling.logprobs import TokenLogprob
 from specdec.server import dashboard
 from specdec.server.config import RouteConfig, ServerConfig
 from specdec.server.memory import MemoryPlan
+from specdec.server.logprobs import chat_logprobs, completion_logprobs
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import (
     APIError,
@@ -76,6 +79,13 @@ class ServerState:
     replica: str | None = None
     # One thread: a fast tokenizer must not be used from two threads at once.
     encode_pool: ThreadPoolExecutor = field(default_factory=_one_thread)
+    _token_bytes: TokenBytes | None = None
+
+    def token_bytes(self) -> TokenBytes:
+        """Every token's bytes and text, for logprobs (built on first use, on the encode thread)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.encoder.tokenizer)
+        return self._token_bytes
 
     async def encode(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a tokenizing function off the event loop, on the encoder's own thread."""
@@ -112,7 +122,7 @@ def _k(route: RouteConfig, override: bool | SpeculativeOverride | None) -> int:
 
 
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
-            route: RouteConfig) -> SamplingParams:
+            route: RouteConfig, vocab: int) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
@@ -124,9 +134,19 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, ch
     invariant = route.speculative is not None and route.speculative.drafter_invariant
     if isinstance(body.speculative, SpeculativeOverride) and body.speculative.drafter_invariant is not None:
         invariant = body.speculative.drafter_invariant
+    bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+    if any(token >= vocab for token in bias):
+        raise APIError(400, f"logit_bias token ids must be in 0..{vocab - 1}", param="logit_bias")
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs = False
+    else:
+        logprobs, prompt_logprobs = body.logprobs, body.echo and body.logprobs is not None
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                           min_p=body.min_p, seed=seed, stop=stop, ignore_eos=body.ignore_eos,
-                          drafter_invariant=invariant)
+                          drafter_invariant=invariant, presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                          logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _check_length(state: ServerState, prompt_ids: list[int], param: str) -> None:
@@ -137,7 +157,8 @@ def _check_length(state: ServerState, prompt_ids: list[int], param: str) -> None
                             f"{len(prompt_ids)} tokens, leaving no room for output", param=param, code="context_length_exceeded")
 
 
-def _encode_completion(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+def _encode_completion(state: ServerState, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's token ids, and its text (what `echo` returns)."""
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
@@ -159,7 +180,8 @@ def _encode_completion(state: ServerState, body: CompletionRequest) -> list[list
             ids = list(p)
         _check_length(state, ids, "prompt")
         encoded.append(ids)
-    return encoded
+    texts = [p if isinstance(p, str) else state.encoder.tokenizer.decode(p) for p in prompts] if body.echo else []
+    return encoded, texts
 
 
 def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
@@ -324,19 +346,34 @@ def create_app(state: ServerState) -> FastAPI:
         route = _route(state, body.model)
         request.state.route = route.name
         k = _k(route, body.speculative)
-        prompts = await state.encode(_encode_completion, state, body)
-        max_tokens = body.max_tokens or 16
+        prompts, texts = await state.encode(_encode_completion, state, body)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        # max_tokens 0 (with echo) scores the prompt: one token is generated, and not returned.
+        shape = _Shape(chat=False, logprobs=body.logprobs is not None, score_only=max_tokens == 0,
+                       names=await state.encode(state.token_bytes) if body.logprobs is not None else None)
         expanded = [ids for ids in prompts for _ in range(body.n)]
-        params = [_params(body, max_tokens, i % body.n, route) for i in range(len(expanded))]
+        echoes = [(ids, text) for ids, text in zip(prompts, texts) for _ in range(body.n)] if body.echo else None
+        params = [_params(body, max(max_tokens, 1), i % body.n, route, state.encoder.target.vocab_size)
+                  for i in range(len(expanded))]
         job = _submit(state, request, route, expanded, params, k, arrival)
         prompt_tokens = sum(len(ids) for ids in prompts)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(job, meta, prompt_tokens, chat=False, include_usage=include_usage)
-        results = await _collect(job, request)
-        choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None, "speculation": _stats_dict(r)}
-                   for i, r in enumerate(results)]
+            return _stream(job, meta, prompt_tokens, shape, include_usage=include_usage, echoes=echoes)
+        results = await _collect(job, request, shape)
+        choices = []
+        for i, r in enumerate(results):
+            text, logprobs = r.text, None
+            if shape.logprobs:
+                logprobs = completion_logprobs(r.logprobs, r.token_ids, shape.names)
+            if echoes is not None:
+                ids, prompt_text = echoes[i]
+                text = prompt_text + text
+                if shape.logprobs:
+                    logprobs = completion_logprobs(r.prompt_logprobs + r.logprobs, ids + r.token_ids, shape.names)
+            choices.append({"index": i, "text": text, "finish_reason": r.finish_reason, "logprobs": logprobs,
+                            "speculation": _stats_dict(r)})
         return JSONResponse(meta | {"object": "text_completion", "choices": choices, **_totals(prompt_tokens, results)})
 
     @app.post("/v1/chat/completions")
@@ -347,16 +384,19 @@ def create_app(state: ServerState) -> FastAPI:
         k = _k(route, body.speculative)
         ids = await state.encode(_encode_chat, state, body)
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
+        shape = _Shape(chat=True, logprobs=bool(body.logprobs),
+                       names=await state.encode(state.token_bytes) if body.logprobs else None)
         prompts = [ids] * body.n
-        params = [_params(body, max_tokens, i, route) for i in range(body.n)]
+        params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size) for i in range(body.n)]
         job = _submit(state, request, route, prompts, params, k, arrival)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(job, meta, len(ids), chat=True, include_usage=include_usage)
-        results = await _collect(job, request)
+            return _stream(job, meta, len(ids), shape, include_usage=include_usage)
+        results = await _collect(job, request, shape)
         choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
-                    "logprobs": None, "speculation": _stats_dict(r)} for i, r in enumerate(results)]
+                    "logprobs": chat_logprobs(r.logprobs, shape.names) if shape.logprobs else None,
+                    "speculation": _stats_dict(r)} for i, r in enumerate(results)]
         return JSONResponse(meta | {"object": "chat.completion", "choices": choices, **_totals(len(ids), results)})
 
     return app
@@ -455,12 +495,36 @@ class RequestGuard:
         return replay
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What a response carries besides text: chat or completion, logprobs (and the token
+    names they need), and whether the output is dropped (max_tokens 0: the prompt scored)."""
+
+    chat: bool
+    logprobs: bool = False
+    score_only: bool = False
+    names: TokenBytes | None = None
+
+
 @dataclass
 class _Result:
     text: str = ""
     tokens: int = 0
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+
+    def add(self, event: Event, shape: _Shape) -> None:
+        """A "prompt" or "token" event's contents (none of the output when it is dropped)."""
+        if event.kind == "prompt":
+            self.prompt_logprobs = list(event.logprobs)
+        elif not shape.score_only:
+            self.text += event.text
+            self.tokens += len(event.token_ids)
+            self.token_ids.extend(event.token_ids)
+            self.logprobs.extend(event.logprobs)
 
 
 def _stats_dict(result: _Result) -> dict[str, Any] | None:
@@ -495,16 +559,15 @@ async def _next_event(job: _Job, request: Request) -> Event:
             continue
 
 
-async def _collect(job: _Job, request: Request) -> list[_Result]:
+async def _collect(job: _Job, request: Request, shape: _Shape) -> list[_Result]:
     results = [_Result() for _ in job.requests]
     pending = len(job.requests)
     try:
         while pending:
             event = await _next_event(job, request)
             result = results[event.index]
-            if event.kind == "token":
-                result.text += event.text
-                result.tokens += len(event.token_ids)
+            if event.kind in ("token", "prompt"):
+                result.add(event, shape)
             elif event.kind == "done":
                 result.finish_reason, result.stats = event.finish_reason, event.stats
                 pending -= 1
@@ -516,23 +579,44 @@ async def _collect(job: _Job, request: Request) -> list[_Result]:
     return results
 
 
-def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, *, chat: bool, include_usage: bool) -> StreamingResponse:
+def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, *, include_usage: bool,
+            echoes: list[tuple[list[int], str]] | None = None) -> StreamingResponse:
     """SSE in OpenAI's chunk format, ending with `data: [DONE]`. Each choice's last chunk carries
     its finish_reason and `speculation` statistics; with include_usage a final chunk with no
-    choices carries usage. When the client disconnects, Starlette cancels this generator and
-    its sequences are cancelled."""
+    choices carries usage. Logprobs ride on the chunk of the tokens they belong to; an echoed
+    prompt (completions) is each choice's first chunk. When the client disconnects, Starlette
+    cancels this generator and its sequences are cancelled."""
+    chat = shape.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return f"data: {json.dumps(meta | {'object': obj, 'choices': choices} | extra)}\n\n"
 
-    def choice(index: int, text: str | None, finish: str | None, role: bool = False, **extra: Any) -> dict[str, Any]:
+    def choice(index: int, text: str | None, finish: str | None, role: bool = False, logprobs: Any = None,
+               **extra: Any) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}
-        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None, **extra}
+            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs, **extra}
+        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs, **extra}
+
+    def echo(index: int, prompt_logprobs: list[TokenLogprob | None] | None) -> str:
+        ids, text = echoes[index]
+        logprobs = completion_logprobs(prompt_logprobs, ids, shape.names) if prompt_logprobs is not None else None
+        return chunk([choice(index, text, None, logprobs=logprobs)])
+
+    # Each choice's text so far, in characters: where its next token's text_offset starts.
+    offsets = [len(text) for _, text in echoes] if echoes else [0] * len(job.requests)
+
+    def token_logprobs(index: int, event: Event) -> Any:
+        if not shape.logprobs:
+            return None
+        if chat:
+            return chat_logprobs(list(event.logprobs), shape.names)
+        out = completion_logprobs(list(event.logprobs), list(event.token_ids), shape.names, offsets[index])
+        offsets[index] += sum(len(t) for t in out["tokens"])
+        return out
 
     async def events() -> AsyncIterator[str]:
         results = [_Result() for _ in job.requests]
@@ -541,14 +625,19 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, *, chat: bool, 
             if chat:
                 for i in range(len(job.requests)):
                     yield chunk([choice(i, "", None, role=True)])
+            elif echoes is not None and not shape.logprobs:
+                for i in range(len(job.requests)):
+                    yield echo(i, None)
             while pending:
                 event = await job.events.get()
                 result = results[event.index]
-                if event.kind == "token":
-                    result.text += event.text
-                    result.tokens += len(event.token_ids)
-                    if event.text:
-                        yield chunk([choice(event.index, event.text, None)])
+                if event.kind == "prompt":
+                    if echoes is not None:
+                        yield echo(event.index, list(event.logprobs))
+                elif event.kind == "token":
+                    result.add(event, shape)
+                    if not shape.score_only and (event.text or (shape.logprobs and event.token_ids)):
+                        yield chunk([choice(event.index, event.text, None, logprobs=token_logprobs(event.index, event))])
                 elif event.kind == "done":
                     result.finish_reason, result.stats = event.finish_reason, event.stats
                     pending -= 1

@@ -1,10 +1,10 @@
 """Request bodies of the OpenAI-compatible API, and OpenAI-style errors.
 
-Fields follow OpenAI's API; specdec adds `top_k`, `min_p`, `ignore_eos` and `speculative`
-(`false`, or `{"num_speculative_tokens": k}` with 0 <= k <= the route's cap). Unknown fields
-are refused, as are OpenAI features specdec does not implement when set to anything but
-their neutral value (penalties, logprobs, echo, best_of > 1, structured outputs, audio,
-predicted outputs), and text that is not valid Unicode (JSON's `\ud800` escapes decode to lone
+Fields follow OpenAI's API; specdec adds `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`
+and `speculative` (`false`, or `{"num_speculative_tokens": k}` with 0 <= k <= the route's cap).
+Unknown fields are refused, as are OpenAI features specdec does not implement when set to
+anything but their neutral value (best_of > 1, structured outputs, audio, predicted outputs,
+suffix), and text that is not valid Unicode (JSON's `\ud800` escapes decode to lone
 surrogates, which no tokenizer takes). Fields that do not change what is generated here
 (`metadata`, `store`, `service_tier`, `reasoning_effort`, `modalities: ["text"]`) are taken and
 ignored, as OpenAI's newer SDKs and proxies send them; `seed` takes any integer.
@@ -100,9 +100,10 @@ class _SamplingRequest(_Strict):
     ignore_eos: StrictBool = False
     speculative: StrictBool | SpeculativeOverride | None = None
     user: StrictStr | None = None
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)  # specdec's (HF's, vLLM's): 1 is off
+    logit_bias: dict[StrictStr, float] | None = Field(default=None, max_length=1024)
     # Fields that newer SDKs and proxies send and that do not change what is generated here:
     # taken and ignored (`store` keeps nothing; `service_tier` and `reasoning_effort` have one
     # tier and no reasoning model to steer), or refused when set to what specdec does not do.
@@ -119,6 +120,17 @@ class _SamplingRequest(_Strict):
             path, code = found
             raise field_error(path or "body", f"must be valid Unicode text; found a lone surrogate {code}")
         return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Token ids (as JSON keys: decimal strings) to biases in [-100, 100]."""
+        for key, bias in (value or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise field_error(f"logit_bias.{key}", "keys must be token ids (decimal integers)")
+            if not -100 <= bias <= 100:
+                raise field_error(f"logit_bias.{key}", f"bias must be in [-100, 100], got {bias}")
+        return value
 
     @field_validator("speculative", mode="before")
     @classmethod
@@ -148,10 +160,17 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: StrictStr | list[StrictStr] | list[int] | list[list[int]] = Field(min_length=1)
-    echo: Literal[False] = False
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: score the prompt
+    echo: StrictBool = False
     best_of: int = Field(default=1, ge=1, le=1)
-    logprobs: None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's legacy API takes up to 5
     suffix: None = None
+
+    @model_validator(mode="after")
+    def _echo_to_score(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error("max_tokens", "must be >= 1 (0 only with echo, to score the prompt)")
+        return self
 
 
 class ContentPart(_Strict):
@@ -175,8 +194,8 @@ class ResponseFormat(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Literal[False] | None = None
-    top_logprobs: None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Accepted at their plain-text values; structured outputs, audio and predicted outputs are
     # not implemented yet and are refused with a message that says so.
     response_format: ResponseFormat | None = None
@@ -184,6 +203,12 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: None = None
     prediction: None = None
     parallel_tool_calls: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise field_error("top_logprobs", "needs logprobs: true")
+        return self
 
     @field_validator("response_format", mode="before")
     @classmethod

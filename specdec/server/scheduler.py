@@ -25,6 +25,7 @@ from specdec.engine.adaptive import AdaptiveK, AdaptiveState, SpeculationPolicy
 from specdec.engine.batch import BatchEngine, Sequence, SequenceOutput
 from specdec.engine.stats import RequestStats
 from specdec.errors import SpecDecError
+from specdec.sampling.logprobs import TokenLogprob
 from specdec.server.config import RouteConfig
 from specdec.server.metrics import ServerMetrics
 
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 class Event:
     """What the scheduler tells a request's handler.
 
-    kind: "token" (new text and tokens), "done" (finish_reason and stats; the last event), or
+    kind: "prompt" (the prompt's logprobs, first, when asked for), "token" (new text and tokens,
+    with their logprobs when asked for), "done" (finish_reason and stats; the last event), or
     "error" (message; also the last event).
     """
 
@@ -43,6 +45,7 @@ class Event:
     index: int
     text: str = ""
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob | None, ...] = ()
     finish_reason: str | None = None
     stats: RequestStats | None = None
     message: str = ""
@@ -278,8 +281,10 @@ class Scheduler:
                 for _ in range(tokens):
                     self.metrics.itl.labels(route).observe(per_token)
             request.last_emit = now
+        if prefill and request.params.prompt_logprobs:
+            request.sink(Event("prompt", request.index, logprobs=tuple(out.sequence.result.prompt_logprobs)))
         if tokens or out.chunk.text:
-            request.sink(Event("token", request.index, out.chunk.text, tuple(out.chunk.token_ids)))
+            request.sink(Event("token", request.index, out.chunk.text, tuple(out.chunk.token_ids), out.chunk.logprobs))
         if out.finished:
             self._finish(request, out.sequence.result.finish_reason or "stop")
 
