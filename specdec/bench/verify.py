@@ -115,8 +115,10 @@ def first_divergence(llm: LLM, prompt_ids: list[int], plain: list[int], spec: li
     )
 
 
-def verify_greedy(llm: LLM, records: list[Record], max_tokens: int, on_prompt: Callable[[], None] | None = None) -> list[GreedyCheck]:
-    params = SamplingParams(max_tokens=max_tokens)
+def verify_greedy(llm: LLM, records: list[Record], params: SamplingParams,
+                  on_prompt: Callable[[], None] | None = None) -> list[GreedyCheck]:
+    """Greedy (params' temperature is ignored) with params' budget, bias and penalties."""
+    params = dataclasses.replace(params, temperature=0.0)
     checks = []
     for record in records:
         messages: list[Message] = [{"role": "user", "content": record.turns[0]}]

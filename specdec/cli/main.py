@@ -99,6 +99,25 @@ def speculative_config(spec_json: str | None, method: str | None, k: int | None,
     return SpeculativeConfig.from_dict(data)
 
 
+PresenceOpt = Annotated[float, typer.Option("--presence-penalty", help="OpenAI's presence penalty, in [-2, 2]: minus this once for each token already in the output.")]
+FrequencyOpt = Annotated[float, typer.Option("--frequency-penalty", help="OpenAI's frequency penalty, in [-2, 2]: minus this times each token's count in the output.")]
+RepetitionOpt = Annotated[float, typer.Option("--repetition-penalty", help="HF's repetition penalty (> 0, 1 is off): a seen token's logit divided by it (multiplied when negative).")]
+BiasOpt = Annotated[Optional[list[str]], typer.Option("--logit-bias", help="TOKEN_ID=BIAS added to that token's logit, in [-100, 100] (repeatable).")]
+
+
+def _logit_bias(values: list[str] | None) -> dict[int, float]:
+    bias = {}
+    for value in values or ():
+        token, sep, amount = value.partition("=")
+        try:
+            bias[int(token)] = float(amount)
+        except ValueError:
+            raise ConfigError(f"--logit-bias takes TOKEN_ID=BIAS, e.g. 198=-100; got {value!r}") from None
+        if not sep:
+            raise ConfigError(f"--logit-bias takes TOKEN_ID=BIAS, e.g. 198=-100; got {value!r}")
+    return bias
+
+
 def _config_file(value: str | None) -> Path | None:
     """The file a --speculative-config value names, or None when the value is JSON text."""
     if value is None or value.lstrip().startswith("{"):
@@ -152,6 +171,10 @@ def generate(
     system: Annotated[Optional[str], typer.Option("--system", help="A system message for chat.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Continue the prompt as raw text, without the chat template.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print speculation statistics after the text.")] = False,
+    presence_penalty: PresenceOpt = 0.0,
+    frequency_penalty: FrequencyOpt = 0.0,
+    repetition_penalty: RepetitionOpt = 1.0,
+    logit_bias: BiasOpt = None,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they are accepted.")] = True,
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
@@ -162,7 +185,9 @@ def generate(
         raise ConfigError("prompt is empty")
     spec = speculative_config(spec_json, method, k, draft_model)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                            stop=tuple(stop or ()), drafter_invariant=drafter_invariant)
+                            stop=tuple(stop or ()), drafter_invariant=drafter_invariant, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                            logit_bias=_logit_bias(logit_bias))
     llm = _load(model, spec, device, backend, dtype)
     params = llm.request_params(params)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -414,6 +439,10 @@ def verify(
     top_k: Annotated[int, typer.Option("--top-k", help="0 is off.")] = 0,
     min_p: Annotated[float, typer.Option("--min-p", help="0 is off.")] = 0.0,
     drafter_invariant: Annotated[bool, typer.Option("--drafter-invariant", help="Check drafter-invariant sampling: seeded continuations token-identical with and without speculation.")] = False,
+    presence_penalty: PresenceOpt = 0.0,
+    frequency_penalty: FrequencyOpt = 0.0,
+    repetition_penalty: RepetitionOpt = 1.0,
+    logit_bias: BiasOpt = None,
     draws: Annotated[int, typer.Option(help="Sampled continuations per prompt and arm.")] = 200,
     max_draws: Annotated[Optional[int], typer.Option("--max-draws", help="Most draws per prompt and arm the self-check doubles up to before giving up on a wrong rule. [default: 8 x --draws]")] = None,
     length: Annotated[int, typer.Option(help="Tokens per sampled continuation.")] = 6,
@@ -437,14 +466,18 @@ def verify(
     if not 0 < alpha < 1:
         raise ConfigError("--alpha must be in (0, 1)")
     records = load_records(data) if data is not None else v.builtin_prompts()
-    sampling_params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p) if temperature > 0 else None
+    # Both checks with the bias and penalties given: each arm adjusts the target's logits alike.
+    adjust = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                  repetition_penalty=repetition_penalty, logit_bias=_logit_bias(logit_bias))
+    greedy_params = SamplingParams(max_tokens=max_tokens, **adjust)
+    sampling_params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, **adjust) if temperature > 0 else None
     llm = _load(model, spec, device, backend, dtype)
     if sampling_params is not None:
         sampling_params = llm.request_params(dataclasses.replace(sampling_params, drafter_invariant=drafter_invariant))
     label = spec.label
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err) as progress:
         task = progress.add_task(f"greedy ({label})", total=len(records))
-        greedy = v.verify_greedy(llm, records, max_tokens, on_prompt=lambda: progress.advance(task))
+        greedy = v.verify_greedy(llm, records, greedy_params, on_prompt=lambda: progress.advance(task))
         sampling = invariant = None
         if sampling_params is not None and sampling_params.drafter_invariant:
             task = progress.add_task(f"drafter-invariant T={temperature}", total=2 * draws * len(v.SAMPLING_PROMPTS))

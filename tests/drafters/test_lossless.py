@@ -360,3 +360,76 @@ def check_registered(target: LoadedModel, plain: list[RequestOutput], model_dirs
         # The prompts repeat themselves enough for lookup to find something; an adaptive drafter
         # drafts at least until it has judged its first window.
         assert sum(o.stats.drafted_tokens for o in outputs) > 0
+
+
+# --- bias, penalties and logprobs -------------------------------------------------------------
+# The target's logits at each verified position are adjusted from the tokens before it, its
+# draft's included, and logprobs come from the verification pass: greedy output identical to
+# plain decoding with the same adjustments, and logprobs equal to plain decoding's (bitwise where
+# the backend's rows are row-invariant, every format but float32).
+
+ADJUSTING_DRAFTERS = ["ngram-k3", "ngram-k8-n1", "self-k2", "tiny-k5", "eagle-random-tree", "medusa-random-tree",
+                      "hybrid-random-k3", "suffix-tree-k6", "lookahead-tree-k4"]
+
+
+def adjusted_params(plain: list[RequestOutput]) -> SamplingParams:
+    """Penalties, and a ban on the plain output's most frequent token: strong enough to change it."""
+    ids = plain[0].token_ids
+    banned = max(set(ids), key=ids.count)
+    return SamplingParams(max_tokens=MAX_TOKENS, frequency_penalty=0.6, presence_penalty=0.3, repetition_penalty=1.15,
+                          logit_bias={banned: -100.0, 11: 2.0}, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def adjusted_plain(default_model: LoadedModel, default_plain: list[RequestOutput]) -> list[RequestOutput]:
+    outputs = LLM(loaded=default_model).generate(PROMPTS, adjusted_params(default_plain), speculate=False)
+    for got, unadjusted in zip(outputs, default_plain):
+        assert got.token_ids != unadjusted.token_ids  # the adjustments change what is generated
+        assert len(got.logprobs) == len(got.token_ids)
+    return outputs
+
+
+def assert_same_logprobs(outputs: list[RequestOutput], plain: list[RequestOutput], exact: bool) -> None:
+    for got, want in zip(outputs, plain, strict=True):
+        assert [item.token for item in got.logprobs] == got.token_ids
+        if exact:
+            assert got.logprobs == want.logprobs
+        else:
+            torch.testing.assert_close(torch.tensor([item.logprob for item in got.logprobs]),
+                                       torch.tensor([item.logprob for item in want.logprobs]), rtol=0, atol=1e-3)
+
+
+def test_oracle_with_adjusted_logits(default_model, default_plain, adjusted_plain) -> None:
+    # Every draft is the adjusted plain output: all of it is accepted only if each position inside
+    # a draft is verified after the drafted tokens before it.
+    params = adjusted_params(default_plain)
+    llm = LLM(loaded=default_model)
+    references = {tuple(llm.encode(p)): llm.encode(p) + o.token_ids for p, o in zip(PROMPTS, adjusted_plain)}
+    engine = Engine(default_model, OracleDrafter(references), 4)
+    for prompt, want in zip(PROMPTS, adjusted_plain):
+        got = engine.generate(llm.encode(prompt), params)
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+        assert got.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("config", [p for p in REAL_DRAFTERS if p.id in ADJUSTING_DRAFTERS])
+def test_adjusted_logits_and_logprobs(default_model, default_plain, adjusted_plain, model_dirs, config: dict) -> None:
+    if config.get("model") in model_dirs:
+        config = config | {"model": model_dirs[config["model"]]}
+    llm = LLM(loaded=default_model, speculative_config=SpeculativeConfig.from_dict(config))
+    outputs = llm.generate(PROMPTS, adjusted_params(default_plain))
+    assert_same_as_plain(outputs, adjusted_plain)
+    assert_same_logprobs(outputs, adjusted_plain, exact=True)
+    assert sum(o.stats.drafted_tokens for o in outputs) > 0
+    if config.get("model") == "default":
+        # The target drafting for itself with the same adjustments agrees everywhere (its draft
+        # distribution is adjusted as the target's is).
+        assert all(o.stats.acceptance_rate == 1.0 for o in outputs)
+
+
+def test_adjusted_logits_and_logprobs_on_backend(target, plain_llm, plain) -> None:
+    params = adjusted_params(plain)
+    want = plain_llm.generate(PROMPTS, params, speculate=False)
+    got = LLM(loaded=target, speculative_config={"method": "ngram", "num_speculative_tokens": 3}).generate(PROMPTS, params)
+    assert_same_as_plain(got, want)
+    assert_same_logprobs(got, want, exact=target.backend.weight_format != "float32")

@@ -111,11 +111,11 @@ def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
 
 
-def marginal_tv(samples: torch.Tensor, probs: torch.Tensor, position: int) -> float:
+def marginal_tv(samples: torch.Tensor, probs: torch.Tensor, position: int, vocab: int = VOCAB) -> float:
     """Total variation between sampled and exact marginals of token `position` (0, 1 or 2)."""
-    tokens = samples // VOCAB ** (LENGTH - 1 - position) % VOCAB
-    freq = torch.bincount(tokens, minlength=VOCAB).double() / len(samples)
-    exact = probs.reshape(VOCAB, VOCAB, VOCAB).sum(dim=tuple(d for d in range(LENGTH) if d != position))
+    tokens = samples // vocab ** (LENGTH - 1 - position) % vocab
+    freq = torch.bincount(tokens, minlength=vocab).double() / len(samples)
+    exact = probs.reshape(vocab, vocab, vocab).sum(dim=tuple(d for d in range(LENGTH) if d != position))
     return 0.5 * float((freq - exact).abs().sum())
 
 

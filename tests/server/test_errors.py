@@ -57,7 +57,15 @@ def _assert_openai_error(response: httpx.Response, status: int, param: str | Non
         (COMPLETIONS, {"model": "plain", "prompt": "hi", "stop": [""]}, 400, "stop"),
         (COMPLETIONS, {"model": "plain", "prompt": "hi", "stream": "yes"}, 400, "stream"),
         (COMPLETIONS, {"model": "plain", "prompt": "hi", "bogus": 1}, 400, "bogus"),
-        (COMPLETIONS, {"model": "plain", "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "logit_bias": {"x1": 1}}, 400, "logit_bias.x1"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        (COMPLETIONS, {"model": "plain", "prompt": "hi", "echo": "yes"}, 400, "echo"),
         (COMPLETIONS, {"model": "plain", "prompt": [99999999]}, 400, "prompt"),
         (COMPLETIONS, {"model": "plain", "prompt": "   "}, 400, "prompt"),
         (COMPLETIONS, {"model": "plain"}, 400, "prompt"),
@@ -70,7 +78,9 @@ def _assert_openai_error(response: httpx.Response, status: int, param: str | Non
         (CHAT, {"model": "plain", "messages": []}, 400, "messages"),
         (CHAT, {"model": "plain", "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
         (CHAT, {"model": "plain", "messages": [{"role": "user"}]}, 400, None),
-        (CHAT, {"model": "plain", "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+        (CHAT, {"model": "plain", "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+        (CHAT, {"model": "plain", "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        (CHAT, {"model": "plain", "messages": MESSAGES, "logprobs": 1}, 400, "logprobs"),
         (CHAT, [1, 2, 3], 400, None),
     ],
 )
@@ -92,7 +102,8 @@ JSON_VALUES = st.recursive(
     max_leaves=8,
 )
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-          "speculative", "stream_options", "ignore_eos", "min_p"]
+          "speculative", "stream_options", "ignore_eos", "min_p", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "echo"]
 
 
 @st.composite

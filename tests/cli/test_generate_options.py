@@ -1,0 +1,39 @@
+"""`specdec generate`'s request options, in process: the flags reach the request (its text is the
+library's with the same settings, and differs from the text without them), bad values are one-line
+errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.models import LoadedModel
+
+PROMPT = "List the days of the week, one per line."
+
+
+def library(model: LoadedModel, **params):
+    messages = [{"role": "user", "content": PROMPT}]
+    return LLM(loaded=model).generate([messages], SamplingParams(max_tokens=20, **params), speculate=False)[0]
+
+
+def test_bias_and_penalties_reach_the_request(run_cli, default_model: LoadedModel) -> None:
+    code, out, err = run_cli("generate", PROMPT, "--max-tokens", "20", "--no-stream", "--frequency-penalty", "0.8",
+                             "--presence-penalty", "0.2", "--repetition-penalty", "1.1", "--logit-bias", "198=-100")
+    assert code == 0, err
+    want = library(default_model, frequency_penalty=0.8, presence_penalty=0.2, repetition_penalty=1.1,
+                   logit_bias={198: -100.0})
+    assert out == want.text + "\n"
+    assert 198 not in want.token_ids and 198 in library(default_model).token_ids  # banned, and it was there
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--logit-bias", "198"], "--logit-bias takes TOKEN_ID=BIAS"),
+    (["--logit-bias", "x=1"], "--logit-bias takes TOKEN_ID=BIAS"),
+    (["--logit-bias", "5=101"], "logit_bias values must be in [-100, 100]"),
+    (["--frequency-penalty", "3"], "frequency_penalty must be in [-2, 2]"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
+])
+def test_bad_values_are_one_line_errors(run_cli, args: list[str], message: str) -> None:
+    code, out, err = run_cli("generate", "hi", *args)
+    assert code != 0 and message in err and len(err.strip().splitlines()) == 1
