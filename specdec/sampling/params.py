@@ -2,9 +2,48 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from specdec.errors import ConfigError
+
+STRUCTURED_KINDS = ("json", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate (`specdec.sampling.grammar`).
+
+    kind "json": a JSON document; spec is a JSON schema's text, or "" for any JSON object.
+    kind "regex": spec is a regular expression the whole output matches.
+    kind "grammar": spec is an EBNF grammar (xgrammar's dialect; the rule `root` starts it).
+    """
+
+    kind: Literal["json", "regex", "grammar"]
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ConfigError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}; got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ConfigError(f"structured output spec must be text, got {type(self.spec).__name__}")
+        if self.kind != "json" and not self.spec:
+            raise ConfigError(f"a {self.kind} structured output needs its {self.kind}")
+        if self.kind == "json" and self.spec:
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as exc:
+                raise ConfigError(f"the JSON schema is not JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ConfigError("a JSON schema must be a JSON object")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str | None = None) -> StructuredOutput:
+        """A JSON document following `schema` (a dict or its text); None: any JSON object."""
+        if schema is None:
+            return cls("json")
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema))
 
 
 @dataclass(frozen=True)
@@ -22,6 +61,9 @@ class SamplingParams:
     logprobs: None for none; n >= 0 to report each output token's log-probability and the n
         most likely tokens' at its position (the model's own distribution, before temperature,
         penalties, bias and filters). prompt_logprobs: also each prompt token's (after the first).
+    structured: a grammar the output must follow (`StructuredOutput`): the target's logits at
+        every position are masked by the grammar's state after the tokens before it. The output
+        ends at the model's EOS once the grammar is complete, so ignore_eos cannot go with it.
     """
 
     max_tokens: int = 128
@@ -39,6 +81,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +121,10 @@ class SamplingParams:
             raise ConfigError(f"logprobs must be None or an integer in 0..20, got {self.logprobs!r}")
         if not isinstance(self.prompt_logprobs, bool):
             raise ConfigError(f"prompt_logprobs must be true or false, got {self.prompt_logprobs!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ConfigError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        if self.structured is not None and self.ignore_eos:
+            raise ConfigError("ignore_eos cannot go with a structured output: the output ends where the grammar does")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,141 @@
+"""Structured outputs: a grammar that masks the target's logits, exact under speculation.
+
+A request's :class:`~specdec.sampling.params.StructuredOutput` (a JSON schema, any JSON object,
+a regular expression or an EBNF grammar) compiles once per tokenizer into xgrammar's token-level
+automaton. A :class:`Constraint` holds one request's state: the grammar after its committed
+output. A verification pass scores several positions, each after a different path of drafted
+tokens (a chain's prefixes, a tree node's ancestors); :meth:`Constraint.mask` walks the matcher
+along each path, fills that position's allowed-token bitmask, and rolls back, so every position
+is masked exactly as plain decoding would mask it at the same point. Tokens outside the mask get
+-inf: greedy output is token-identical to plain constrained decoding, and sampled output follows
+the masked target's distribution.
+
+A path through a token the grammar forbids is never reached (the position before it gives that
+token probability 0), nor is one past the model's EOS, so their masks allow everything: no row
+becomes all -inf.
+
+xgrammar is optional here (its wheel pulls a GPU compiler that the CPU path never uses; the
+Makefile installs it without): without it, a request with a structured output is refused with a
+message that says how to install it.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import torch
+
+from specdec.errors import ConfigError
+from specdec.sampling.params import StructuredOutput
+
+try:
+    import xgrammar
+except ImportError:  # pragma: no cover - the Makefile installs it
+    xgrammar = None
+
+INSTALL_HINT = "structured outputs need xgrammar: pip install --no-deps xgrammar apache-tvm-ffi"
+
+
+class GrammarCompiler:
+    """Compiles structured outputs for one tokenizer and vocabulary (cached by spec).
+
+    stop_ids: the tokens that end the output once the grammar is complete (the model's EOS).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int]) -> None:
+        if xgrammar is None:
+            raise ConfigError(INSTALL_HINT)
+        self.vocab_size = vocab_size
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
+        self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=True)
+
+    def compile(self, structured: StructuredOutput):
+        """The compiled grammar; ConfigError saying what is wrong with a spec that does not compile."""
+        try:
+            if structured.kind == "json":
+                # Compact JSON (no free whitespace): a small model let loose on whitespace can
+                # fill its budget with newlines inside a valid document.
+                schema = structured.spec or json.dumps({"type": "object"})
+                return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+            if structured.kind == "regex":
+                return self._compiler.compile_regex(structured.spec)
+            return self._compiler.compile_grammar(structured.spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}[structured.kind]
+            raise ConfigError(f"the {what} does not compile: {str(exc).strip().splitlines()[-1]}") from None
+
+    def constraint(self, structured: StructuredOutput) -> Constraint:
+        """A fresh state for one request (before its first output token)."""
+        return Constraint(xgrammar.GrammarMatcher(self.compile(structured)), self.vocab_size)
+
+
+_compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiler_for(tokenizer, vocab_size: int, stop_ids: frozenset[int]) -> GrammarCompiler:
+    """The compiler of a tokenizer, built once (its vocabulary scan is the costly part) and shared
+    by every engine and server thread that uses that tokenizer object."""
+    key = (vocab_size, stop_ids)
+    per_tokenizer = _compilers.setdefault(tokenizer, {})
+    if key not in per_tokenizer:
+        per_tokenizer[key] = GrammarCompiler(tokenizer, vocab_size, stop_ids)
+    return per_tokenizer[key]
+
+
+class Constraint:
+    """One request's grammar state after its committed output tokens."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self._matcher = matcher  # xgrammar.GrammarMatcher, rollback unbounded
+        self.vocab_size = vocab_size
+
+    def allowed_prefix(self, draft: list[int]) -> int:
+        """How many leading tokens of a chain draft the grammar allows after the committed output."""
+        accepted = 0
+        for token in draft:
+            if not self._matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            self._matcher.rollback(accepted)
+        return accepted
+
+    def mask(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """logits: [n, vocab] float32, the target's at n positions; paths[j]: the uncommitted
+        tokens between the committed output and position j (parents before children, as
+        :func:`~specdec.sampling.penalties.chain_paths` and `tree_paths` give them). Masks in place
+        (forbidden tokens -inf) and returns logits."""
+        n = logits.shape[0]
+        if len(paths) != n:
+            raise ValueError(f"need one path per position: {n} positions, {len(paths)} paths")
+        bitmask = xgrammar.allocate_token_bitmask(n, self.vocab_size)  # [n, words], all allowed
+        walked: list[int] = []  # tokens accepted past the committed output
+        for j, path in enumerate(paths):
+            common = 0
+            while common < min(len(walked), len(path)) and walked[common] == path[common]:
+                common += 1
+            if len(walked) > common:
+                self._matcher.rollback(len(walked) - common)
+                del walked[common:]
+            for token in path[common:]:
+                if not self._matcher.accept_token(token):
+                    break
+                walked.append(token)
+            if len(walked) == len(path) and not self._matcher.is_terminated():  # past EOS: never reached
+                self._matcher.fill_next_token_bitmask(bitmask, j)
+        if walked:
+            self._matcher.rollback(len(walked))
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
+        return logits
+
+    def advance(self, tokens: list[int]) -> None:
+        """Committed output tokens (each chosen under this constraint's mask)."""
+        for token in tokens:
+            if not self._matcher.accept_token(token):
+                raise RuntimeError(f"token {token} was committed against the grammar")
+
+    @property
+    def complete(self) -> bool:
+        """Whether the output so far is a whole sentence of the grammar."""
+        return self._matcher.is_completed()
