@@ -30,11 +30,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.api import LLM
-from specdec.config import SamplingParams
+from specdec.config import SamplingParams, StructuredOutput
 from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine.stats import RequestStats
 from specdec.engine.text import TokenBytes
-from specdec.errors import PromptError
+from specdec.errors import ConfigError, PromptError
+from specdec.sampling.grammar import compiler_for
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.server import dashboard
 from specdec.server.config import RouteConfig, ServerConfig
@@ -121,8 +122,42 @@ def _k(route: RouteConfig, override: bool | SpeculativeOverride | None) -> int:
     return k
 
 
+def _structured(body: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutput | None, str]:
+    """The request's structured output (chat's response_format, or the structured_outputs
+    extension), and the field that asked for it (errors name it)."""
+    fmt = getattr(body, "response_format", None)
+    fmt = fmt if fmt is not None and fmt.type != "text" else None
+    extension = body.structured_outputs
+    if fmt is not None and extension is not None:
+        raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+    try:
+        if extension is not None:
+            if extension.json_ is not None:
+                return StructuredOutput.json_schema(extension.json_), "structured_outputs.json"
+            if extension.regex is not None:
+                return StructuredOutput("regex", extension.regex), "structured_outputs.regex"
+            return StructuredOutput("grammar", extension.grammar), "structured_outputs.grammar"
+        if fmt is not None and fmt.json_schema is not None:
+            return StructuredOutput.json_schema(fmt.json_schema.schema_), "response_format.json_schema.schema"
+        if fmt is not None:  # json_object
+            return StructuredOutput.json_schema(), "response_format"
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param="structured_outputs" if extension is not None else "response_format") from None
+    return None, ""
+
+
+def _check_structured(state: ServerState, structured: StructuredOutput, param: str) -> None:
+    """Compile the grammar here (on the encode thread) so that a bad one is the client's 400; the
+    engine's own compile of it is then a cache hit."""
+    target = state.encoder.target
+    try:
+        compiler_for(state.encoder.tokenizer, target.vocab_size, target.eos_token_ids).compile(structured)
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param=param) from None
+
+
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
-            route: RouteConfig, vocab: int) -> SamplingParams:
+            route: RouteConfig, vocab: int, structured: StructuredOutput | None = None) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
@@ -142,11 +177,14 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, ch
         prompt_logprobs = False
     else:
         logprobs, prompt_logprobs = body.logprobs, body.echo and body.logprobs is not None
+    if structured is not None and body.ignore_eos:
+        raise APIError(400, "ignore_eos cannot go with a structured output: the output ends where the grammar does",
+                       param="ignore_eos")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                           min_p=body.min_p, seed=seed, stop=stop, ignore_eos=body.ignore_eos,
                           drafter_invariant=invariant, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                          logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
 
 
 def _check_length(state: ServerState, prompt_ids: list[int], param: str) -> None:
@@ -347,13 +385,16 @@ def create_app(state: ServerState) -> FastAPI:
         request.state.route = route.name
         k = _k(route, body.speculative)
         prompts, texts = await state.encode(_encode_completion, state, body)
+        structured, param = _structured(body)
+        if structured is not None:
+            await state.encode(_check_structured, state, structured, param)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         # max_tokens 0 (with echo) scores the prompt: one token is generated, and not returned.
         shape = _Shape(chat=False, logprobs=body.logprobs is not None, score_only=max_tokens == 0,
                        names=await state.encode(state.token_bytes) if body.logprobs is not None else None)
         expanded = [ids for ids in prompts for _ in range(body.n)]
         echoes = [(ids, text) for ids, text in zip(prompts, texts) for _ in range(body.n)] if body.echo else None
-        params = [_params(body, max(max_tokens, 1), i % body.n, route, state.encoder.target.vocab_size)
+        params = [_params(body, max(max_tokens, 1), i % body.n, route, state.encoder.target.vocab_size, structured)
                   for i in range(len(expanded))]
         job = _submit(state, request, route, expanded, params, k, arrival)
         prompt_tokens = sum(len(ids) for ids in prompts)
@@ -383,11 +424,14 @@ def create_app(state: ServerState) -> FastAPI:
         request.state.route = route.name
         k = _k(route, body.speculative)
         ids = await state.encode(_encode_chat, state, body)
+        structured, param = _structured(body)
+        if structured is not None:
+            await state.encode(_check_structured, state, structured, param)
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
         shape = _Shape(chat=True, logprobs=bool(body.logprobs),
                        names=await state.encode(state.token_bytes) if body.logprobs else None)
         prompts = [ids] * body.n
-        params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size) for i in range(body.n)]
+        params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size, structured) for i in range(body.n)]
         job = _submit(state, request, route, prompts, params, k, arrival)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
         if body.stream:

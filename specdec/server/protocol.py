@@ -1,13 +1,15 @@
 """Request bodies of the OpenAI-compatible API, and OpenAI-style errors.
 
-Fields follow OpenAI's API; specdec adds `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`
-and `speculative` (`false`, or `{"num_speculative_tokens": k}` with 0 <= k <= the route's cap).
+Fields follow OpenAI's API; specdec adds `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`structured_outputs` and `speculative` (`false`, or `{"num_speculative_tokens": k}` with 0 <= k
+<= the route's cap). Structured outputs come as chat's `response_format` (`json_object`,
+`json_schema`) or as `structured_outputs` (`json`, `regex` or `grammar`) on both endpoints.
 Unknown fields are refused, as are OpenAI features specdec does not implement when set to
-anything but their neutral value (best_of > 1, structured outputs, audio, predicted outputs,
-suffix), and text that is not valid Unicode (JSON's `\ud800` escapes decode to lone
-surrogates, which no tokenizer takes). Fields that do not change what is generated here
-(`metadata`, `store`, `service_tier`, `reasoning_effort`, `modalities: ["text"]`) are taken and
-ignored, as OpenAI's newer SDKs and proxies send them; `seed` takes any integer.
+anything but their neutral value (best_of > 1, audio, predicted outputs, suffix), and text that
+is not valid Unicode (JSON's `\ud800` escapes decode to lone surrogates, which no tokenizer
+takes). Fields that do not change what is generated here (`metadata`, `store`, `service_tier`,
+`reasoning_effort`, `modalities: ["text"]`) are taken and ignored, as OpenAI's newer SDKs and
+proxies send them; `seed` takes any integer.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class _SamplingRequest(_Strict):
     # Fields that newer SDKs and proxies send and that do not change what is generated here:
     # taken and ignored (`store` keeps nothing; `service_tier` and `reasoning_effort` have one
     # tier and no reasoning model to steer), or refused when set to what specdec does not do.
+    structured_outputs: StructuredOutputs | None = None
     metadata: dict[StrictStr, StrictStr] | None = Field(default=None, max_length=16)
     store: StrictBool | None = None
     service_tier: StrictStr | None = None
@@ -187,8 +190,37 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: StrictBool | None = None  # the schema is enforced either way
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise field_error("response_format.json_schema", 'goes with type "json_schema", and only with it')
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """specdec's extension (vLLM's field): exactly one of a JSON schema, a regular expression
+    the whole output matches, or an EBNF grammar (xgrammar's dialect, starting at `root`)."""
+
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
+    regex: StrictStr | None = Field(default=None, min_length=1)
+    grammar: StrictStr | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        if sum(v is not None for v in (self.json_, self.regex, self.grammar)) != 1:
+            raise field_error("structured_outputs", "takes exactly one of json, regex and grammar")
+        return self
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -196,8 +228,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Accepted at their plain-text values; structured outputs, audio and predicted outputs are
-    # not implemented yet and are refused with a message that says so.
+    # Audio and predicted outputs are not implemented yet: taken at their neutral values only.
     response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None
     audio: None = None
@@ -210,10 +241,3 @@ class ChatCompletionRequest(_SamplingRequest):
             raise field_error("top_logprobs", "needs logprobs: true")
         return self
 
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _response_format(cls, value: Any) -> Any:
-        if isinstance(value, dict) and value.get("type") in ("json_object", "json_schema"):
-            raise field_error("response_format", f"response_format {value['type']!r} (structured outputs) is not "
-                                                 "supported yet; only {\"type\": \"text\"}")
-        return value

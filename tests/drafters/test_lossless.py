@@ -6,13 +6,16 @@ the others. Lossless means identical to the same backend's own plain decoding.""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+
+import jsonschema
 
 import pytest
 import torch
 
-from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec import LLM, SamplingParams, SpeculativeConfig, StructuredOutput
 from specdec.api import RequestOutput
 from specdec.drafters import Proposal
 from specdec.engine import Engine, Generation
@@ -433,3 +436,33 @@ def test_adjusted_logits_and_logprobs_on_backend(target, plain_llm, plain) -> No
     got = LLM(loaded=target, speculative_config={"method": "ngram", "num_speculative_tokens": 3}).generate(PROMPTS, params)
     assert_same_as_plain(got, want)
     assert_same_logprobs(got, want, exact=target.backend.weight_format != "float32")
+
+
+# --- structured outputs -----------------------------------------------------------------------
+# Every verified position is masked by the grammar after the tokens before it: greedy output
+# identical to plain constrained decoding, and each finished output a document of the schema.
+
+STRUCTURED_DRAFTERS = ["ngram-k3", "self-k2", "eagle-random-tree", "suffix-tree-k6", "lookahead-tree-k4"]
+SCHEMA = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 40},
+                                           "points": {"type": "array", "items": {"type": "string", "maxLength": 30},
+                                                      "maxItems": 3}},
+          "required": ["topic", "points"], "additionalProperties": False}
+STRUCTURED = SamplingParams(max_tokens=64, structured=StructuredOutput.json_schema(SCHEMA))
+
+
+@pytest.fixture(scope="module")
+def structured_plain(default_model: LoadedModel) -> list[RequestOutput]:
+    outputs = LLM(loaded=default_model).generate(PROMPTS, STRUCTURED, speculate=False)
+    for output in outputs:
+        assert output.finish_reason == "stop"
+        jsonschema.validate(json.loads(output.text), SCHEMA)
+    return outputs
+
+
+@pytest.mark.parametrize("config", [p for p in REAL_DRAFTERS if p.id in STRUCTURED_DRAFTERS])
+def test_structured_output(default_model, structured_plain, model_dirs, config: dict) -> None:
+    if config.get("model") in model_dirs:
+        config = config | {"model": model_dirs[config["model"]]}
+    outputs = LLM(loaded=default_model, speculative_config=SpeculativeConfig.from_dict(config)).generate(PROMPTS, STRUCTURED)
+    assert_same_as_plain(outputs, structured_plain)
+    assert sum(o.stats.drafted_tokens for o in outputs) > 0
