@@ -321,6 +321,13 @@ class SamplingCheck:
     conditional: dict[str, float] | None = None  # the conditional test's uncorrected p-values, by statistic
 
 
+END = 2**32 - 1  # after a continuation's EOS: not a token id
+
+
+def _padded(tokens: list[int], length: int) -> list[int]:
+    return tokens + [END] * (length - len(tokens))
+
+
 def _pairs(samples: list[list[int]], position: int) -> list[int]:
     # A pair of consecutive tokens as one category (tokens are < 2**32).
     return [s[position - 1] << 32 | s[position] for s in samples]
@@ -342,7 +349,9 @@ def compare_samples(
     engine's rule is a RecordingRule, the conditional test too. `plain_samples`
     (prompt index -> continuations) keeps the plain arm for later comparisons; it is extended
     when a comparison needs more draws than it holds."""
-    params = dataclasses.replace(params, max_tokens=length, ignore_eos=True, stop=())
+    # Fixed-length continuations; a grammar ends its own where it is complete (EOS), so those are
+    # padded with END for the position-wise tests.
+    params = dataclasses.replace(params, max_tokens=length, ignore_eos=params.structured is None, stop=())
     pvalues: list[tuple[str, float]] = []  # (test, uncorrected p-value)
     drafted = accepted = 0
     plain_samples = {} if plain_samples is None else plain_samples
@@ -356,9 +365,9 @@ def compare_samples(
         if len(held) < draws:
             held += [g.token_ids for g in sample_continuations(llm.plain_engine, prompt_ids, params, draws - len(held),
                                                                 1_000_000 * index + len(held))]
-        plain = held[:draws]
+        plain = [_padded(s, length) for s in held[:draws]]
         spec_runs = sample_continuations(spec_engine, prompt_ids, params, draws, 1_000_000 * index + 500_000)
-        spec = [g.token_ids for g in spec_runs]
+        spec = [_padded(g.token_ids, length) for g in spec_runs]
         drafted += sum(g.stats.drafted_tokens for g in spec_runs)
         accepted += sum(g.stats.accepted_tokens for g in spec_runs)
         if on_draws is not None:
@@ -397,7 +406,7 @@ class InvariantCheck:
 def verify_invariant(llm: LLM, params: SamplingParams, draws: int, length: int,
                      prompts: tuple[str, ...] = (), on_draws: Callable[[int], None] | None = None) -> InvariantCheck:
     """The same seeds on both arms: every continuation must be token-identical."""
-    params = dataclasses.replace(params, max_tokens=length, ignore_eos=True, stop=())
+    params = dataclasses.replace(params, max_tokens=length, ignore_eos=params.structured is None, stop=())
     identical = drafted = accepted = total = 0
     for index, prompt in enumerate(prompts):
         prompt_ids = llm.encode([{"role": "user", "content": prompt}])

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.config import SamplingParams, SpeculativeConfig, StructuredOutput
 from specdec.errors import ConfigError, SpecDecError
 
 app = typer.Typer(
@@ -118,6 +118,34 @@ def _logit_bias(values: list[str] | None) -> dict[int, float]:
     return bias
 
 
+JsonSchemaOpt = Annotated[Optional[str], typer.Option("--json-schema", help="Constrain the output to JSON following this schema (JSON text or a file).")]
+JsonOpt = Annotated[bool, typer.Option("--json-object", help="Constrain the output to a JSON object.")]
+RegexOpt = Annotated[Optional[str], typer.Option("--regex", help="Constrain the output to match this regular expression.")]
+GrammarOpt = Annotated[Optional[str], typer.Option("--grammar", help="Constrain the output to this EBNF grammar (xgrammar's, from `root`; text or a file).")]
+
+
+def _text_or_file(value: str) -> str:
+    path = Path(value)
+    return path.read_text(encoding="utf-8") if not value.lstrip().startswith(("{", "root")) and path.is_file() else value
+
+
+def _structured(json_schema: str | None, json_object: bool, regex: str | None, grammar: str | None) -> StructuredOutput | None:
+    """The structured output the flags ask for (at most one of them)."""
+    given = [name for name, value in (("--json-schema", json_schema), ("--json-object", json_object or None), ("--regex", regex),
+                                      ("--grammar", grammar)) if value is not None]
+    if len(given) > 1:
+        raise ConfigError(f"give one of {', '.join(given)}, not several")
+    if json_schema is not None:
+        return StructuredOutput("json", _text_or_file(json_schema))
+    if json_object:
+        return StructuredOutput.json_schema()
+    if regex is not None:
+        return StructuredOutput("regex", regex)
+    if grammar is not None:
+        return StructuredOutput("grammar", _text_or_file(grammar))
+    return None
+
+
 def _config_file(value: str | None) -> Path | None:
     """The file a --speculative-config value names, or None when the value is JSON text."""
     if value is None or value.lstrip().startswith("{"):
@@ -175,6 +203,10 @@ def generate(
     frequency_penalty: FrequencyOpt = 0.0,
     repetition_penalty: RepetitionOpt = 1.0,
     logit_bias: BiasOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    json_object: JsonOpt = False,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they are accepted.")] = True,
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
@@ -187,7 +219,7 @@ def generate(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                             stop=tuple(stop or ()), drafter_invariant=drafter_invariant, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                            logit_bias=_logit_bias(logit_bias))
+                            logit_bias=_logit_bias(logit_bias), structured=_structured(json_schema, json_object, regex, grammar))
     llm = _load(model, spec, device, backend, dtype)
     params = llm.request_params(params)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -443,6 +475,10 @@ def verify(
     frequency_penalty: FrequencyOpt = 0.0,
     repetition_penalty: RepetitionOpt = 1.0,
     logit_bias: BiasOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    json_object: JsonOpt = False,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
     draws: Annotated[int, typer.Option(help="Sampled continuations per prompt and arm.")] = 200,
     max_draws: Annotated[Optional[int], typer.Option("--max-draws", help="Most draws per prompt and arm the self-check doubles up to before giving up on a wrong rule. [default: 8 x --draws]")] = None,
     length: Annotated[int, typer.Option(help="Tokens per sampled continuation.")] = 6,
@@ -466,9 +502,11 @@ def verify(
     if not 0 < alpha < 1:
         raise ConfigError("--alpha must be in (0, 1)")
     records = load_records(data) if data is not None else v.builtin_prompts()
-    # Both checks with the bias and penalties given: each arm adjusts the target's logits alike.
+    # Both checks with the bias, penalties and structured output given: each arm adjusts and masks
+    # the target's logits alike.
     adjust = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                  repetition_penalty=repetition_penalty, logit_bias=_logit_bias(logit_bias))
+                  repetition_penalty=repetition_penalty, logit_bias=_logit_bias(logit_bias),
+                  structured=_structured(json_schema, json_object, regex, grammar))
     greedy_params = SamplingParams(max_tokens=max_tokens, **adjust)
     sampling_params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, **adjust) if temperature > 0 else None
     llm = _load(model, spec, device, backend, dtype)

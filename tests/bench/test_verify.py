@@ -15,6 +15,7 @@ import torch
 
 from specdec.api import LLM
 from specdec.bench.verify import (
+    END,
     ConditionalTest,
     RecordingRule,
     RecordingTreeRule,
@@ -29,7 +30,7 @@ from specdec.bench.verify import (
     verify_invariant,
     verify_sampling,
 )
-from specdec.config import SamplingParams
+from specdec.config import SamplingParams, StructuredOutput
 from specdec.models import LoadedModel
 from specdec.sampling import speculative_accept
 from specdec.sampling.tree import TokenTree, accept_tree_sampling
@@ -175,6 +176,16 @@ def test_compare_samples_accepts_the_same_distribution(small_llm: LLM) -> None:
     assert check.passed and check.p_value > 0.01 and check.tests == 6  # 3 positions, 3 pairs
     assert check.conditional is None  # the engine's rule is not watched
     assert check.drafted > 0  # speculation ran: the comparison was of two different engines
+
+
+def test_compare_samples_with_a_grammar_that_ends_outputs_early(small_llm: LLM) -> None:
+    # Continuations end where the grammar is complete (EOS), before `length`: padded, then compared.
+    params = SamplingParams(temperature=1.0, structured=StructuredOutput("regex", "(t1|t2|t3)(t1|t2|t3)(t1|t2|t3)?"))
+    check = compare_samples(small_llm, small_llm.engine, params, PROMPTS, draws=200, length=4, alpha=0.01)
+    assert check.passed and check.drafted > 0
+    shifted = {0: [[1, 1, 2, END]] * 100 + [[1, 2, END, END]] * 100}  # a sample of the grammar, not the model's
+    assert not compare_samples(small_llm, small_llm.engine, params, PROMPTS, draws=200, length=4, alpha=0.01,
+                               plain_samples=shifted).passed
 
 
 def test_compare_samples_rejects_a_clearly_different_sample(small_llm: LLM) -> None:
