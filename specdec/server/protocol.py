@@ -78,6 +78,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# OpenAI request fields that would change what is generated and that specdec does not implement
+# yet: refused by name, with what they are (any other unknown field is refused as unknown).
+NOT_SUPPORTED = {
+    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling (legacy)",
+    "function_call": "function calling (legacy)", "web_search_options": "web search", "verbosity": "verbosity control",
+}
+
+
 class SpeculativeOverride(_Strict):
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=64)
     drafter_invariant: StrictBool | None = None
@@ -114,6 +122,19 @@ class _SamplingRequest(_Strict):
     store: StrictBool | None = None
     service_tier: StrictStr | None = None
     reasoning_effort: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None  # specdec reuses a prompt's KV by itself
+    safety_identifier: StrictStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_supported(cls, data: Any) -> Any:
+        """Refuse NOT_SUPPORTED fields by name; take them when null (clients send that)."""
+        if isinstance(data, dict) and any(name in data for name in NOT_SUPPORTED):
+            for name, what in NOT_SUPPORTED.items():
+                if data.get(name) is not None:
+                    raise field_error(name, f"{name}: {what} is not supported by specdec yet")
+            data = {key: value for key, value in data.items() if key not in NOT_SUPPORTED}
+        return data
 
     @model_validator(mode="before")
     @classmethod
