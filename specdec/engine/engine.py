@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
+from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
 from specdec.engine.adaptive import AdaptiveK, AdaptiveState, FixedK, SpeculationPolicy
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.engine.generation import Generation, StreamChunk
@@ -62,7 +63,7 @@ class Engine:
         """A one-row batch engine whose cache holds `max_len` tokens (kept while big enough)."""
         if self._batch is None or self._batch.max_model_len < max_len:
             # A tree drafter may propose more tokens than its depth k.
-            size = max(self.k, getattr(self.drafter, "proposal_size", 0), 1)
+            size = max(self.k, getattr(self.drafter, "proposal_size", 0), PREDICTION_K)
             self._batch = BatchEngine(self.target, max_rows=1, max_model_len=max_len, max_draft=size,
                                       sampling_rule=self.sampling_rule, tree_rule=self.tree_rule)
         return self._batch
@@ -81,7 +82,10 @@ class Engine:
         # A cache sized to the request: its budget exactly, so that the batch engine's budget
         # (the room left in a row) is the request's.
         engine = self._engine(len(prompt_ids) + budget)
-        seq = Sequence(list(prompt_ids), params, self.drafter, k=self.k, policy=self.new_policy())
+        if params.prediction:  # the request's own drafter: its expected output
+            seq = Sequence(list(prompt_ids), params, PredictionDrafter(list(params.prediction)), k=PREDICTION_K)
+        else:
+            seq = Sequence(list(prompt_ids), params, self.drafter, k=self.k, policy=self.new_policy())
         if result is not None:
             seq.result = result
         self._busy = True

@@ -64,6 +64,9 @@ class SamplingParams:
     structured: a grammar the output must follow (`StructuredOutput`): the target's logits at
         every position are masked by the grammar's state after the tokens before it. The output
         ends at the model's EOS once the grammar is complete, so ignore_eos cannot go with it.
+    prediction: token ids the output is expected to mostly repeat (OpenAI's predicted outputs):
+        the request's drafter proposes them (`specdec.drafters.prediction`); they never change
+        what is generated, only how many target passes it takes.
     """
 
     max_tokens: int = 128
@@ -82,6 +85,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: bool = False
     structured: StructuredOutput | None = None
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -121,6 +125,9 @@ class SamplingParams:
             raise ConfigError(f"logprobs must be None or an integer in 0..20, got {self.logprobs!r}")
         if not isinstance(self.prompt_logprobs, bool):
             raise ConfigError(f"prompt_logprobs must be true or false, got {self.prompt_logprobs!r}")
+        object.__setattr__(self, "prediction", tuple(self.prediction))
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.prediction):
+            raise ConfigError("prediction must be token ids (integers >= 0)")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ConfigError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.structured is not None and self.ignore_eos:

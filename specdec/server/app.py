@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.api import LLM
 from specdec.config import SamplingParams, StructuredOutput
+from specdec.drafters.prediction import PREDICTION_K
 from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine.stats import RequestStats
 from specdec.engine.text import TokenBytes
@@ -104,20 +105,22 @@ def _route(state: ServerState, name: str) -> RouteConfig:
     return route
 
 
-def _k(route: RouteConfig, override: bool | SpeculativeOverride | None) -> int:
-    """The request's k: the route's own, or the request's within the route's cap (0 = off)."""
+def _k(route: RouteConfig, override: bool | SpeculativeOverride | None, predicted: bool = False) -> int:
+    """The request's k: the route's own (with a prediction, the prediction's on any route), or
+    the request's within the route's cap (0 = off)."""
     if override is None or override is True:
-        return route.k
+        return PREDICTION_K if predicted else route.k
     if override is False:
         return 0
     k = override.num_speculative_tokens
     if k is None:
         return route.k
-    if k > 0 and route.speculative is None:
+    if k > 0 and route.speculative is None and not predicted:
         raise APIError(400, f"route '{route.name}' does not speculate; only num_speculative_tokens 0 is allowed",
                        param="speculative.num_speculative_tokens", code="speculation_not_allowed")
-    if k > route.k_cap:
-        raise APIError(400, f"num_speculative_tokens {k} exceeds route '{route.name}' limit of {route.k_cap}",
+    cap = max(route.k_cap, PREDICTION_K) if predicted else route.k_cap
+    if k > cap:
+        raise APIError(400, f"num_speculative_tokens {k} exceeds route '{route.name}' limit of {cap}",
                        param="speculative.num_speculative_tokens", code="speculation_limit")
     return k
 
@@ -157,7 +160,8 @@ def _check_structured(state: ServerState, structured: StructuredOutput, param: s
 
 
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
-            route: RouteConfig, vocab: int, structured: StructuredOutput | None = None) -> SamplingParams:
+            route: RouteConfig, vocab: int, structured: StructuredOutput | None = None,
+            prediction: tuple[int, ...] = ()) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
@@ -184,7 +188,8 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, ch
                           min_p=body.min_p, seed=seed, stop=stop, ignore_eos=body.ignore_eos,
                           drafter_invariant=invariant, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                          logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
+                          logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
+                          prediction=prediction)
 
 
 def _check_length(state: ServerState, prompt_ids: list[int], param: str) -> None:
@@ -220,6 +225,12 @@ def _encode_completion(state: ServerState, body: CompletionRequest) -> tuple[lis
         encoded.append(ids)
     texts = [p if isinstance(p, str) else state.encoder.tokenizer.decode(p) for p in prompts] if body.echo else []
     return encoded, texts
+
+
+def _encode_prediction(state: ServerState, body: ChatCompletionRequest) -> tuple[int, ...]:
+    """The predicted output's token ids."""
+    assert body.prediction is not None
+    return tuple(state.encoder.tokenizer.encode(body.prediction.text(), add_special_tokens=False))
 
 
 def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
@@ -422,16 +433,19 @@ def create_app(state: ServerState) -> FastAPI:
         arrival = time.monotonic()
         route = _route(state, body.model)
         request.state.route = route.name
-        k = _k(route, body.speculative)
         ids = await state.encode(_encode_chat, state, body)
+        prediction = await state.encode(_encode_prediction, state, body) if body.prediction is not None else ()
+        k = _k(route, body.speculative, predicted=bool(prediction))
+        prediction = prediction if k > 0 else ()  # speculation off: no drafting from it either
         structured, param = _structured(body)
         if structured is not None:
             await state.encode(_check_structured, state, structured, param)
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
         shape = _Shape(chat=True, logprobs=bool(body.logprobs),
-                       names=await state.encode(state.token_bytes) if body.logprobs else None)
+                       names=await state.encode(state.token_bytes) if body.logprobs else None, predicted=bool(prediction))
         prompts = [ids] * body.n
-        params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size, structured) for i in range(body.n)]
+        params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size, structured, prediction)
+                  for i in range(body.n)]
         job = _submit(state, request, route, prompts, params, k, arrival)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
         if body.stream:
@@ -441,7 +455,8 @@ def create_app(state: ServerState) -> FastAPI:
         choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
                     "logprobs": chat_logprobs(r.logprobs, shape.names) if shape.logprobs else None,
                     "speculation": _stats_dict(r)} for i, r in enumerate(results)]
-        return JSONResponse(meta | {"object": "chat.completion", "choices": choices, **_totals(len(ids), results)})
+        return JSONResponse(meta | {"object": "chat.completion", "choices": choices,
+                                    **_totals(len(ids), results, shape.predicted)})
 
     return app
 
@@ -548,6 +563,7 @@ class _Shape:
     logprobs: bool = False
     score_only: bool = False
     names: TokenBytes | None = None
+    predicted: bool = False  # a prediction was given: usage counts its accepted and rejected tokens
 
 
 @dataclass
@@ -575,16 +591,21 @@ def _stats_dict(result: _Result) -> dict[str, Any] | None:
     return result.stats.to_dict() if result.stats is not None else None
 
 
-def _totals(prompt_tokens: int, results: list[_Result]) -> dict[str, Any]:
+def _totals(prompt_tokens: int, results: list[_Result], predicted: bool = False) -> dict[str, Any]:
     """usage, and the speculation statistics of the request: with several choices, their
-    counts added up and the rates recomputed from the sums (RequestStats.merge)."""
+    counts added up and the rates recomputed from the sums (RequestStats.merge). With a
+    prediction (which drafted every token), usage counts its tokens accepted and rejected."""
     merged = RequestStats()
     for result in results:
         if result.stats is not None:
             merged.merge(result.stats)
     if len(results) == 1 and results[0].stats is not None:
         merged = results[0].stats
-    return {"usage": _usage(prompt_tokens, sum(r.tokens for r in results)), "speculation": merged.to_dict()}
+    usage: dict[str, Any] = _usage(prompt_tokens, sum(r.tokens for r in results))
+    if predicted:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": merged.accepted_tokens,
+                                              "rejected_prediction_tokens": merged.drafted_tokens - merged.accepted_tokens}
+    return {"usage": usage, "speculation": merged.to_dict()}
 
 
 async def _next_event(job: _Job, request: Request) -> Event:
@@ -690,7 +711,7 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
                     pending -= 1
                     yield f"data: {json.dumps(error_body(event.message, type='server_error', code='generation_failed'))}\n\n"
             if include_usage:
-                yield chunk([], **_totals(prompt_tokens, results))
+                yield chunk([], **_totals(prompt_tokens, results, shape.predicted))
             yield "data: [DONE]\n\n"
         finally:
             if pending:  # the client went away, or the server is stopping: free the sequences

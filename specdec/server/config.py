@@ -44,6 +44,7 @@ from typing import Any
 import tomllib
 
 from specdec.config import SpeculativeConfig
+from specdec.drafters.prediction import PREDICTION_K
 from specdec.errors import ConfigError
 from specdec.models.backend import BACKENDS, DTYPES
 
@@ -291,13 +292,14 @@ class ServerConfig:
 
     @property
     def max_draft(self) -> int:
-        """The most tokens a row drafts in a step: a route's k cap, or its tree's size."""
+        """The most tokens a row drafts in a step: a route's k cap, its tree's size, or a
+        prediction's k (a request's predicted output drafts on any route)."""
         def size(route: RouteConfig) -> int:
             spec = route.speculative
             tree = spec.options.proposal_nodes if spec is not None else 0
             return max(route.k_cap, tree)
 
-        return max((size(r) for r in self.routes), default=0)
+        return max(PREDICTION_K, *(size(r) for r in self.routes))
 
 
 def default_config(**overrides: Any) -> ServerConfig:

@@ -5,7 +5,7 @@ Fields follow OpenAI's API; specdec adds `top_k`, `min_p`, `repetition_penalty`,
 <= the route's cap). Structured outputs come as chat's `response_format` (`json_object`,
 `json_schema`) or as `structured_outputs` (`json`, `regex` or `grammar`) on both endpoints.
 Unknown fields are refused, as are OpenAI features specdec does not implement when set to
-anything but their neutral value (best_of > 1, audio, predicted outputs, suffix), and text that
+anything but their neutral value (best_of > 1, audio, suffix), and text that
 is not valid Unicode (JSON's `\ud800` escapes decode to lone surrogates, which no tokenizer
 takes). Fields that do not change what is generated here (`metadata`, `store`, `service_tier`,
 `reasoning_effort`, `modalities: ["text"]`) are taken and ignored, as OpenAI's newer SDKs and
@@ -244,16 +244,26 @@ class StructuredOutputs(_Strict):
         return self
 
 
+class Prediction(_Strict):
+    """OpenAI's predicted output: text the answer is expected to mostly repeat."""
+
+    type: Literal["content"]
+    content: StrictStr | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Audio and predicted outputs are not implemented yet: taken at their neutral values only.
     response_format: ResponseFormat | None = None
+    prediction: Prediction | None = None
+    # Audio is not implemented: taken at its neutral value only.
     modalities: list[Literal["text"]] | None = None
     audio: None = None
-    prediction: None = None
     parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")

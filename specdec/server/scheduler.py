@@ -21,6 +21,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
+from specdec.drafters.prediction import PredictionDrafter
 from specdec.engine.adaptive import AdaptiveK, AdaptiveState, SpeculationPolicy
 from specdec.engine.batch import BatchEngine, Sequence, SequenceOutput
 from specdec.engine.stats import RequestStats
@@ -204,8 +205,12 @@ class Scheduler:
         while self._waiting and self.engine.running < self.engine.max_rows:
             request = self._waiting.popleft()
             prototype = self.drafters.get(request.route.name)
-            drafter = fork_drafter(prototype) if prototype is not None and request.k > 0 else None
-            seq = Sequence(request.prompt_ids, request.params, drafter, k=request.k, policy=self._policy(request, drafter))
+            if request.params.prediction and request.k > 0:  # the request's own drafter: its expected output
+                drafter, policy = PredictionDrafter(list(request.params.prediction)), None
+            else:
+                drafter = fork_drafter(prototype) if prototype is not None and request.k > 0 else None
+                policy = self._policy(request, drafter)
+            seq = Sequence(request.prompt_ids, request.params, drafter, k=request.k, policy=policy)
             request.sequence = seq
             try:
                 out = self.engine.add(seq)

@@ -1,0 +1,91 @@
+"""Predicted outputs: the drafter follows the output through the prediction, finds its place
+again after an edit, and proposes nothing while lost; through the engine a prediction never
+changes the output (greedy identical to plain decoding whatever it predicts, and the sampled
+first tokens follow the target's exact distribution), and a right prediction takes far fewer
+target passes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
+from specdec.engine import Engine
+from specdec.models import LoadedModel
+from tests.engine.test_sampling_distribution import PROMPT, SAMPLED, VOCAB, chi2_pvalue, exact_sequence_probs, marginal_tv
+
+PARAMS = SamplingParams()
+
+
+def proposals(drafter: PredictionDrafter, prompt: list[int], output: list[int], k: int = 4) -> list[int]:
+    drafter.commit(prompt + output, 0)
+    return drafter.propose(prompt + output, k, PARAMS, None).tokens
+
+
+def test_follows_the_prediction_and_finds_its_place_after_an_edit() -> None:
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    drafter = PredictionDrafter(prediction, match=2)
+    prompt = [1, 2]
+    drafter.begin(prompt, 100)
+    assert proposals(drafter, prompt, []) == [10, 11, 12, 13]
+    assert proposals(drafter, prompt, [10, 11]) == [12, 13, 14, 15]
+    # An edit: 12 13 replaced by 99; lost until the output's last 2 tokens occur again.
+    assert proposals(drafter, prompt, [10, 11, 99]) == []
+    assert proposals(drafter, prompt, [10, 11, 99, 14]) == []
+    assert proposals(drafter, prompt, [10, 11, 99, 14, 15]) == [16, 17, 18, 19]
+    assert proposals(drafter, prompt, [10, 11, 99, 14, 15, 16, 17, 18, 19]) == []  # the end
+
+
+def test_an_ambiguous_match_prefers_the_place_ahead() -> None:
+    prediction = [5, 6, 1, 5, 6, 2, 5, 6, 3]
+    drafter = PredictionDrafter(prediction, match=2)
+    drafter.begin([0], 100)
+    # Followed 5 6 1 5, then left it (9 for 6): lost at index 4; "5 6" recurs at 0, 3 and 6.
+    assert proposals(drafter, [0], [5, 6, 1, 5, 9, 5, 6]) == [2, 5, 6, 3]
+
+
+def real_edit(model: LoadedModel) -> tuple[list[dict], list[int]]:
+    """A rename request over a function of Python's standard library, and the function as the
+    prediction (the answer mostly repeats it)."""
+    source = '''def indent(text, prefix):
+    """Add prefix to every line of text."""
+    return "".join(prefix + line for line in text.splitlines(True))
+'''
+    code = f"```python\n{source}```"
+    messages = [{"role": "user", "content": f"Rewrite this Python function, renaming the parameter prefix to pad:\n\n{code}"}]
+    return messages, model.tokenizer.encode(code, add_special_tokens=False)
+
+
+def test_a_prediction_never_changes_greedy_output(default_model: LoadedModel) -> None:
+    messages, prediction = real_edit(default_model)
+    llm = LLM(loaded=default_model)
+    params = SamplingParams(max_tokens=80)
+    plain = llm.generate([messages], params, speculate=False)[0]
+    right = llm.generate([messages], dataclasses.replace(params, prediction=tuple(plain.token_ids)), speculate=False)[0]
+    source = llm.generate([messages], dataclasses.replace(params, prediction=tuple(prediction)), speculate=False)[0]
+    wrong = llm.generate([messages], dataclasses.replace(params, prediction=tuple(range(1000, 1100))), speculate=False)[0]
+    for out in (right, source, wrong):
+        assert out.token_ids == plain.token_ids
+    assert right.stats.acceptance_rate == 1.0
+    assert right.stats.target_forward_passes <= len(plain.token_ids) // (PREDICTION_K + 1) + 2
+    assert source.stats.accepted_tokens > 0 and wrong.stats.accepted_tokens == 0
+
+
+def test_sampling_with_a_prediction_follows_the_target(small_model_factory) -> None:
+    target = small_model_factory(seed=1, vocab_size=VOCAB)
+    engine = Engine(target)
+    prediction = (PROMPT * 2)[:6]  # tokens the target often samples, and often not
+    samples, drafted = [], 0
+    for seed in range(2500):
+        out = engine.generate(PROMPT, dataclasses.replace(SAMPLED, seed=seed, prediction=prediction))
+        samples.append(out.token_ids[0] * VOCAB**2 + out.token_ids[1] * VOCAB + out.token_ids[2])
+        drafted += out.stats.drafted_tokens
+    assert drafted > 0
+    samples_t = torch.tensor(samples)
+    exact = exact_sequence_probs(target, SAMPLED)
+    assert chi2_pvalue(samples_t, exact) > 1e-3
+    for position in range(3):
+        assert marginal_tv(samples_t, exact, position) < 0.05
