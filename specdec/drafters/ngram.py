@@ -33,12 +33,9 @@ if TYPE_CHECKING:
     from specdec.config import SpeculativeConfig
 
 
-def find_continuation(context: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
-    """The tokens that followed the latest earlier match of the longest matching suffix.
-
-    context: [length] token ids. Tries n = n_max .. n_min; returns [] when nothing matches,
-    else at most min(k, max(1, n - 1)) tokens.
-    """
+def find_match(context: np.ndarray, n_min: int, n_max: int) -> tuple[int, int] | None:
+    """(where the continuation starts, n) for the latest earlier occurrence of the longest
+    matching suffix of n = n_max .. n_min tokens; None when nothing matches. context: [length]."""
     length = len(context)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         suffix = context[length - n :]
@@ -46,9 +43,21 @@ def find_continuation(context: np.ndarray, n_min: int, n_max: int, k: int) -> li
         windows = sliding_window_view(context[: length - 1], n)  # [length - n, n]
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
-            return context[start : start + min(k, max(1, n - 1))].tolist()
-    return []
+            return int(hits[-1]) + n, n
+    return None
+
+
+def find_continuation(context: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
+    """The tokens that followed the latest earlier match of the longest matching suffix.
+
+    context: [length] token ids. Tries n = n_max .. n_min; returns [] when nothing matches,
+    else at most min(k, max(1, n - 1)) tokens.
+    """
+    match = find_match(context, n_min, n_max)
+    if match is None:
+        return []
+    start, n = match
+    return context[start : start + min(k, max(1, n - 1))].tolist()
 
 
 class NgramDrafter:

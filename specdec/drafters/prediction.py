@@ -2,12 +2,17 @@
 
 An edit request ("rename this variable in this function") mostly repeats text the client already
 has. The prediction's tokens are that text; this drafter proposes the prediction's next tokens
-for as long as the output follows it, so an unchanged stretch is verified up to k tokens a pass.
-Where the output leaves the prediction (the edit), the drafter is lost and proposes nothing (a
-plain step) until the output's last few tokens occur in the prediction again; it then resumes
-after that occurrence, the first one at or after where it lost its place (edits move forward
-through a text), else the last one before. Like any drafter it only proposes: the target
-verifies, so the output is the target's whatever the prediction says.
+for as long as the output follows it. The draft grows with the run of output tokens that
+followed the prediction (at least 2, at most k): a pass over many tokens costs more than a plain
+step, so a long draft is kept for where the prediction has been right.
+
+Where the output leaves the prediction (the edit), the drafter is lost and drafts as prompt
+lookup does (`specdec.drafters.ngram`) over the prediction followed by the context: the latest
+occurrence of the longest suffix of the output. When that occurrence is in the prediction, the
+drafter has found its place again and follows the prediction from there; when it is in the
+context (the prompt quoting the same text, or the output repeating itself), it proposes what
+followed it there. Like any drafter it only proposes: the target verifies, so the output is the
+target's whatever the prediction says.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 import torch
 
 from specdec.drafters.base import Proposal
+from specdec.drafters.ngram import find_match
 from specdec.sampling.params import SamplingParams
 
 # Tokens a prediction drafts a step: a long chain pays when the output copies the prediction,
@@ -26,58 +32,52 @@ PREDICTION_K = 8
 class PredictionDrafter:
     """Drafts from `prediction` (token ids), aligned with the output as it goes.
 
-    match: how many of the output's last tokens must occur in the prediction to find its place
-    again after an edit (fewer are tried when the output is shorter).
+    lookup_max: the longest suffix of the output looked up while lost (prompt lookup's default).
     """
 
     added_memory_bytes = 0
 
-    def __init__(self, prediction: list[int], match: int = 3) -> None:
-        if match < 1:
-            raise ValueError("match must be >= 1")
+    def __init__(self, prediction: list[int], lookup_max: int = 6) -> None:
+        if lookup_max < 1:
+            raise ValueError("lookup_max must be >= 1")
         self.prediction = np.asarray(prediction, dtype=np.int64)
-        self.match = match
+        self.lookup_max = lookup_max
         self._prompt_len = 0
-        self._seen = 0  # output tokens already aligned
+        self._seen = 0  # output tokens already followed
         self._place: int | None = 0  # the prediction index the next output token should match
-        self._lost_at = 0  # where the output last left the prediction
+        self._run = 0  # output tokens that followed the prediction since the drafter last found its place
 
     def begin(self, prompt_ids: list[int], max_len: int) -> None:
         self._prompt_len = len(prompt_ids)
-        self._seen, self._place, self._lost_at = 0, 0, 0
+        self._seen, self._place, self._run = 0, 0, 0
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        self._align(context[self._prompt_len :])
+        self._follow(context[self._prompt_len :])
         if self._place is None:
-            return Proposal([])
-        return Proposal(self.prediction[self._place : self._place + k].tolist())
+            corpus = np.concatenate([self.prediction, np.asarray(context, dtype=np.int64)])
+            match = find_match(corpus, 1, self.lookup_max)
+            if match is None:
+                return Proposal([])
+            start, n = match
+            if start >= len(self.prediction):  # in the context: prompt lookup's proposal
+                return Proposal(corpus[start : start + min(k, max(1, n - 1))].tolist())
+            self._place, self._run = start, n  # found again in the prediction
+        return Proposal(self.prediction[self._place : self._place + min(k, max(2, self._run))].tolist())
 
     def commit(self, context: list[int], num_accepted: int) -> None:
-        self._align(context[self._prompt_len :])
+        self._follow(context[self._prompt_len :])
 
     def fork(self) -> PredictionDrafter:
-        return PredictionDrafter(self.prediction.tolist(), self.match)
+        return PredictionDrafter(self.prediction.tolist(), self.lookup_max)
 
-    def _align(self, output: list[int]) -> None:
-        """Follow the output's new tokens through the prediction; find the place again if lost."""
+    def _follow(self, output: list[int]) -> None:
+        """Follow the output's new tokens through the prediction; lost at the first that differs."""
         for token in output[self._seen :]:
-            if self._place is not None and self._place < len(self.prediction) and self.prediction[self._place] == token:
+            if self._place is None:
+                break
+            if self._place < len(self.prediction) and self.prediction[self._place] == token:
                 self._place += 1
-            elif self._place is not None:
-                self._lost_at, self._place = self._place, None
+                self._run += 1
+            else:
+                self._place, self._run = None, 0
         self._seen = len(output)
-        if self._place is None:
-            self._place = self._find(output)
-
-    def _find(self, output: list[int]) -> int | None:
-        """The index after an occurrence of the output's last tokens in the prediction."""
-        n = min(self.match, len(output))
-        if n == 0 or len(self.prediction) < n:
-            return None
-        suffix = np.asarray(output[-n:], dtype=np.int64)
-        windows = np.lib.stride_tricks.sliding_window_view(self.prediction, n)  # [len - n + 1, n]
-        hits = np.flatnonzero((windows == suffix).all(axis=1)) + n  # indices just after each match
-        if not hits.size:
-            return None
-        ahead = hits[hits >= self._lost_at]
-        return int(ahead[0]) if ahead.size else int(hits[-1])
