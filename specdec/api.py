@@ -90,8 +90,9 @@ class LLM:
     def tokenizer(self):
         return self.target.tokenizer
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids for a prompt: raw text as is, a chat through the chat template."""
+    def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+        """Token ids for a prompt: raw text as is, a chat through the chat template (with
+        `tools` in the chat format of transformers, for a template that renders them)."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise PromptError("prompt is empty")
@@ -102,7 +103,7 @@ class LLM:
             raise PromptError("chat messages are all empty")
         if self.tokenizer.chat_template is None:
             raise PromptError(f"{self.target.name} has no chat template; pass raw text instead")
-        ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def request_params(self, params: SamplingParams) -> SamplingParams:

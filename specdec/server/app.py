@@ -51,6 +51,7 @@ from specdec.server.protocol import (
     error_body,
 )
 from specdec.server.scheduler import Event, QueueFullError, Scheduler, ServerRequest, StoppedError
+from specdec.server.tools import ToolPlan, may_be_calls, parse_calls, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -233,14 +234,15 @@ def _encode_prediction(state: ServerState, body: ChatCompletionRequest) -> tuple
     return tuple(state.encoder.tokenizer.encode(body.prediction.text(), add_special_tokens=False))
 
 
-def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan]:
+    """The prompt's token ids, with its tools rendered (`specdec.server.tools`), and the plan."""
+    tools = plan_tools(body, state.encoder.tokenizer.chat_template)
     try:
-        ids = state.encoder.encode(messages)
+        ids = state.encoder.encode(tools.messages, tools=tools.template_tools)
     except PromptError as exc:
         raise APIError(400, str(exc), param="messages") from None
     _check_length(state, ids, "messages")
-    return ids
+    return ids, tools
 
 
 @dataclass
@@ -433,16 +435,17 @@ def create_app(state: ServerState) -> FastAPI:
         arrival = time.monotonic()
         route = _route(state, body.model)
         request.state.route = route.name
-        ids = await state.encode(_encode_chat, state, body)
+        ids, tools = await state.encode(_encode_chat, state, body)
         prediction = await state.encode(_encode_prediction, state, body) if body.prediction is not None else ()
         k = _k(route, body.speculative, predicted=bool(prediction))
         prediction = prediction if k > 0 else ()  # speculation off: no drafting from it either
-        structured, param = _structured(body)
+        structured, param = (tools.structured, "tools") if tools.structured is not None else _structured(body)
         if structured is not None:
             await state.encode(_check_structured, state, structured, param)
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
         shape = _Shape(chat=True, logprobs=bool(body.logprobs),
-                       names=await state.encode(state.token_bytes) if body.logprobs else None, predicted=bool(prediction))
+                       names=await state.encode(state.token_bytes) if body.logprobs else None, predicted=bool(prediction),
+                       callable=tools.callable)
         prompts = [ids] * body.n
         params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size, structured, prediction)
                   for i in range(body.n)]
@@ -452,9 +455,13 @@ def create_app(state: ServerState) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _stream(job, meta, len(ids), shape, include_usage=include_usage)
         results = await _collect(job, request, shape)
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
-                    "logprobs": chat_logprobs(r.logprobs, shape.names) if shape.logprobs else None,
-                    "speculation": _stats_dict(r)} for i, r in enumerate(results)]
+        choices = []
+        for i, r in enumerate(results):
+            calls = parse_calls(r.text, tools.callable) if r.finish_reason == "stop" else None
+            message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else {"role": "assistant", "content": r.text}
+            choices.append({"index": i, "message": message, "finish_reason": "tool_calls" if calls else r.finish_reason,
+                            "logprobs": chat_logprobs(r.logprobs, shape.names) if shape.logprobs else None,
+                            "speculation": _stats_dict(r)})
         return JSONResponse(meta | {"object": "chat.completion", "choices": choices,
                                     **_totals(len(ids), results, shape.predicted)})
 
@@ -564,6 +571,7 @@ class _Shape:
     score_only: bool = False
     names: TokenBytes | None = None
     predicted: bool = False  # a prediction was given: usage counts its accepted and rejected tokens
+    callable: frozenset[str] = frozenset()  # the tools the output may call (chat)
 
 
 @dataclass
@@ -658,11 +666,13 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
         return f"data: {json.dumps(meta | {'object': obj, 'choices': choices} | extra)}\n\n"
 
     def choice(index: int, text: str | None, finish: str | None, role: bool = False, logprobs: Any = None,
-               **extra: Any) -> dict[str, Any]:
+               tool_calls: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls is not None:
+                delta["tool_calls"] = [{"index": j} | call for j, call in enumerate(tool_calls)]
             return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs, **extra}
         return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs, **extra}
 
@@ -683,6 +693,20 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
         offsets[index] += sum(len(t) for t in out["tokens"])
         return out
 
+    # A choice that may call tools holds its text back while it may still be calls (see
+    # `specdec.server.tools.may_be_calls`): [text, logprobs entries] per chunk held, None once sent.
+    held: list[list[tuple[str, Any]] | None] = [[] if shape.callable else None for _ in job.requests]
+
+    def release(index: int) -> str | None:
+        """The held chunks of a choice as one, which then streams as it goes."""
+        chunks, held[index] = held[index] or [], None
+        if not chunks:
+            return None
+        logprobs = None
+        if shape.logprobs:
+            logprobs = {"content": [entry for _, lp in chunks for entry in lp["content"]], "refusal": None}
+        return chunk([choice(index, "".join(text for text, _ in chunks), None, logprobs=logprobs)])
+
     async def events() -> AsyncIterator[str]:
         results = [_Result() for _ in job.requests]
         pending = len(job.requests)
@@ -702,11 +726,25 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
                 elif event.kind == "token":
                     result.add(event, shape)
                     if not shape.score_only and (event.text or (shape.logprobs and event.token_ids)):
-                        yield chunk([choice(event.index, event.text, None, logprobs=token_logprobs(event.index, event))])
+                        logprobs = token_logprobs(event.index, event)
+                        if held[event.index] is None:
+                            yield chunk([choice(event.index, event.text, None, logprobs=logprobs)])
+                        else:
+                            held[event.index].append((event.text, logprobs))
+                            if not may_be_calls(result.text) and (released := release(event.index)):
+                                yield released
                 elif event.kind == "done":
                     result.finish_reason, result.stats = event.finish_reason, event.stats
                     pending -= 1
-                    yield chunk([choice(event.index, None if chat else "", event.finish_reason, speculation=event.stats.to_dict() if event.stats else None)])
+                    finish = event.finish_reason
+                    if held[event.index] is not None:
+                        calls = parse_calls(result.text, shape.callable) if finish == "stop" else None
+                        if calls:
+                            held[event.index], finish = None, "tool_calls"
+                            yield chunk([choice(event.index, None, None, tool_calls=calls)])
+                        elif released := release(event.index):
+                            yield released
+                    yield chunk([choice(event.index, None if chat else "", finish, speculation=event.stats.to_dict() if event.stats else None)])
                 else:
                     pending -= 1
                     yield f"data: {json.dumps(error_body(event.message, type='server_error', code='generation_failed'))}\n\n"

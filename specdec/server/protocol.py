@@ -81,8 +81,8 @@ class _Strict(BaseModel):
 # OpenAI request fields that would change what is generated and that specdec does not implement
 # yet: refused by name, with what they are (any other unknown field is refused as unknown).
 NOT_SUPPORTED = {
-    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling (legacy)",
-    "function_call": "function calling (legacy)", "web_search_options": "web search", "verbosity": "verbosity control",
+    "functions": "function calling (legacy; use tools)", "function_call": "function calling (legacy; use tool_choice)",
+    "web_search_options": "web search", "verbosity": "verbosity control",
 }
 
 
@@ -202,13 +202,64 @@ class ContentPart(_Strict):
     text: StrictStr
 
 
+class FunctionCall(_Strict):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: StrictStr | list[ContentPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (its content may then be null)
+    tool_call_id: StrictStr | None = None  # a tool message answers this call
+    # What the openai client echoes back of an assistant message it got: taken when null.
+    refusal: None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise field_error("content", "is required (null only on an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise field_error("tool_calls", "only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise field_error("tool_call_id", "a tool message needs tool_call_id, and only a tool message has one")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None takes no arguments
+    strict: StrictBool | None = None  # the schema is enforced either way when a call is required
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Strict):
@@ -261,6 +312,8 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # Audio is not implemented: taken at its neutral value only.
     modalities: list[Literal["text"]] | None = None
     audio: None = None
@@ -270,5 +323,21 @@ class ChatCompletionRequest(_SamplingRequest):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise field_error("top_logprobs", "needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise field_error("tools", "function names must be distinct")
+        choice = self.tool_choice
+        if choice in ("auto", "required") or isinstance(choice, NamedToolChoice):
+            if not names:
+                raise field_error("tool_choice", "needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise field_error("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools")
+        if self.tools and (self.response_format is not None and self.response_format.type != "text"
+                           or self.structured_outputs is not None) and choice not in ("none",):
+            raise field_error("tools", "cannot go with a structured output unless tool_choice is \"none\"")
         return self
 

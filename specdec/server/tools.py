@@ -1,0 +1,154 @@
+"""Tool calling: tools in the prompt, calls in the output, calls constrained when required.
+
+The model's own chat template renders `tools` when it takes them (its text names `tools`). The
+default model's (SmolLM2's) and Gemma's do not; for those specdec renders a documented fallback:
+
+- a system message (before the conversation's own, or as its start) lists each function as JSON
+  (name, description, parameters) and asks for calls as a JSON array
+  `[{"name": ..., "arguments": {...}}]` and nothing else;
+- an assistant message's `tool_calls` become that array as its text;
+- a `tool` message becomes a user message `Result of call ID: CONTENT`.
+
+The output is read back as calls when it is such an array naming known tools. With
+`tool_choice` "required" or a named function the output is constrained to it (a structured
+output: each call's arguments follow its function's parameter schema, at most one call without
+`parallel_tool_calls`), so the calls always parse and validate, and they are exact under
+speculation like any structured output. With "auto" the model chooses (free text, read as calls
+when it is an array of calls); "none" renders no tools.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.sampling.params import StructuredOutput
+from specdec.server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+
+FALLBACK_INSTRUCTIONS = (
+    "You can call these functions:\n{functions}\n"
+    "To call functions, reply with only a JSON array of calls, each "
+    '{{"name": <function name>, "arguments": <an object of its parameters>}}, and nothing else.'
+)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tools do: the messages to render, whether to pass `tools` to the
+    template, the output's constraint, and which function names its calls may take (empty: the
+    output is text only)."""
+
+    messages: list[dict[str, Any]]
+    template_tools: list[dict[str, Any]] | None
+    structured: StructuredOutput | None
+    callable: frozenset[str]
+
+
+def _arguments_schema(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def calls_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
+    """The JSON schema of the output's calls: an array of at least one (exactly one when not
+    `parallel`) {name, arguments} with each function's own argument schema."""
+    call = [{"type": "object", "properties": {"name": {"enum": [t.function.name]}, "arguments": _arguments_schema(t)},
+             "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "items": call[0] if len(call) == 1 else {"anyOf": call}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _fallback_messages(body: ChatCompletionRequest, tools: list[Tool]) -> list[dict[str, Any]]:
+    functions = "\n".join(json.dumps({"name": t.function.name, "description": t.function.description or "",
+                                      "parameters": _arguments_schema(t)}) for t in tools)
+    instructions = FALLBACK_INSTRUCTIONS.format(functions=functions)
+    messages = [_plain(m) for m in body.messages]
+    if tools:
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": instructions + "\n\n" + messages[0]["content"]}
+        else:
+            messages.insert(0, {"role": "system", "content": instructions})
+    return messages
+
+
+def _plain(message) -> dict[str, Any]:
+    """A message as text the model's template takes, without tool fields."""
+    if message.role == "tool":
+        return {"role": "user", "content": f"Result of call {message.tool_call_id}: {message.text()}"}
+    role = "system" if message.role == "developer" else message.role
+    text = message.text()
+    if message.tool_calls:
+        calls = json.dumps([{"name": c.function.name, "arguments": _loads(c.function.arguments)} for c in message.tool_calls])
+        text = f"{text}\n{calls}" if text else calls
+    return {"role": role, "content": text}
+
+
+def _loads(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # the client's text as it is
+
+
+def _template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages for a template that renders tools itself (transformers' chat format)."""
+    out = []
+    for m in body.messages:
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)}}
+                                     for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def plan_tools(body: ChatCompletionRequest, chat_template: str | None) -> ToolPlan:
+    """How to render and constrain a chat request with (or without) tools."""
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    tools = list(body.tools or ()) if choice != "none" else []
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+    template_takes_tools = chat_template is not None and "tools" in chat_template
+    if template_takes_tools:
+        messages = _template_messages(body)
+        template_tools = [t.model_dump(exclude_none=True) for t in tools] or None
+    else:
+        messages, template_tools = _fallback_messages(body, tools), None
+    structured = None
+    if tools and choice != "auto":
+        parallel = body.parallel_tool_calls is not False
+        structured = StructuredOutput.json_schema(calls_schema(tools, parallel))
+    return ToolPlan(messages, template_tools, structured, frozenset(t.function.name for t in tools))
+
+
+def parse_calls(text: str, callable: frozenset[str]) -> list[dict[str, Any]] | None:
+    """The output as OpenAI tool calls, or None when it is not an array of calls to known tools."""
+    if not callable or not text.lstrip().startswith("["):
+        return None
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(calls, list) or not calls:
+        return None
+    out = []
+    for call in calls:
+        if (not isinstance(call, dict) or set(call) != {"name", "arguments"} or call["name"] not in callable
+                or not isinstance(call["arguments"], dict)):
+            return None
+        out.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}})
+    return out
+
+
+def may_be_calls(text: str) -> bool:
+    """Whether an output so far may still turn out to be calls (nothing but whitespace, or an
+    array's start): a stream holds its text back until it is not."""
+    stripped = text.lstrip()
+    return not stripped or stripped.startswith("[")

@@ -1,0 +1,147 @@
+"""Tool calling through the server with the official openai client: required and named choices
+constrain the calls (they parse, validate against each function's schema, and are the same on
+the speculative and plain routes, streamed or not), `auto` lets the model answer in text, the
+client's tool loop (its assistant message with tool_calls, then a tool message) renders, and
+bad tool requests are 400s that name the field. The fallback rendering and the reading of calls
+are checked directly too."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from specdec.server.protocol import ChatCompletionRequest
+from specdec.server.tools import calls_schema, may_be_calls, parse_calls, plan_tools
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Time in a city", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+def calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+def chat(client: openai.OpenAI, route: str, **kwargs):
+    return client.chat.completions.create(model=route, messages=MESSAGES, tools=TOOLS, temperature=0,
+                                          **{"max_tokens": 60} | kwargs)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_required_calls_validate_and_are_the_plain_routes(client: openai.OpenAI, tool_choice) -> None:
+    spec, plain = chat(client, "spec", tool_choice=tool_choice), chat(client, "plain", tool_choice=tool_choice)
+    assert spec.choices[0].finish_reason == plain.choices[0].finish_reason == "tool_calls"
+    assert spec.choices[0].message.content is None
+    got = calls(spec.choices[0].message)
+    assert got == calls(plain.choices[0].message) and got
+    for name, arguments in got:
+        assert name == "get_time" or tool_choice == "required"
+        jsonschema.validate(arguments, SCHEMAS[name])
+    assert all(c.id.startswith("call_") and c.type == "function" for c in spec.choices[0].message.tool_calls)
+    # Streamed: the calls come as a tool_calls delta, the same calls.
+    streamed, finish = {}, None
+    for chunk in chat(client, "spec", tool_choice=tool_choice, stream=True):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed[delta.index] = (delta.function.name, json.loads(delta.function.arguments))
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert [streamed[i] for i in sorted(streamed)] == got and finish == "tool_calls"
+
+
+def test_no_parallel_calls_is_one_call(client: openai.OpenAI) -> None:
+    out = chat(client, "spec", tool_choice=NAMED, parallel_tool_calls=False)
+    assert len(out.choices[0].message.tool_calls) == 1
+
+
+def test_auto_may_answer_in_text_and_streams_it(client: openai.OpenAI) -> None:
+    whole = chat(client, "spec", tool_choice="auto", max_tokens=24)
+    if whole.choices[0].message.tool_calls is None:
+        assert whole.choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, "spec", tool_choice="auto", max_tokens=24,
+                                                                          stream=True) if c.choices)
+        assert streamed == whole.choices[0].message.content
+    assert chat(client, "plain", tool_choice="auto", max_tokens=24).choices[0].message == whole.choices[0].message
+
+
+def test_the_clients_tool_loop(client: openai.OpenAI) -> None:
+    tools = [TOOLS[1]]
+    first = client.chat.completions.create(model="spec", messages=MESSAGES, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=30, temperature=0)
+    message = first.choices[0].message
+    history = [*MESSAGES, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "10:42"}]
+    second = client.chat.completions.create(model="spec", messages=history, tools=tools, tool_choice="none",
+                                            max_tokens=16, temperature=0)
+    assert second.choices[0].message.tool_calls is None and second.choices[0].message.content
+    plain = client.chat.completions.create(model="plain", messages=history, tools=tools, tool_choice="none",
+                                           max_tokens=16, temperature=0)
+    assert plain.choices[0].message.content == second.choices[0].message.content
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools"),
+    ({"messages": [{"role": "tool", "content": "1"}]}, "tool_call_id"),
+    ({"messages": [{"role": "user", "content": None}]}, "content"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_bad_tool_requests_are_400s(server, body: dict, param: str) -> None:
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                          json={"model": "spec", "messages": MESSAGES, "max_tokens": 4} | body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+# --- the fallback rendering and the reading of calls, directly ---------------------------------
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES} | fields)
+
+
+def test_fallback_renders_tools_calls_and_results() -> None:
+    history = [{"role": "system", "content": "Be brief."}, *MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "10:42"}]
+    plan = plan_tools(request(messages=history, tools=TOOLS), chat_template="{{ messages }}")
+    system, user, assistant, tool = plan.messages
+    assert system["role"] == "system" and '"name": "get_weather"' in system["content"]
+    assert system["content"].endswith("Be brief.") and user == MESSAGES[0]
+    assert json.loads(assistant["content"]) == [{"name": "get_time", "arguments": {"city": "Paris"}}]
+    assert tool == {"role": "user", "content": "Result of call call_1: 10:42"}
+    assert plan.template_tools is None and plan.structured is None and plan.callable == {"get_weather", "get_time"}
+    # none: no tools rendered, nothing callable; a template that takes tools gets them.
+    assert plan_tools(request(tools=TOOLS, tool_choice="none"), None).messages == MESSAGES
+    assert plan_tools(request(tools=TOOLS), "{{ tools }}").template_tools[0]["function"]["name"] == "get_weather"
+
+
+def test_required_constrains_to_the_calls_schema() -> None:
+    plan = plan_tools(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), None)
+    schema = json.loads(plan.structured.spec)
+    assert schema == calls_schema([t for t in request(tools=TOOLS).tools], parallel=False) and schema["maxItems"] == 1
+    jsonschema.validate([{"name": "get_time", "arguments": {"city": "Oslo"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "arguments": {"town": "Oslo"}}], schema)
+
+
+def test_reading_calls() -> None:
+    names = frozenset({"get_time"})
+    read = parse_calls(' [{"name": "get_time", "arguments": {"city": "Oslo"}}]', names)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in read] == [("get_time", {"city": "Oslo"})]
+    for text in ('[{"name": "other", "arguments": {}}]', '[{"name": "get_time"}]', "[]", "[1, 2]", "It is 10:42.", "[unclosed"):
+        assert parse_calls(text, names) is None, text
+    assert parse_calls('[{"name": "get_time", "arguments": {}}]', frozenset()) is None
+    assert may_be_calls("  ") and may_be_calls(' [{"na') and not may_be_calls("The [time]")
