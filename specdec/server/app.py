@@ -95,6 +95,8 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self.encode_pool, fn, *args)
 
 
+JSON_INVALID = "We could not parse the JSON body of your request."
+
 # --- request -> sequences ------------------------------------------------------------------------
 
 
@@ -320,15 +322,23 @@ def create_app(state: ServerState) -> FastAPI:
             request.state.route = body["model"]  # for the metrics: a refusal on this route
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = (first.get("ctx") or {}).get("param") or ".".join(loc) or None  # field_error names its own
+        content_type = request.headers.get("content-type", "")
         if first.get("type") == "json_invalid":
             # Its location is a character offset into the body, not a parameter.
-            message, code, param = "We could not parse the JSON body of your request.", "json_invalid", None
+            message, code, param = JSON_INVALID, "json_invalid", None
+        elif first.get("type") == "model_attributes_type" and not loc and "json" not in content_type.lower():
+            # FastAPI reads a body that is not declared JSON as text: say what is wrong.
+            message = f"Content-Type must be application/json; got {content_type or 'none'!r}"
+            code, param = "invalid_content_type", None
         else:
             message, code = f"{param or 'body'}: {first.get('msg', 'invalid value')}", first.get("type")
         return JSONResponse(error_body(message, param=param, code=code), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's own: a body that is not UTF-8, or JSON nested past its reader's depth.
+            return JSONResponse(error_body(JSON_INVALID, code="json_invalid"), status_code=400)
         return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code)
 
     @app.exception_handler(Exception)

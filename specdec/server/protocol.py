@@ -14,9 +14,10 @@ proxies send them; `seed` takes any integer.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -52,6 +53,21 @@ def field_error(param: str, message: str) -> PydanticCustomError:
     """A validation error that names its field (`param`, dotted) itself; the app reports it with
     that param instead of the location pydantic would give."""
     return PydanticCustomError("invalid_field", "{message}", {"param": printable(param), "message": printable(message)})
+
+
+def _non_finite(data: Any) -> str | None:
+    """The dotted path to a number in parsed JSON that is NaN or infinite (Python's JSON reader
+    takes `NaN` and `Infinity`); None when all are finite. Iterative, as below."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return ".".join(path)
+        if isinstance(value, dict):
+            stack.extend((item, (*path, str(key))) for key, item in value.items())
+        elif isinstance(value, list):
+            stack.extend((item, (*path, str(i))) for i, item in enumerate(value))
+    return None
 
 
 def _lone_surrogate(data: Any) -> tuple[str, str] | None:
@@ -113,7 +129,7 @@ class _SamplingRequest(_Strict):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)  # specdec's (HF's, vLLM's): 1 is off
-    logit_bias: dict[StrictStr, float] | None = Field(default=None, max_length=1024)
+    logit_bias: dict[StrictStr, StrictFloat] | None = Field(default=None, max_length=1024)
     # Fields that newer SDKs and proxies send and that do not change what is generated here:
     # taken and ignored (`store` keeps nothing; `service_tier` and `reasoning_effort` have one
     # tier and no reasoning model to steer), or refused when set to what specdec does not do.
@@ -134,6 +150,14 @@ class _SamplingRequest(_Strict):
                 if data.get(name) is not None:
                     raise field_error(name, f"{name}: {what} is not supported by specdec yet")
             data = {key: value for key, value in data.items() if key not in NOT_SUPPORTED}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite_numbers(cls, data: Any) -> Any:
+        path = _non_finite(data)
+        if path is not None:
+            raise field_error(path or "body", "is not a finite number")
         return data
 
     @model_validator(mode="before")
@@ -183,12 +207,26 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: StrictStr | list[StrictStr] | list[int] | list[list[int]] = Field(min_length=1)
+    # Token ids are integers: true or 5.0 are not taken for one.
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: score the prompt
     echo: StrictBool = False
     best_of: int = Field(default=1, ge=1, le=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's legacy API takes up to 5
     suffix: None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """Errors that say what a prompt may be (a union's own would name its first member)."""
+        if isinstance(value, str) or not isinstance(value, list):
+            if not isinstance(value, str):
+                raise field_error("prompt", "must be text, a list of texts, token ids, or a list of token-id lists")
+            return value
+        flat = [x for item in value for x in (item if isinstance(item, list) else [item])]
+        if any(isinstance(x, (bool, float)) for x in flat):
+            raise field_error("prompt", "token ids must be integers (not booleans or floats)")
+        return value
 
     @model_validator(mode="after")
     def _echo_to_score(self) -> CompletionRequest:
@@ -318,6 +356,19 @@ class ChatCompletionRequest(_SamplingRequest):
     modalities: list[Literal["text"]] | None = None
     audio: None = None
     parallel_tool_calls: StrictBool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """A content part this text model cannot read is refused as such (not as a wrong type)."""
+        unreadable = {"image_url": "images", "input_audio": "audio", "file": "files"}
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, message in enumerate(messages if isinstance(messages, list) else ()):
+            content = message.get("content") if isinstance(message, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                if isinstance(part, dict) and part.get("type") in unreadable:
+                    raise field_error(f"messages.{i}.content.{j}", f"{unreadable[part['type']]} are not supported by this model")
+        return data
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

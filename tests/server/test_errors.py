@@ -97,6 +97,32 @@ def test_malformed_json_and_unknown_paths(tiny_server: ServerThread) -> None:
     _assert_openai_error(httpx.get(f"{tiny_server.url}/v1/completions"), 405)
 
 
+@pytest.mark.parametrize(("path", "raw", "content_type", "param", "message"), [
+    (CHAT, b'{"model": "plain", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', None,
+     "temperature", "not a finite number"),
+    (COMPLETIONS, b'{"model": "plain", "prompt": "hi", "logit_bias": {"5": -Infinity}}', None, "logit_bias.5",
+     "not a finite number"),
+    (CHAT, json.dumps({"model": "plain", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), None,
+     "messages.0.content.1", "images are not supported by this model"),
+    (CHAT, b'{"model": "plain", "messages": [{"role": "user", "content": "\xff"}]}', None, None,
+     "could not parse the JSON body"),
+    (CHAT, b'{"model": "plain", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, None,
+     "could not parse the JSON body"),
+    (CHAT, json.dumps({"model": "plain", "messages": MESSAGES}).encode(), "text/plain", None,
+     "Content-Type must be application/json"),
+    (COMPLETIONS, b'{"model": "plain", "prompt": [true, 5]}', None, "prompt", "token ids must be integers"),
+    (COMPLETIONS, b'{"model": "plain", "prompt": [[5.0, 6]]}', None, "prompt", "token ids must be integers"),
+    (COMPLETIONS, b'{"model": "plain", "prompt": "hi", "logit_bias": {"5": true}}', None, "logit_bias.5", None),
+])
+def test_errors_say_what_is_wrong(tiny_server: ServerThread, path: str, raw: bytes, content_type: str | None,
+                                  param: str | None, message: str | None) -> None:
+    response = _post(tiny_server, path, raw=raw, content_type=content_type or "application/json")
+    _assert_openai_error(response, 400, param)
+    if message is not None:
+        assert message in response.json()["error"]["message"]
+
+
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
