@@ -83,12 +83,27 @@ class ServerState:
     # One thread: a fast tokenizer must not be used from two threads at once.
     encode_pool: ThreadPoolExecutor = field(default_factory=_one_thread)
     _token_bytes: TokenBytes | None = None
+    _longest_token: int | None = None  # bytes of the vocabulary's longest token
 
     def token_bytes(self) -> TokenBytes:
         """Every token's bytes and text, for logprobs (built on first use, on the encode thread)."""
         if self._token_bytes is None:
             self._token_bytes = TokenBytes(self.encoder.tokenizer)
         return self._token_bytes
+
+    def check_size(self, texts: list[str], param: str) -> None:
+        """Refuse a prompt that cannot fit the context before tokenizing it: no token is longer
+        than the vocabulary's longest, so its bytes over that length bound its token count
+        from below (a 4 MiB prompt is refused in milliseconds, without its tokens in memory)."""
+        size = sum(len(text.encode("utf-8")) for text in texts)
+        if size < self.max_model_len:
+            return  # fewer bytes than the context: it fits, or tokenizing it is cheap
+        if self._longest_token is None:
+            self._longest_token = max(len(token) for token in self.token_bytes().table)
+        at_least = -(-size // self._longest_token)
+        if at_least >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt has at "
+                                f"least {at_least} tokens ({size} bytes)", param=param, code="context_length_exceeded")
 
     async def encode(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a tokenizing function off the event loop, on the encoder's own thread."""
@@ -216,6 +231,7 @@ def _encode_completion(state: ServerState, body: CompletionRequest) -> tuple[lis
     encoded = []
     for p in prompts:
         if isinstance(p, str):
+            state.check_size([p], "prompt")
             try:
                 ids = state.encoder.encode(p)
             except PromptError as exc:
@@ -239,6 +255,7 @@ def _encode_prediction(state: ServerState, body: ChatCompletionRequest) -> tuple
 def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan]:
     """The prompt's token ids, with its tools rendered (`specdec.server.tools`), and the plan."""
     tools = plan_tools(body, state.encoder.tokenizer.chat_template)
+    state.check_size([m["content"] for m in tools.messages], "messages")
     try:
         ids = state.encoder.encode(tools.messages, tools=tools.template_tools)
     except PromptError as exc:
@@ -333,6 +350,10 @@ def create_app(state: ServerState) -> FastAPI:
         else:
             message, code = f"{param or 'body'}: {first.get('msg', 'invalid value')}", first.get("type")
         return JSONResponse(error_body(message, param=param, code=code), status_code=400)
+
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(request: Request, exc: _ClientGone) -> Response:
+        return Response(status_code=499)  # never arrives: nginx's "client closed request"
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -482,12 +503,23 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _BodyTimeout(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    """A non-streaming request's client left before its answer: nothing to send, nothing to log
+    (the scheduler counts its sequences as aborted)."""
+
+
 class RequestGuard:
     """ASGI middleware around the app.
 
     1. Refuses a body over `max_request_bytes` with 413 and the JSON error body: at once when
-       Content-Length says so, else once the bytes read pass it. The body is read here (the
-       handlers read all of it anyway) and handed on unchanged.
+       Content-Length says so, else once the bytes read pass it; and one not all there within
+       `request_body_timeout_s` with 408 (the connection then closes). The body is read here (the
+       handlers read all of it anyway) and handed on unchanged; a client that leaves mid-body is
+       an abort, and the app never sees the request.
     2. Under Ray Serve, names the replica that answered in the header x-specdec-replica.
     3. Counts a request to a generation endpoint that ends before any of its sequences was
        queued in `specdec_requests_total`: "rejected" (a 4xx), "error" (a 5xx or an exception)
@@ -524,6 +556,13 @@ class RequestGuard:
                 body = error_body(f"the request body exceeds the server's limit of {limit} bytes", code="request_too_large")
                 await JSONResponse(body, status_code=413)(scope, receive, observed)
                 return
+            except _BodyTimeout:
+                wait = self.state.config.request_body_timeout_s
+                body = error_body(f"the request body did not arrive within {wait:g} s", code="request_timeout")
+                await JSONResponse(body, status_code=408, headers={"connection": "close"})(scope, receive, observed)
+                return
+            if replay is None:  # the client left mid-body: an abort, nothing to answer
+                return
             await self.app(scope, replay, observed)
         except Exception:
             failed = True
@@ -540,22 +579,26 @@ class RequestGuard:
                 if reason is not None:
                     self.state.metrics.requests.labels(request_state.get("route", ""), reason).inc()
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
-        """Read the whole body (at most the limit), and return a `receive` that replays it and
-        then passes on to the client's (for disconnects)."""
+    async def _read_body(self, scope: Scope, receive: Receive) -> Receive | None:
+        """Read the whole body (at most the limit, within the timeout), and return a `receive`
+        that replays it and then passes on to the client's (for disconnects); None when the
+        client left before the body was all there."""
         limit = self.state.config.max_request_bytes
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > limit:
             raise _BodyTooLarge
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.state.config.request_body_timeout_s
         chunks: list[bytes] = []
         size = 0
-        first: Message | None = None
         while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left: let the app see it
-                first = message
-                break
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                raise _BodyTimeout from None
+            if message["type"] != "http.request":  # http.disconnect
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -563,7 +606,7 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        pending: list[Message] = [first] if first is not None else [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay() -> Message:
             return pending.pop() if pending else await receive()
@@ -635,7 +678,7 @@ async def _next_event(job: _Job, request: Request) -> Event:
             job.checked_at = now
             if await request.is_disconnected():
                 job.cancel()
-                raise asyncio.CancelledError
+                raise _ClientGone
         try:
             return await asyncio.wait_for(job.events.get(), timeout=0.5)
         except TimeoutError:

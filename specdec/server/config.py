@@ -8,6 +8,8 @@ Example (`specdec serve --config server.toml`)::
     cache_budget_mb = 2048        # KV cache budget; a draft model's weights are taken from it
     threads = 2                   # torch intra-op threads of the model work (default: auto, see ServerConfig)
     max_request_bytes = 4194304   # largest request body; a larger one gets a 413 (default 4 MiB)
+    request_body_timeout_s = 30   # a body not all there by then gets a 408 and its connection closes
+    max_connections = 256         # open connections at most; past it a request gets a 503
     graceful_shutdown_s = 30      # on SIGTERM, time for requests in flight to finish; then they abort
     backend = "auto"              # the target's backend: auto (native where it runs the model), native, hf
     dtype = "auto"                # its weight format: auto (a GGUF's own), float32, bfloat16, int8, int4
@@ -255,6 +257,11 @@ class ServerConfig:
     # The largest request body; a larger one is refused with 413 before it is parsed. 4 MiB
     # holds a prompt far longer than any context (about 1M tokens of English).
     max_request_bytes: int = 4 << 20
+    # A request whose body has not all arrived this long after it started (a missing chunk end, a
+    # short Content-Length, a trickle) gets a 408 and its connection is closed.
+    request_body_timeout_s: float = 30.0
+    # Open connections (and requests in them) at most; uvicorn answers past it with a 503.
+    max_connections: int = 256
     drift: DriftConfig = field(default_factory=DriftConfig)
     # torch intra-op threads of the scheduler thread, which does all the model work. None is
     # auto: with one sequence running, one core fewer than torch's default (one per core), so
@@ -274,11 +281,15 @@ class ServerConfig:
         names = [r.name for r in self.routes]
         if len(set(names)) != len(names):
             raise ConfigError(f"route names must be distinct, got {names}")
-        for name in ("max_model_len", "max_num_seqs", "cache_budget_bytes", "max_waiting", "max_request_bytes"):
+        for name in ("max_model_len", "max_num_seqs", "cache_budget_bytes", "max_waiting", "max_request_bytes",
+                     "max_connections"):
             _positive_int(name, getattr(self, name))
         grace = self.graceful_shutdown_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
             raise ConfigError(f"graceful_shutdown_s must be a number >= 0, got {grace!r}")
+        wait = self.request_body_timeout_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < float("inf"):
+            raise ConfigError(f"request_body_timeout_s must be a number > 0, got {wait!r}")
         if self.backend not in ("auto", *BACKENDS):
             raise ConfigError(f"backend must be one of auto, {', '.join(BACKENDS)}; got {self.backend!r}")
         if self.dtype not in DTYPES:
@@ -313,7 +324,7 @@ def default_config(**overrides: Any) -> ServerConfig:
 
 
 _SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads", "max_request_bytes",
-                "backend", "dtype")
+                "request_body_timeout_s", "max_connections", "backend", "dtype")
 _TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "drift", "routes", "replicas"}
 _REPLICA_KEYS = set(ReplicaConfig.__dataclass_fields__)
 _ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}

@@ -121,7 +121,8 @@ class SpecdecServer(uvicorn.Server):
 def uvicorn_server(state: ServerState, host: str, port: int, log_level: str = "info") -> SpecdecServer:
     """A uvicorn server for the app, with the shutdown of SpecdecServer."""
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=state.config.graceful_shutdown_s + ABORT_MARGIN_S, lifespan="on")
+                            timeout_graceful_shutdown=state.config.graceful_shutdown_s + ABORT_MARGIN_S, lifespan="on",
+                            limit_concurrency=state.config.max_connections)
     return SpecdecServer(config, state)
 
 
