@@ -51,7 +51,7 @@ from specdec.server.protocol import (
     error_body,
 )
 from specdec.server.scheduler import Event, QueueFullError, Scheduler, ServerRequest, StoppedError
-from specdec.server.tools import ToolPlan, may_be_calls, parse_calls, plan_tools
+from specdec.server.tools import CallScanner, ToolPlan, may_be_calls, parse_calls, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -476,7 +476,7 @@ def create_app(state: ServerState) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
         shape = _Shape(chat=True, logprobs=bool(body.logprobs),
                        names=await state.encode(state.token_bytes) if body.logprobs else None, predicted=bool(prediction),
-                       callable=tools.callable)
+                       callable=tools.callable, calls_only=tools.structured is not None)
         prompts = [ids] * body.n
         params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size, structured, prediction)
                   for i in range(body.n)]
@@ -625,6 +625,7 @@ class _Shape:
     names: TokenBytes | None = None
     predicted: bool = False  # a prediction was given: usage counts its accepted and rejected tokens
     callable: frozenset[str] = frozenset()  # the tools the output may call (chat)
+    calls_only: bool = False  # the output is constrained to calls (tool_choice required or named)
 
 
 @dataclass
@@ -725,7 +726,7 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
             if text is not None:
                 delta["content"] = text
             if tool_calls is not None:
-                delta["tool_calls"] = [{"index": j} | call for j, call in enumerate(tool_calls)]
+                delta["tool_calls"] = tool_calls
             return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs, **extra}
         return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs, **extra}
 
@@ -746,9 +747,13 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
         offsets[index] += sum(len(t) for t in out["tokens"])
         return out
 
-    # A choice that may call tools holds its text back while it may still be calls (see
-    # `specdec.server.tools.may_be_calls`): [text, logprobs entries] per chunk held, None once sent.
-    held: list[list[tuple[str, Any]] | None] = [[] if shape.callable else None for _ in job.requests]
+    # A choice constrained to calls streams them as OpenAI does (each call's head, then its
+    # arguments' text as it comes). One that may call tools (auto) holds its text back while it
+    # may still be calls (`specdec.server.tools.may_be_calls`): [text, logprobs] per chunk held,
+    # None once sent; calls it turns out to be go out whole at the end.
+    scanners = [CallScanner() if shape.calls_only else None for _ in job.requests]
+    held: list[list[tuple[str, Any]] | None] = [[] if shape.callable and not shape.calls_only else None
+                                                for _ in job.requests]
 
     def release(index: int) -> str | None:
         """The held chunks of a choice as one, which then streams as it goes."""
@@ -778,7 +783,10 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
                         yield echo(event.index, list(event.logprobs))
                 elif event.kind == "token":
                     result.add(event, shape)
-                    if not shape.score_only and (event.text or (shape.logprobs and event.token_ids)):
+                    if scanners[event.index] is not None:
+                        if deltas := scanners[event.index].feed(event.text):
+                            yield chunk([choice(event.index, None, None, tool_calls=deltas)])
+                    elif not shape.score_only and (event.text or (shape.logprobs and event.token_ids)):
                         logprobs = token_logprobs(event.index, event)
                         if held[event.index] is None:
                             yield chunk([choice(event.index, event.text, None, logprobs=logprobs)])
@@ -790,11 +798,14 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
                     result.finish_reason, result.stats = event.finish_reason, event.stats
                     pending -= 1
                     finish = event.finish_reason
-                    if held[event.index] is not None:
+                    if scanners[event.index] is not None and finish == "stop":
+                        finish = "tool_calls" if scanners[event.index].complete(shape.callable) else finish
+                    elif held[event.index] is not None:
                         calls = parse_calls(result.text, shape.callable) if finish == "stop" else None
                         if calls:
                             held[event.index], finish = None, "tool_calls"
-                            yield chunk([choice(event.index, None, None, tool_calls=calls)])
+                            yield chunk([choice(event.index, None, None,
+                                                tool_calls=[{"index": j} | call for j, call in enumerate(calls)])])
                         elif released := release(event.index):
                             yield released
                     yield chunk([choice(event.index, None if chat else "", finish, speculation=event.stats.to_dict() if event.stats else None)])

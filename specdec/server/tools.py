@@ -20,8 +20,9 @@ when it is an array of calls); "none" renders no tools.
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.sampling.params import StructuredOutput
@@ -127,24 +128,96 @@ def plan_tools(body: ChatCompletionRequest, chat_template: str | None) -> ToolPl
     return ToolPlan(messages, template_tools, structured, frozenset(t.function.name for t in tools))
 
 
-def parse_calls(text: str, callable: frozenset[str]) -> list[dict[str, Any]] | None:
-    """The output as OpenAI tool calls, or None when it is not an array of calls to known tools."""
-    if not callable or not text.lstrip().startswith("["):
-        return None
-    try:
-        calls = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(calls, list) or not calls:
-        return None
-    out = []
-    for call in calls:
-        if (not isinstance(call, dict) or set(call) != {"name", "arguments"} or call["name"] not in callable
-                or not isinstance(call["arguments"], dict)):
+# A call's start, up to its arguments' first character: `[` or `,`, {"name": "N", "arguments": .
+_CALL_HEAD = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*(?=\S)')
+_CLOSE = re.compile(r"\s*\}")
+
+
+@dataclass
+class CallScanner:
+    """Reads calls out of an output as it grows: a JSON array of {"name": N, "arguments": {...}}
+    objects, name first (as the constrained output and the fallback's instructions have them).
+    `feed` returns OpenAI's streamed tool-call deltas for what is new: a call's index, id, type
+    and name once its head is complete, then its arguments' text as it arrives."""
+
+    text: str = ""
+    calls: list[dict[str, str]] = field(default_factory=list)  # id, name, arguments (their text so far)
+    _at: int = 0  # where the next call's head (or the array's end) starts
+    _args_from: int | None = None  # where the open call's arguments start
+    _sent: int = 0  # how much of the text went out as the open call's arguments
+
+    def feed(self, new: str) -> list[dict[str, Any]]:
+        self.text += new
+        deltas: list[dict[str, Any]] = []
+        while True:
+            if self._args_from is None:
+                head = _CALL_HEAD.match(self.text, self._at)
+                if head is None:
+                    return deltas
+                call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": head.group(1), "arguments": ""}
+                self.calls.append(call)
+                self._args_from = self._sent = head.end()
+                deltas.append({"index": len(self.calls) - 1, "id": call["id"], "type": "function",
+                               "function": {"name": call["name"], "arguments": ""}})
+            end = _value_end(self.text, self._args_from)
+            stop = len(self.text) if end is None else end
+            if stop > self._sent:
+                fragment = self.text[self._sent : stop]
+                self.calls[-1]["arguments"] += fragment
+                self._sent = stop
+                deltas.append({"index": len(self.calls) - 1, "function": {"arguments": fragment}})
+            close = _CLOSE.match(self.text, end) if end is not None else None
+            if close is None:
+                return deltas
+            self._at, self._args_from = close.end(), None
+
+    def complete(self, callable: frozenset[str]) -> list[dict[str, Any]] | None:
+        """The calls in OpenAI's form when the whole text is an array of calls to `callable`
+        tools with object arguments; None otherwise."""
+        try:
+            parsed = json.loads(self.text)
+        except ValueError:
             return None
-        out.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                    "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}})
-    return out
+        if (not isinstance(parsed, list) or not parsed or len(parsed) != len(self.calls)
+                or any(not isinstance(c, dict) or set(c) != {"name", "arguments"} or c["name"] not in callable
+                       or not isinstance(c["arguments"], dict) for c in parsed)):
+            return None
+        return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in self.calls]
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """The index after the JSON object or array starting at `start`; None while it is not
+    complete yet (strings and their escapes respected)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def parse_calls(text: str, callable: frozenset[str]) -> list[dict[str, Any]] | None:
+    """The output as OpenAI tool calls (each call's arguments as the model wrote them), or None
+    when it is not an array of calls to known tools."""
+    if not callable:
+        return None
+    scanner = CallScanner()
+    scanner.feed(text)
+    return scanner.complete(callable)
 
 
 def may_be_calls(text: str) -> bool:

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from specdec.server.protocol import ChatCompletionRequest
-from specdec.server.tools import calls_schema, may_be_calls, parse_calls, plan_tools
+from specdec.server.tools import CallScanner, calls_schema, may_be_calls, parse_calls, plan_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -49,14 +49,22 @@ def test_required_calls_validate_and_are_the_plain_routes(client: openai.OpenAI,
         assert name == "get_time" or tool_choice == "required"
         jsonschema.validate(arguments, SCHEMAS[name])
     assert all(c.id.startswith("call_") and c.type == "function" for c in spec.choices[0].message.tool_calls)
-    # Streamed: the calls come as a tool_calls delta, the same calls.
-    streamed, finish = {}, None
+    # Streamed as OpenAI streams calls: each call's id and name first, then its arguments' text
+    # in fragments, the same calls.
+    names, arguments, fragments, finish = {}, {}, 0, None
     for chunk in chat(client, "spec", tool_choice=tool_choice, stream=True):
         for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            streamed[delta.index] = (delta.function.name, json.loads(delta.function.arguments))
+            if delta.id is not None:
+                assert delta.index not in names and delta.function.name and delta.function.arguments == ""
+                names[delta.index], arguments[delta.index] = delta.function.name, ""
+            else:
+                arguments[delta.index] += delta.function.arguments
+                fragments += 1
         if chunk.choices and chunk.choices[0].finish_reason:
             finish = chunk.choices[0].finish_reason
-    assert [streamed[i] for i in sorted(streamed)] == got and finish == "tool_calls"
+    assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == got and finish == "tool_calls"
+    assert fragments > len(got)  # arguments arrive in pieces, not whole
+    assert [arguments[i] for i in sorted(names)] == [c.function.arguments for c in spec.choices[0].message.tool_calls]
 
 
 def test_no_parallel_calls_is_one_call(client: openai.OpenAI) -> None:
@@ -135,6 +143,21 @@ def test_required_constrains_to_the_calls_schema() -> None:
     jsonschema.validate([{"name": "get_time", "arguments": {"city": "Oslo"}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_time", "arguments": {"town": "Oslo"}}], schema)
+
+
+def test_scanning_calls_as_they_arrive() -> None:
+    text = '[{"name": "get_time", "arguments": {"city": "O\\"s}lo", "n": [1, {"a": 2}]}}, {"name": "get_weather", "arguments": {}}]'
+    scanner, deltas = CallScanner(), []
+    for i in range(0, len(text), 3):
+        deltas += scanner.feed(text[i : i + 3])
+    heads = [d for d in deltas if "id" in d]
+    assert [(d["index"], d["function"]["name"]) for d in heads] == [(0, "get_time"), (1, "get_weather")]
+    for index in (0, 1):
+        streamed = "".join(d["function"]["arguments"] for d in deltas if d["index"] == index)
+        assert json.loads(streamed) == json.loads(text)[index]["arguments"]
+    calls = scanner.complete(frozenset({"get_time", "get_weather"}))
+    assert [c["id"] for c in calls] == [d["id"] for d in heads]
+    assert scanner.complete(frozenset({"get_time"})) is None  # a call to an unknown tool
 
 
 def test_reading_calls() -> None:
