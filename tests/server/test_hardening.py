@@ -96,12 +96,19 @@ def test_a_client_that_leaves_a_request_logs_no_traceback(guarded: ServerThread,
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+def resident_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
 def test_a_huge_prompt_is_refused_before_tokenizing(guarded: ServerThread) -> None:
-    start = time.monotonic()
-    response = httpx.post(f"{guarded.url}/v1/completions", timeout=60,
-                          json={"model": "plain", "prompt": "word " * 800_000})  # 4 MB
+    body = json.dumps({"model": "plain", "prompt": "word " * 800_000})  # 4 MB: 800k tokens if tokenized
+    before, start = resident_mb(), time.monotonic()
+    response = httpx.post(f"{guarded.url}/v1/completions", timeout=60, content=body,
+                          headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert "at least" in response.json()["error"]["message"] and time.monotonic() - start < 5
+    assert resident_mb() - before < 100  # the server and this client share the process
 
 
 def test_connections_past_the_limit_get_a_503(guarded: ServerThread) -> None:

@@ -1,6 +1,7 @@
 """LangChain's ChatOpenAI against the server, as its users call it: bind_tools with a round trip
-through a ToolMessage, with_structured_output by JSON schema and by function calling, and
-logprobs; each the same on the speculative and the plain route."""
+through a ToolMessage, with_structured_output by JSON schema and by function calling, logprobs,
+and streaming (text, and tool-call chunks); each the same on the speculative and the plain
+route."""
 
 from __future__ import annotations
 
@@ -54,3 +55,17 @@ def test_logprobs(server) -> None:
     content = [m.response_metadata["logprobs"]["content"] for m in got]
     assert len(content[0]) == 12 or got[0].response_metadata["finish_reason"] == "stop"
     assert content[0] == content[1] and all(len(c["top_logprobs"]) == 2 for c in content[0])
+
+
+def test_streaming(server) -> None:
+    spec, plain = chat_model(server, "spec", max_tokens=24), chat_model(server, "plain", max_tokens=24)
+    text = "".join(chunk.content for chunk in spec.stream("Name three colours."))
+    assert text and text == plain.invoke("Name three colours.").content
+    bound = spec.bind_tools([get_time], tool_choice="get_time", parallel_tool_calls=False)
+    chunks = list(bound.stream("What time is it in Oslo?"))
+    assert len(chunks) > 3  # the call arrives in pieces
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged += chunk
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == [
+        (c["name"], c["args"]) for c in bound.invoke("What time is it in Oslo?").tool_calls]
