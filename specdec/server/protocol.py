@@ -55,24 +55,11 @@ def field_error(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_field", "{message}", {"param": printable(param), "message": printable(message)})
 
 
-def _non_finite(data: Any) -> str | None:
-    """The dotted path to a number in parsed JSON that is NaN or infinite (Python's JSON reader
-    takes `NaN` and `Infinity`); None when all are finite. Iterative, as below."""
-    stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            return ".".join(path)
-        if isinstance(value, dict):
-            stack.extend((item, (*path, str(key))) for key, item in value.items())
-        elif isinstance(value, list):
-            stack.extend((item, (*path, str(i))) for i, item in enumerate(value))
-    return None
-
-
-def _lone_surrogate(data: Any) -> tuple[str, str] | None:
-    """The dotted path to a string (value or key) in parsed JSON that is not valid Unicode, and
-    the surrogate's code point; None when all are. Iterative: JSON can nest deeper than the stack."""
+def _bad_value(data: Any) -> tuple[str, str] | None:
+    """The first value in parsed JSON that no field takes, as (dotted path, what is wrong): a
+    string (value or key) that is not valid Unicode (JSON's `\ud800` escapes decode to lone
+    surrogates), or a number that is NaN or infinite (Python's JSON reader takes `NaN` and
+    `Infinity`). None when there is none. Iterative: JSON can nest deeper than the stack."""
     stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
     while stack:
         value, path = stack.pop()
@@ -80,7 +67,9 @@ def _lone_surrogate(data: Any) -> tuple[str, str] | None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as exc:
-                return ".".join(path), f"U+{ord(value[exc.start]):04X}"
+                return ".".join(path), f"must be valid Unicode text; found a lone surrogate U+{ord(value[exc.start]):04X}"
+        elif isinstance(value, float) and not math.isfinite(value):
+            return ".".join(path), "is not a finite number"
         elif isinstance(value, dict):
             items = [(item, (*path, str(key))) for key, item in value.items()]
             stack.extend((key, (*path, str(key))) for key in value if isinstance(key, str))
@@ -154,19 +143,11 @@ class _SamplingRequest(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _finite_numbers(cls, data: Any) -> Any:
-        path = _non_finite(data)
-        if path is not None:
-            raise field_error(path or "body", "is not a finite number")
-        return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        found = _lone_surrogate(data)
+    def _valid_values(cls, data: Any) -> Any:
+        found = _bad_value(data)
         if found is not None:
-            path, code = found
-            raise field_error(path or "body", f"must be valid Unicode text; found a lone surrogate {code}")
+            path, what = found
+            raise field_error(path or "body", what)
         return data
 
     @field_validator("logit_bias")

@@ -119,6 +119,21 @@ def marginal_tv(samples: torch.Tensor, probs: torch.Tensor, position: int, vocab
     return 0.5 * float((freq - exact).abs().sum())
 
 
+def assert_first_tokens_follow(engine: Engine, prompt: list[int], params: SamplingParams, exact: torch.Tensor,
+                               vocab: int, draws: int = 2000, end: int = -1, tv: float = 0.06) -> None:
+    """Seeded generations' first 3 tokens follow `exact` ([vocab ** 3]) by chi-square and by each
+    position's marginal; an output that ends before 3 tokens (a grammar's EOS) counts `end` there."""
+    samples = []
+    for seed in range(draws):
+        tokens = engine.generate(prompt, dataclasses.replace(params, seed=seed)).token_ids
+        tokens = tokens + [end] * (LENGTH - len(tokens))
+        samples.append(tokens[0] * vocab**2 + tokens[1] * vocab + tokens[2])
+    samples_t = torch.tensor(samples)
+    assert chi2_pvalue(samples_t, exact) > 1e-3
+    for position in range(LENGTH):
+        assert marginal_tv(samples_t, exact, position, vocab) < tv
+
+
 def accept_all(target_probs, draft_tokens, draft_probs, generator=None) -> AcceptResult:
     """A WRONG rule: keep every drafted token, then draw the bonus token from the target."""
     batch, k = draft_tokens.shape
