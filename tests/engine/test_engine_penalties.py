@@ -47,8 +47,8 @@ class Oracle:
     """Proposes the reference output's next tokens as a chain, or as a tree with a wrong first
     sibling before the right one at every node."""
 
-    def __init__(self, output: list[int], tree: bool = False) -> None:
-        self.reference = PROMPT + output
+    def __init__(self, output: list[int], prompt: list[int] = PROMPT, tree: bool = False) -> None:
+        self.reference = prompt + output
         self.tree = tree
         self.proposal_size = 8  # tokens a tree may hold (two a level)
 

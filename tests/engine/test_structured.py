@@ -26,6 +26,7 @@ from specdec.errors import ConfigError
 from specdec.models import LoadedModel, ModelRunner
 from specdec.sampling import logits_to_probs
 from specdec.sampling.grammar import compiler_for
+from tests.engine.test_engine_penalties import Oracle
 from tests.engine.test_sampling_distribution import assert_first_tokens_follow
 
 VOCAB = 16  # t0 .. t15; t15 is EOS
@@ -68,33 +69,6 @@ def reference_greedy(target: LoadedModel, params: SamplingParams) -> list[int]:
     return output
 
 
-class Oracle:
-    """Proposes the reference output's next tokens as a chain, or as a tree whose first sibling at
-    every node is a token the grammar forbids there (an even word where odd ones go, and so on)."""
-
-    def __init__(self, output: list[int], tree: bool = False) -> None:
-        self.reference = PROMPT + output
-        self.tree = tree
-        self.proposal_size = 8
-
-    def begin(self, prompt_ids: list[int], max_len: int) -> None:
-        pass
-
-    def propose(self, context, k, params, generator) -> Proposal:
-        right = self.reference[len(context) : len(context) + k]
-        if not self.tree:
-            return Proposal(right)
-        tokens, parents, parent = [], [], -1
-        for token in right:
-            tokens += [token + 1, token]  # odd <-> even: forbidden where `token` is allowed
-            parents += [parent, parent]
-            parent = len(tokens) - 1
-        return Proposal(tokens, parents=parents)
-
-    def commit(self, context, num_accepted) -> None:
-        pass
-
-
 def test_greedy_constrained_is_the_reference_whatever_drafts(target: LoadedModel) -> None:
     want = reference_greedy(target, GREEDY)
     free = Engine(target).generate(PROMPT, dataclasses.replace(GREEDY, structured=None)).token_ids
@@ -103,7 +77,9 @@ def test_greedy_constrained_is_the_reference_whatever_drafts(target: LoadedModel
     plain = Engine(target).generate(PROMPT, GREEDY)
     assert plain.token_ids == want
     draft = dataclasses.replace(target, name="draft")  # the target as its own (unmasked) draft model
-    for drafter, k in ((Oracle(want), 4), (Oracle(want, tree=True), 3), (NgramDrafter(1, 3), 4),
+    # The oracle's tree puts token + 1 before each right token: odd <-> even, a token the grammar
+    # forbids there.
+    for drafter, k in ((Oracle(want, PROMPT), 4), (Oracle(want, PROMPT, tree=True), 3), (NgramDrafter(1, 3), 4),
                        (DraftModelDrafter(draft), 3)):
         got = Engine(target, drafter, k).generate(PROMPT, GREEDY)
         assert got.token_ids == want and got.finish_reason == plain.finish_reason
@@ -126,7 +102,7 @@ class Forbidden(Oracle):
 
 def test_a_forbidden_draft_is_cut_before_verification(target: LoadedModel) -> None:
     want = reference_greedy(target, GREEDY)
-    got = Engine(target, Forbidden(want), 4).generate(PROMPT, GREEDY)
+    got = Engine(target, Forbidden(want, PROMPT), 4).generate(PROMPT, GREEDY)
     assert got.token_ids == want
     # Each step verifies only the allowed first token: all drafted tokens are accepted.
     assert got.stats.drafted_tokens > 0 and got.stats.acceptance_rate == 1.0
