@@ -167,14 +167,19 @@ def _structured(body: CompletionRequest | ChatCompletionRequest) -> tuple[Struct
     return None, ""
 
 
-def _check_structured(state: ServerState, structured: StructuredOutput, param: str) -> None:
-    """Compile the grammar here (on the encode thread) so that a bad one is the client's 400; the
-    engine's own compile of it is then a cache hit."""
-    target = state.encoder.target
-    try:
-        compiler_for(state.encoder.tokenizer, target.vocab_size, target.eos_token_ids).compile(structured)
-    except ConfigError as exc:
-        raise APIError(400, str(exc), param=param) from None
+def _compiled_structured(state: ServerState, body: CompletionRequest | ChatCompletionRequest,
+                         planned: StructuredOutput | None = None) -> StructuredOutput | None:
+    """The request's structured output (`planned` by its tools, else its own), compiled here on
+    the encode thread so that a bad grammar is the client's 400; the engine's own compile of it
+    is then a cache hit."""
+    structured, param = (planned, "tools") if planned is not None else _structured(body)
+    if structured is not None:
+        target = state.encoder.target
+        try:
+            compiler_for(state.encoder.tokenizer, target.vocab_size, target.eos_token_ids).compile(structured)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=param) from None
+    return structured
 
 
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
@@ -429,9 +434,7 @@ def create_app(state: ServerState) -> FastAPI:
         request.state.route = route.name
         k = _k(route, body.speculative)
         prompts, texts = await state.encode(_encode_completion, state, body)
-        structured, param = _structured(body)
-        if structured is not None:
-            await state.encode(_check_structured, state, structured, param)
+        structured = await state.encode(_compiled_structured, state, body)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         # max_tokens 0 (with echo) scores the prompt: one token is generated, and not returned.
         shape = _Shape(chat=False, logprobs=body.logprobs is not None, score_only=max_tokens == 0,
@@ -470,9 +473,7 @@ def create_app(state: ServerState) -> FastAPI:
         prediction = await state.encode(_encode_prediction, state, body) if body.prediction is not None else ()
         k = _k(route, body.speculative, predicted=bool(prediction))
         prediction = prediction if k > 0 else ()  # speculation off: no drafting from it either
-        structured, param = (tools.structured, "tools") if tools.structured is not None else _structured(body)
-        if structured is not None:
-            await state.encode(_check_structured, state, structured, param)
+        structured = await state.encode(_compiled_structured, state, body, tools.structured)
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
         shape = _Shape(chat=True, logprobs=bool(body.logprobs),
                        names=await state.encode(state.token_bytes) if body.logprobs else None, predicted=bool(prediction),
