@@ -94,22 +94,34 @@ SAMPLED = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, frequen
                          presence_penalty=0.5, repetition_penalty=1.5, logit_bias={5: 1.5, 6: -100.0})
 
 
-def exact_adjusted_probs(target: LoadedModel, params: SamplingParams) -> torch.Tensor:
-    """[VOCAB ** 3]: the adjusted target's probability of each first 3 tokens."""
+def exact_first_three(target: LoadedModel, params: SamplingParams, rows, firsts=range(VOCAB), seconds=range(VOCAB)
+                      ) -> torch.Tensor:
+    """[VOCAB ** 3]: the probability of each first 3 tokens (t1 in `firsts`, t2 in `seconds`; the
+    others get 0) of the target whose logits after PROMPT + t1 t2 are `rows(logits, [t1, t2])`
+    ([3, vocab] in, [3, vocab] out: the request's adjustments at each of the 3 positions)."""
     runner = ModelRunner(target)
     joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
-    for t1 in range(VOCAB):
-        for t2 in range(VOCAB):
+    for t1 in firsts:
+        for t2 in seconds:
             logits = runner.score(PROMPT + [t1, t2])[len(PROMPT) - 1 :]  # [3, vocab]
-            rows = torch.tensor([reference(logits[j].tolist(), params, PROMPT, [t1, t2][:j]) for j in range(3)])
-            probs = logits_to_probs(rows.double(), params).double()
+            probs = logits_to_probs(rows(logits, [t1, t2]).double(), params).double()
             joint[t1, t2] = probs[0, t1] * probs[1, t2] * probs[2]
     return joint.reshape(-1)
 
 
+def exact_adjusted_probs(target: LoadedModel, params: SamplingParams) -> torch.Tensor:
+    """[VOCAB ** 3]: the adjusted target's probability of each first 3 tokens."""
+    return exact_first_three(target, params, lambda logits, prefix: torch.tensor(
+        [reference(logits[j].tolist(), params, PROMPT, prefix[:j]) for j in range(3)]))
+
+
+def engine_with(drafter: str, target: LoadedModel, draft: LoadedModel) -> Engine:
+    """Plain decoding, a draft model's sampled chains (k 2), or prompt lookup's (k 2)."""
+    return {"plain": lambda: Engine(target), "draft_model": lambda: Engine(target, DraftModelDrafter(draft), 2),
+            "ngram": lambda: Engine(target, NgramDrafter(1, 3), 2)}[drafter]()
+
+
 @pytest.mark.parametrize("drafter", ["plain", "draft_model", "ngram"])
 def test_sampling_with_adjustments_follows_the_adjusted_target(target, small_model_factory, drafter: str) -> None:
-    draft = small_model_factory(seed=12, vocab_size=VOCAB, logit_scale=6.0)
-    engine = {"plain": lambda: Engine(target), "draft_model": lambda: Engine(target, DraftModelDrafter(draft), 2),
-              "ngram": lambda: Engine(target, NgramDrafter(1, 3), 2)}[drafter]()
+    engine = engine_with(drafter, target, small_model_factory(seed=12, vocab_size=VOCAB, logit_scale=6.0))
     assert_first_tokens_follow(engine, PROMPT, SAMPLED, exact_adjusted_probs(target, SAMPLED), VOCAB)

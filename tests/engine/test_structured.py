@@ -24,9 +24,8 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel, ModelRunner
-from specdec.sampling import logits_to_probs
 from specdec.sampling.grammar import compiler_for
-from tests.engine.test_engine_penalties import Oracle
+from tests.engine.test_engine_penalties import Oracle, engine_with, exact_first_three
 from tests.engine.test_sampling_distribution import assert_first_tokens_follow
 
 VOCAB = 16  # t0 .. t15; t15 is EOS
@@ -122,23 +121,17 @@ SAMPLED = SamplingParams(temperature=1.0, max_tokens=4, structured=ALTERNATING)
 
 def exact_masked_probs(target: LoadedModel, params: SamplingParams) -> torch.Tensor:
     """[VOCAB ** 3]: the masked target's probability of each first 3 tokens."""
-    runner = ModelRunner(target)
-    joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
-    for t1 in (3, 5, 7, 9):
-        for t2 in (2, 4, 6, 8):
-            logits = runner.score(PROMPT + [t1, t2])[len(PROMPT) - 1 :]  # [3, vocab]
-            masks = reference_masks(target, params.structured, [[], [t1], [t1, t2]])
-            probs = logits_to_probs(torch.where(masks, logits, -torch.inf).double(), params).double()
-            joint[t1, t2] = probs[0, t1] * probs[1, t2] * probs[2]
-    return joint.reshape(-1)
+    def masked(logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+        masks = reference_masks(target, params.structured, [prefix[:j] for j in range(3)])
+        return torch.where(masks, logits, -torch.inf)
+
+    return exact_first_three(target, params, masked, firsts=(3, 5, 7, 9), seconds=(2, 4, 6, 8))
 
 
 @pytest.mark.parametrize("drafter", ["plain", "draft_model", "ngram"])
 def test_sampling_constrained_follows_the_masked_target(target, small_model_factory, drafter: str) -> None:
     # This draft puts much of its mass on forbidden tokens and the rest off the target's: cutting
     # its forbidden drafts instead of rejecting them moves the second token's marginal by ~0.2 TV.
-    draft = small_model_factory(seed=44, vocab_size=VOCAB, logit_scale=6.0)
-    engine = {"plain": lambda: Engine(target), "draft_model": lambda: Engine(target, DraftModelDrafter(draft), 2),
-              "ngram": lambda: Engine(target, NgramDrafter(1, 3), 2)}[drafter]()
+    engine = engine_with(drafter, target, small_model_factory(seed=44, vocab_size=VOCAB, logit_scale=6.0))
     # After a whole pair the grammar is complete and EOS (the last word) may end the output.
     assert_first_tokens_follow(engine, PROMPT, SAMPLED, exact_masked_probs(target, SAMPLED), VOCAB, end=VOCAB - 1)
