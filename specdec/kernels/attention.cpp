@@ -108,30 +108,27 @@ void attend_heads(const Heads<HG>& it, int64_t head_dim, float scale, std::vecto
         inverse[h] = 1.0f / horizontal_sum(total);
     }
 
-    // 3. the weighted sums of the values, 4 chunks (32 dimensions) at a time, each value row
-    //    loaded once for the HG heads; every element sums over the slots in order
-    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-        const int width = static_cast<int>(std::min<int64_t>(4, chunks - c0));
-        __m256 acc[HG][4];
-        for (int h = 0; h < HG; ++h)
-            for (int c = 0; c < 4; ++c) acc[h][c] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < it.n; ++j) {
-            const float* v = it.values + slot(j) * it.slot_stride + 8 * c0;
-            if (width == 4) {
-                const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
-                             v3 = _mm256_loadu_ps(v + 24);
+    // 3. the weighted sums of the values, 2 chunks (16 dimensions) at a time: the HG x 2
+    //    accumulators, two value vectors and a weight fit the 16 AVX2 registers (4 chunks spill);
+    //    every element sums over the slots in order, whatever the chunking
+    for (int64_t c0 = 0; c0 < chunks; c0 += 2) {
+        const int width = static_cast<int>(std::min<int64_t>(2, chunks - c0));
+        __m256 acc[HG][2];
+        for (int h = 0; h < HG; ++h) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+        if (width == 2) {
+            for (int64_t j = 0; j < it.n; ++j) {
+                const float* v = it.values + slot(j) * it.slot_stride + 8 * c0;
+                const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
                 for (int h = 0; h < HG; ++h) {
                     const __m256 w = _mm256_broadcast_ss(scores[h] + j);
                     acc[h][0] = _mm256_fmadd_ps(w, v0, acc[h][0]);
                     acc[h][1] = _mm256_fmadd_ps(w, v1, acc[h][1]);
-                    acc[h][2] = _mm256_fmadd_ps(w, v2, acc[h][2]);
-                    acc[h][3] = _mm256_fmadd_ps(w, v3, acc[h][3]);
                 }
-            } else {
-                for (int h = 0; h < HG; ++h) {
-                    const __m256 w = _mm256_broadcast_ss(scores[h] + j);
-                    for (int c = 0; c < width; ++c) acc[h][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[h][c]);
-                }
+            }
+        } else {
+            for (int64_t j = 0; j < it.n; ++j) {
+                const __m256 v0 = _mm256_loadu_ps(it.values + slot(j) * it.slot_stride + 8 * c0);
+                for (int h = 0; h < HG; ++h) acc[h][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores[h] + j), v0, acc[h][0]);
             }
         }
         for (int h = 0; h < HG; ++h) {

@@ -113,9 +113,21 @@ struct Rows {
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI: a tile of T rows times one unit of 16 columns.
 
+// A tile's results, plus the residual stream's rows where given (x + W y: one float add per
+// element, the same add as after the product).
 template <int T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
-void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, int64_t ldo, int ncols) {
+inline void store_tile(const __m512* acc, float* out, const float* res, int64_t row0, int64_t ldo, __mmask16 mask) {
+    for (int r = 0; r < T; ++r) {
+        const int64_t at = (row0 + r) * ldo;
+        const __m512 v = res ? _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, res + at)) : acc[r];
+        _mm512_mask_storeu_ps(out + at, mask, v);
+    }
+}
+
+template <int T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
     __m512 acc[T];
     for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -150,12 +162,12 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
         }
     }
     const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-    for (int r = 0; r < T; ++r) _mm512_mask_storeu_ps(out + (row0 + r) * ldo, mask, acc[r]);
+    store_tile<T>(acc, out, res, row0, ldo, mask);
 }
 
 template <int T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
-void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, int64_t ldo, int ncols) {
+void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
     __m512 acc[T];
     for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -188,26 +200,27 @@ void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
         }
     }
     const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-    for (int r = 0; r < T; ++r) _mm512_mask_storeu_ps(out + (row0 + r) * ldo, mask, acc[r]);
+    store_tile<T>(acc, out, res, row0, ldo, mask);
 }
 
 // ---------------------------------------------------------------------------------------------
 // AVX2: the same records, 8 columns at a time (half h of a unit), maddubs for the integer sums.
 
 __attribute__((target("avx2,fma,f16c")))
-inline void store_cols(float* dst, __m256 v, int ncols) {
+inline void store_cols(float* dst, const float* res, __m256 v, int ncols) {
     if (ncols >= 8) {
-        _mm256_storeu_ps(dst, v);
+        _mm256_storeu_ps(dst, res ? _mm256_add_ps(v, _mm256_loadu_ps(res)) : v);
     } else if (ncols > 0) {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, v);
+        alignas(32) float tmp[8] = {};
+        if (res) std::memcpy(tmp, res, sizeof(float) * ncols);
+        _mm256_store_ps(tmp, res ? _mm256_add_ps(v, _mm256_load_ps(tmp)) : v);
         std::memcpy(dst, tmp, sizeof(float) * ncols);
     }
 }
 
 template <int T>
 __attribute__((target("avx2,fma,f16c")))
-void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, int64_t ldo, int ncols) {
+void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; ++h) {
@@ -245,13 +258,14 @@ void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
                 acc[r] = _mm256_add_ps(acc[r], t);
             }
         }
-        for (int r = 0; r < T; ++r) store_cols(out + (row0 + r) * ldo + 8 * h, acc[r], ncols - 8 * h);
+        for (int r = 0; r < T; ++r)
+            store_cols(out + (row0 + r) * ldo + 8 * h, res ? res + (row0 + r) * ldo + 8 * h : nullptr, acc[r], ncols - 8 * h);
     }
 }
 
 template <int T>
 __attribute__((target("avx2,fma,f16c")))
-void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, int64_t ldo, int ncols) {
+void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; ++h) {
         __m256 acc[T];
@@ -280,14 +294,15 @@ void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
                 acc[r] = _mm256_add_ps(acc[r], t);
             }
         }
-        for (int r = 0; r < T; ++r) store_cols(out + (row0 + r) * ldo + 8 * h, acc[r], ncols - 8 * h);
+        for (int r = 0; r < T; ++r)
+            store_cols(out + (row0 + r) * ldo + 8 * h, res ? res + (row0 + r) * ldo + 8 * h : nullptr, acc[r], ncols - 8 * h);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Dispatch: rows in tiles of the largest size the instruction set keeps in registers.
 
-using TileFn = void (*)(const uint8_t*, const Rows&, int64_t, float*, int64_t, int);
+using TileFn = void (*)(const uint8_t*, const Rows&, int64_t, float*, const float*, int64_t, int);
 
 #define SPECDEC_TILES(NAME)                                                                              \
     TileFn NAME##_tile(int rows) {                                                                       \
@@ -339,10 +354,13 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
     s_buf.resize(rows * G);
     quantize_rows(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data());
     auto out = torch::empty({rows, out_features}, torch::kFloat32);
+    torch::Tensor res_c;  // the residual stream, added in the tiles' stores
     if (residual) {
         TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->numel() == rows * out_features,
                     "the residual must be [rows, out] float32");
+        res_c = residual->contiguous();
     }
+    const float* res = residual ? res_c.data_ptr<float>() : nullptr;
     const Rows xr{q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data(), rows, G};
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
@@ -366,11 +384,11 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
             const uint8_t* unit = w + u * G * record;
             const int ncols = static_cast<int>(std::min<int64_t>(NC, out_features - u * NC));
             float* col = o + u * NC;
-            for (const auto& [row, fn] : plan) fn(unit, xr, row, col, out_features, ncols);
+            const float* res_col = res ? res + u * NC : nullptr;
+            for (const auto& [row, fn] : plan) fn(unit, xr, row, col, res_col, out_features, ncols);
         }
     });
-    // The residual stream's add (x + W y), one float add per element after the product.
-    return residual ? out.add_(residual->reshape({rows, out_features})) : out;
+    return out;
 }
 
 torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa,

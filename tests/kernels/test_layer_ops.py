@@ -119,13 +119,22 @@ def test_silu_mul_is_pytorchs_and_row_invariant() -> None:
         assert torch.equal(kernels.silu_mul(h[i : i + 1])[0], out[i])
 
 
-def test_products_add_the_residual() -> None:
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("isa", [isa for isa in ("avx2", "avx512_vnni") if isa in kernels.instruction_sets()])
+def test_products_add_the_residual(fmt: str, isa: str) -> None:
+    # The add happens in the tiles' stores: bitwise the residual plus the product, for every
+    # row count (each tile size) and for a last unit of 8 and of 3 columns (the partial stores).
     from specdec.kernels import packing
 
-    q, d, m = packing.quantize_q4(torch.randn(48, 64))
-    packed = packing.pack_q4(q, d, m)
-    x, residual = torch.randn(3, 64), torch.randn(3, 48)
-    assert torch.equal(kernels.q4_matmul(x, packed, 48, residual=residual), residual + kernels.q4_matmul(x, packed, 48))
+    for out_features in (48, 40, 35):
+        weight = torch.randn(out_features, 64)
+        packed = (packing.pack_q4(*packing.quantize_q4(weight)) if fmt == "q4"
+                  else packing.pack_q8(*packing.quantize_q8(weight)))
+        product = kernels.q4_matmul if fmt == "q4" else kernels.q8_matmul
+        for rows in (1, 3, 8, 11):
+            x, residual = torch.randn(rows, 64), torch.randn(rows, out_features)
+            assert torch.equal(product(x, packed, out_features, isa, residual=residual),
+                               residual + product(x, packed, out_features, isa))
 
 
 def test_a_query_that_sees_nothing_gets_zeros() -> None:
