@@ -124,7 +124,7 @@ class SpeculativeConfig:
     def label(self) -> str:
         """A short name for tables: method, what drafts, k, adaptive."""
         parts = [self.method]
-        if self.method in ("draft_model", "eagle", "hybrid", "medusa", "mtp") and self.model:
+        if registry.method(self.method).takes_model and self.model:
             parts.append("self" if self.model == "target" else Path(self.model).name)
         parts += self.options.label()
         parts.append(f"k={self.num_speculative_tokens}")

@@ -44,6 +44,7 @@ from typing import Any
 
 import matplotlib
 
+from specdec import drafters
 from specdec.api import LLM, Message
 from specdec.bench.data import Record
 from specdec.bench.runner import Runner, RunResult, System, run_bench, specdec_runner
@@ -61,31 +62,21 @@ from matplotlib.lines import Line2D  # noqa: E402
 
 PLAIN = "plain"
 OVERALL = "overall"
-# The drafters tuned when none are named, and the k each is measured at.
-DEFAULT_METHODS: tuple[dict[str, Any], ...] = (
-    {"method": "ngram"},
-    {"method": "suffix"},
-    {"method": "lookahead"},
-    {"method": "layer_skip"},
-    {"method": "draft_model", "model": "target", "quantization": "int8"},
-)
-DEFAULT_KS = {"ngram": (1, 2, 3, 4, 6), "suffix": (4, 6, 8), "lookahead": (2, 3), "eagle": (2, 3, 4, 5, 6), "hybrid": (2, 3, 4, 5, 6), "medusa": (1, 2, 3)}
-# With a head for the target (shipped or named): the head, and lookup with the head.
-HEAD_METHODS: tuple[dict[str, Any], ...] = ({"method": "eagle"}, {"method": "hybrid"})
+
+
+def base_methods() -> list[dict[str, Any]]:
+    """The drafters tuned when none are named, as the registry gives them (each method's `tuned`)."""
+    return [{"method": m.name, **m.tuned} for m in drafters.methods() if m.tuned is not None]
 
 
 def default_methods(target) -> list[dict[str, Any]]:
-    """DEFAULT_METHODS for this target: without the int8 self-draft when the target's own weights
-    are int8 or int4 already (such a copy costs as much as the target); with the EAGLE head and
-    the hybrid, and Medusa, when such heads ship for the target."""
+    """The base methods for this target: without the int8 self-draft when the target's own weights
+    are int8 or int4 already (such a copy costs as much as the target); with the methods that
+    need a trained head (EAGLE, the hybrid, Medusa) when such a head ships for the target."""
     quantized = target.backend.weight_format.startswith(QUANTIZED_FORMATS)
-    methods = [dict(m) for m in DEFAULT_METHODS if not (quantized and m.get("quantization") == "int8")]
-    if shipped_dir("eagle", target.name) is not None:
-        methods += [dict(m) for m in HEAD_METHODS]
-    if shipped_dir("medusa", target.name) is not None:
-        methods.append({"method": "medusa"})
-    return methods
-DEFAULT_MODEL_KS = (1, 2, 3, 4)
+    methods = [m for m in base_methods() if not (quantized and m.get("quantization") == "int8")]
+    return methods + [{"method": m.name} for m in drafters.methods()
+                      if m.head is not None and shipped_dir(m.head, target.name) is not None]
 
 
 @dataclass(frozen=True)
@@ -141,7 +132,7 @@ def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None,
         if "num_speculative_tokens" in method:
             grid = [method["num_speculative_tokens"]]
         else:
-            grid = list(ks) if ks else list(DEFAULT_KS.get(method["method"], DEFAULT_MODEL_KS))
+            grid = list(ks) if ks else list(drafters.method(method["method"]).tune_ks)
         configs = [SpeculativeConfig.from_dict({**base, "num_speculative_tokens": k}) for k in grid]
         if adaptive:
             configs.append(SpeculativeConfig.from_dict({**base, "num_speculative_tokens": max(grid), "adaptive": True}))
@@ -155,17 +146,11 @@ def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None,
     return candidates
 
 
-def pin_layers(candidates: list[Candidate], target: LoadedModel) -> list[Candidate]:
-    """layer_skip without `layers` or `profile` means whatever profile ships for the model when
-    it is loaded; the recommendation names the layers that were measured instead."""
-    from specdec.drafters.layer_skip import resolve_layers
-
-    pinned = []
-    for c in candidates:
-        if c.config.method == "layer_skip" and c.config.layers is None and c.config.profile is None:
-            c = dataclasses.replace(c, config=dataclasses.replace(c.config, layers=resolve_layers(c.config, target)))
-        pinned.append(c)
-    return pinned
+def pin_candidates(candidates: list[Candidate], target: LoadedModel) -> list[Candidate]:
+    """Each candidate with what its config leaves to the target made explicit (layer_skip without
+    `layers` or `profile` means whatever profile ships for the model), so that the recommendation
+    names what was measured."""
+    return [dataclasses.replace(c, config=c.config.options.pinned(c.config, target)) for c in candidates]
 
 
 def _recording(run: Runner, sink: list[RequestStats]) -> Runner:

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from specdec import drafters
 from specdec.config import SamplingParams, SpeculativeConfig, StructuredOutput
 from specdec.errors import ConfigError, SpecDecError
 
@@ -55,7 +56,10 @@ def prompt_progress(label: str, total: int) -> Iterator[Callable[[object], None]
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file, a Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct).")]
 SpecOpt = Annotated[Optional[str], typer.Option("--speculative-config", help="JSON, as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, ...}; or a JSON file, such as the recommended.json of specdec tune.")]
-MethodOpt = Annotated[Optional[str], typer.Option("--method", help="Drafter: ngram, draft_model, layer_skip, eagle (a head trained on the target's states), hybrid (lookup, else eagle), medusa, mtp (a checkpoint's multi-token-prediction layer), suffix (the request's and the route's earlier outputs), lookahead (a Jacobi window and the target's own n-grams), or 'none' for plain decoding. [default: ngram]")]
+METHOD_HELP = ("Drafter: " + "; ".join(f"{m.name} ({m.summary})" for m in drafters.methods())
+               + f"; or 'none' for plain decoding. [default: {drafters.DEFAULT_METHOD}]")
+MethodOpt = Annotated[Optional[str], typer.Option("--method", help=METHOD_HELP)]
+ARCH_HELP = "Head architecture: " + "; or ".join(f"{name} ({drafters.head_class(name).summary})" for name in drafters.trainable_heads())
 KOpt = Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Most tokens drafted per target step.")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for --method draft_model (same forms as --model); for eagle and hybrid, a head directory (default: the head shipped for the model).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda where a GPU exists.")]
@@ -65,10 +69,10 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="Weight format: auto (a G
 
 def speculative_config(spec_json: str | None, method: str | None, k: int | None, draft_model: str | None) -> SpeculativeConfig | None:
     """Combine --speculative-config (JSON text, or a file that holds it) with the shorthands,
-    which override its keys. With neither a config nor --method, the method is ngram. A file
+    which override its keys. With neither a config nor --method, the default method (ngram). A file
     written by `specdec tune` gives its overall recommendation, which may be plain decoding."""
     if spec_json is None and method is None:
-        method = "ngram"
+        method = drafters.DEFAULT_METHOD
     data: dict[str, Any] = {}
     config_file = _config_file(spec_json)
     if config_file is not None:
@@ -95,7 +99,7 @@ def speculative_config(spec_json: str | None, method: str | None, k: int | None,
         if len(data) > 1:
             raise ConfigError("--method none takes no other speculative settings")
         return None
-    data.setdefault("method", "ngram")
+    data.setdefault("method", drafters.DEFAULT_METHOD)
     return SpeculativeConfig.from_dict(data)
 
 
@@ -316,10 +320,10 @@ def bench(
                 ]
             except ImportError:
                 err.print("llama.cpp peers skipped: llama-cpp-python is not installed (make peers installs it)")
-    if stock is not None and spec.method == "draft_model":
-        assistant = llm.engine.drafter.runner.loaded  # type: ignore[union-attr]
-        if assistant.model is not None:
-            systems.append(System("transformers assisted", transformers_runner(stock, encode, params, assistant_model=assistant.model), "transformers generate"))
+    runner = llm.engine.drafter.model_runner() if llm.engine.drafter is not None else None
+    if stock is not None and runner is not None and runner.layers is None and runner.loaded.model is not None:
+        # A draft model of its own on transformers: transformers' assisted generation with it.
+        systems.append(System("transformers assisted", transformers_runner(stock, encode, params, assistant_model=runner.loaded.model), "transformers generate"))
     turns = sum(len(r.turns) for r in records)
     err.print(f"{len(records)} prompts ({turns} turns) x {len(systems)} systems, up to {max_tokens} tokens a turn")
     with prompt_progress("bench", len(records)) as advance:
@@ -426,7 +430,7 @@ def tune(
         target = load_model(model, device=device, backend=backend, dtype=dtype)
     if candidates is None:
         candidates = t.build_candidates(t.default_methods(target), k_grid, adaptive)
-    candidates = t.pin_layers(candidates, target)
+    candidates = t.pin_candidates(candidates, target)
     turns = sum(len(r.turns) for r in records)
     err.print(f"{len(records)} prompts ({turns} turns) x {len(candidates) + 1} systems (plain decoding and "
               f"{len(candidates)} configs), up to {max_tokens} tokens a turn; preparing drafters and warming up...")
@@ -659,7 +663,7 @@ def calibrate(
 @app.command("train-draft")
 def train_draft(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the answers, checkpoints and the trained head.")],
-    arch: Annotated[str, typer.Option("--arch", help="Head architecture: eagle (one decoder layer on three of the target's layers) or medusa (residual heads on its last state).")] = "eagle",
+    arch: Annotated[str, typer.Option("--arch", help=ARCH_HELP)] = drafters.DEFAULT_HEAD,
     model: ModelOpt = None,
     data: Annotated[Optional[Path], typer.Option("--data", help="JSONL training prompts ({\"id\", \"turns\"}); never benchmark prompts.")] = None,
     answers: Annotated[int, typer.Option("--answers", help="Prompts of --data the target answers (its answers are the training text).")] = 2000,
@@ -684,11 +688,10 @@ def train_draft(
     --speculative-config '{"method": "eagle", "model": "OUT"}' (or "medusa")."""
     from specdec.models.loader import load_model
     from specdec.training.corpus import generate_answers, read_answers, select_prompts, text_records
-    from specdec.training.heads import ARCHS, TrainConfig, train_head
+    from specdec.training.heads import TrainConfig, train_head
     from specdec.training.heads import Progress as TrainProgress
 
-    if arch not in ARCHS:
-        raise ConfigError(f"unknown head architecture {arch!r}; train-draft trains: {', '.join(ARCHS)}")
+    drafters.head_class(arch)  # ConfigError for an unknown one
     if max_time is None and max_tokens is None:
         raise ConfigError("give a budget: --max-time SECONDS and/or --max-tokens N")
     answers_path = out_dir / "answers.jsonl"

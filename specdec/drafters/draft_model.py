@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.registry import Options, register
 from specdec.errors import ConfigError
 from specdec.models.cache import PreallocatedCache
@@ -64,7 +64,7 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Drafts with `draft`, or with only the given decoder layers of it (self-speculation)."""
 
     def __init__(
@@ -102,6 +102,9 @@ class DraftModelDrafter:
         """The engine paused speculation and asks again: catch up on the sink and the recent
         window only, if the draft missed more than that."""
         self._resumed = True
+
+    def model_runner(self) -> ModelRunner:
+        return self.runner
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
@@ -186,7 +189,9 @@ class DraftModelOptions(Options):
         return [self.quantization] if self.quantization else []
 
 
-@register("draft_model", options=DraftModelOptions, default_k=4)
+@register("draft_model", options=DraftModelOptions, default_k=4, takes_model=True,
+          summary="a smaller model with the target's tokenizer, or the target itself quantized",
+          tuned={"model": "target", "quantization": "int8"})
 def _build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
     assert config.model is not None  # the config checks this
     # A target drafting for itself shares its weights instead of loading them again.

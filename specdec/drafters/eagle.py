@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.drafters import head_files
-from specdec.drafters.base import Proposal, best_subtree
-from specdec.drafters.registry import Options, register, require_int
+from specdec.drafters.base import Drafter, Proposal, best_subtree
+from specdec.drafters.registry import Options, register, register_head, require_int
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
@@ -184,6 +184,7 @@ class EagleLayer(nn.Module):
         })
 
 
+@register_head("eagle")
 class EagleHead(nn.Module):
     """The weights of an EAGLE head, shared by every sequence that drafts with it.
 
@@ -279,6 +280,38 @@ class EagleHead(nn.Module):
             )
         return cache[fmt]
 
+    # --- training (train-draft) ----------------------------------------------------------------
+
+    summary = "one decoder layer on three of the target's layers"
+
+    @classmethod
+    def fresh(cls, target: LoadedModel, d2t_ids: torch.Tensor, *, heads: int, seed: int) -> EagleHead:
+        """A new head tied to the target's LM head rows for the vocabulary `d2t_ids`: small normal
+        weights, the output projections scaled down so that the layer starts near the identity
+        on its residual (`heads` is Medusa's)."""
+        backend = target.backend
+        config = EagleHeadConfig.for_target(target, len(d2t_ids))
+        head = cls(config, backend.input_embeddings(), d2t_ids - torch.arange(len(d2t_ids)),
+                   backend.output_embeddings()[d2t_ids])
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in head.named_parameters():
+                if param.dim() == 2:
+                    std = param.shape[1] ** -0.5 * (0.1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
+                    param.normal_(0.0, std, generator=generator)
+        return head
+
+    def view_layers(self, target: LoadedModel) -> tuple[int, ...]:
+        return self.config.target_layers
+
+    def draft_positions(self, depth: int) -> int:
+        return depth
+
+    def draft_logits(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[tuple[torch.Tensor, int, int]]:
+        """Training-time test unrolled `depth` draft steps: depth j predicts row t and means
+        something from position j on."""
+        return [(logits, 0, j) for j, logits in enumerate(ttt_forward(self, features, tokens, depth))]
+
     # --- files --------------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
@@ -307,6 +340,63 @@ class EagleHead(nn.Module):
         return head.eval()
 
 
+# --- training-time test ---------------------------------------------------------------------
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Attention at depth j = len(keys) - 1 of training-time test.
+
+    q: [heads, n, head_dim]; keys[i], values[i]: [kv_heads, n, head_dim], depth i's entries at
+    positions 0 .. n - 1. Position t attends to depth 0 at positions <= t - j and to depth i at
+    position t - j + i for i = 1 .. j. Returns [heads, n, head_dim].
+    """
+    j = len(keys) - 1
+    heads, n, head_dim = q.shape
+    repeat = heads // keys[0].shape[0]
+    expand = lambda t: t.repeat_interleave(repeat, dim=0)  # noqa: E731  [heads, n, head_dim]
+    scale = head_dim ** -0.5
+    scores = [(q @ expand(keys[0]).transpose(1, 2)) * scale]  # [heads, n, n]
+    visible = torch.ones(n, n, dtype=torch.bool).tril(-j)
+    scores[0] = scores[0].masked_fill(~visible, float("-inf"))
+    shifted_values = []
+    for i in range(1, j + 1):
+        shift = j - i
+        k_i, v_i = expand(keys[i]), expand(values[i])
+        if shift:
+            pad = torch.zeros(heads, shift, head_dim)
+            k_i, v_i = torch.cat([pad, k_i[:, :-shift]], 1), torch.cat([pad, v_i[:, :-shift]], 1)
+        score = (q * k_i).sum(-1, keepdim=True) * scale  # [heads, n, 1]
+        score[:, :shift] = float("-inf")
+        scores.append(score)
+        shifted_values.append(v_i)
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # [heads, n, n + j]
+    out = weights[..., :n] @ expand(values[0])
+    for i, v_i in enumerate(shifted_values):
+        out = out + weights[..., n + i : n + i + 1] * v_i
+    return out
+
+
+def ttt_forward(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """The head unrolled `depth` draft steps over a whole sequence.
+
+    features: [n, len(target_layers) * hidden], the target's states at positions 0 .. n - 1;
+    tokens: [n], token t + 1 for each position t. Returns each depth's draft logits
+    [n, draft_vocab]; at depth j positions < j have no meaning.
+    """
+    n = features.shape[0]
+    positions = torch.arange(n)
+    x = head.fc(features)  # [n, hidden]
+    keys, values, logits = [], [], []
+    for _ in range(depth):
+        q, k, v = head.project(x, tokens, positions)
+        keys.append(k)
+        values.append(v)
+        state = head.finish(x, ttt_attention(q, keys, values))  # [n, hidden]
+        logits.append(head.logits(state))
+        x = torch.cat([torch.zeros_like(state[:1]), state[:-1]])  # position t reads depth j's state at t - 1
+    return logits
+
+
 @dataclass(frozen=True)
 class PackedHead:
     """The matrices of a head as the drafter multiplies them (:class:`PackedLinear`). `fc` is
@@ -323,7 +413,7 @@ class PackedHead:
         return sum(m.nbytes for m in (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm))
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """One sequence's EAGLE drafting: the head's KV cache over the committed positions, built
     from the target's features, plus the drafted positions past them."""
 
@@ -527,6 +617,7 @@ class TreeOptions(Options):
         return (self.tree_nodes or 4 * self.tree_width) if self.tree_width > 1 else 0
 
 
-@register("eagle", options=TreeOptions, default_k=1)
+@register("eagle", options=TreeOptions, default_k=1, takes_model=True, summary="a head trained on the target's states",
+          tune_ks=(2, 3, 4, 5, 6), head="eagle")
 def _build(config: SpeculativeConfig, target: LoadedModel) -> EagleDrafter:
     return EagleDrafter(load_head(config, target), tree_width=config.tree_width, tree_nodes=config.tree_nodes)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.eagle import EagleDrafter, TreeOptions, load_head
 from specdec.drafters.ngram import NgramDrafter, NgramOptions
 from specdec.drafters.registry import register, require_int
@@ -27,7 +27,7 @@ from specdec.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from specdec.config import SpeculativeConfig
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     def __init__(self, eagle: EagleDrafter, lookup: NgramDrafter, head_tokens: int | None = None) -> None:
         self.eagle = eagle
         self.lookup = lookup
@@ -79,7 +79,8 @@ class HybridOptions(TreeOptions, NgramOptions):
             [f"lookup>={self.prompt_lookup_min}"] if self.prompt_lookup_min != 2 else []) + super().label_after_k()
 
 
-@register("hybrid", options=HybridOptions, default_k=4)
+@register("hybrid", options=HybridOptions, default_k=4, takes_model=True, summary="prompt lookup, else the EAGLE head",
+          tune_ks=(2, 3, 4, 5, 6), head="eagle")
 def _build(config: SpeculativeConfig, target: LoadedModel) -> HybridDrafter:
     return HybridDrafter(EagleDrafter(load_head(config, target), tree_width=config.tree_width,
                                       tree_nodes=config.tree_nodes),

@@ -17,6 +17,8 @@ of 24 of 30 layers agrees with the full model on only a third of greedy tokens (
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -132,7 +134,14 @@ class LayerSkipOptions(Options):
             return [Path(self.profile).stem]
         return [] if self.layers is None else [f"{len(self.layers)} layers"]
 
+    def pinned(self, config: SpeculativeConfig, target: LoadedModel) -> SpeculativeConfig:
+        """Without layers or a profile: the layers of the profile shipped for the target."""
+        if self.layers is not None or self.profile is not None:
+            return config
+        return dataclasses.replace(config, layers=resolve_layers(config, target))
 
-@register("layer_skip", options=LayerSkipOptions, default_k=1)
+
+@register("layer_skip", options=LayerSkipOptions, default_k=1, summary="the target with some of its layers skipped",
+          tuned={})
 def _build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
     return DraftModelDrafter(target, resolve_layers(config, target))

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import Drafter, Proposal, Verified
 from specdec.drafters.registry import Options, register, require_int
 from specdec.models.loader import LoadedModel
 from specdec.sampling.params import SamplingParams
@@ -115,7 +115,7 @@ def merge_chains(chains: list[list[int]]) -> tuple[list[int], list[int]]:
     return tokens, parents
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(Drafter):
     added_memory_bytes = 0
 
     def __init__(self, window: int, n: int, guesses: int, pool_size: int) -> None:
@@ -161,9 +161,10 @@ class LookaheadDrafter:
             return Proposal(tokens=tokens)  # one chain
         return Proposal(tokens=tokens, parents=tuple(parents))
 
-    def observe_verified(self, tokens: list[int], parents: list[int], top: list[int]) -> None:
+    def observe_verified(self, verified: Verified) -> None:
         """After the pass: the nodes verified (as the engine kept them) and the target's top
         token after the root and after each node (`top`, 1 + len(tokens))."""
+        tokens, parents, top = verified.tokens, verified.parents, verified.top()
         fed = {self._root: self._root_token}
         out = {self._root + 1: top[0]}
         node = -1
@@ -201,7 +202,8 @@ class LookaheadDrafter:
         return LookaheadDrafter(self.window, self.n, self.guesses, self.pool_size)
 
 
-@register("lookahead", options=LookaheadOptions, default_k=2)
+@register("lookahead", options=LookaheadOptions, default_k=2, summary="a Jacobi window and the target's own n-grams",
+          tune_ks=(2, 3), tuned={})
 def _build(config: SpeculativeConfig, target: LoadedModel) -> LookaheadDrafter:
     o = config.options
     return LookaheadDrafter(o.lookahead_window, o.lookahead_ngram, o.lookahead_guesses, o.lookahead_pool)

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.drafters import head_files
-from specdec.drafters.base import Proposal, best_subtree
+from specdec.drafters.base import Drafter, Proposal, best_subtree
 from specdec.drafters.eagle import TreeOptions
-from specdec.drafters.registry import register
+from specdec.drafters.registry import register, register_head
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
@@ -82,6 +82,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
+@register_head("medusa")
 class MedusaHeads(nn.Module):
     """The K heads, shared by every sequence that drafts with them.
 
@@ -134,6 +135,34 @@ class MedusaHeads(nn.Module):
             )
         return cache[fmt]
 
+    # --- training (train-draft) ----------------------------------------------------------------
+
+    summary = "residual heads on the target's last state"
+
+    @classmethod
+    def fresh(cls, target: LoadedModel, d2t_ids: torch.Tensor, *, heads: int, seed: int) -> MedusaHeads:
+        """`heads` new heads tied to the target's LM head rows for the vocabulary `d2t_ids`, with
+        zero residual blocks: each starts as the target's own next-token guess (`seed` is unused)."""
+        backend = target.backend
+        config = MedusaConfig(heads, backend.hidden_size, backend.vocab_size, len(d2t_ids),
+                              float(target.config.rms_norm_eps), target=target.name)
+        new = cls(config, backend.final_norm_weight(), d2t_ids - torch.arange(len(d2t_ids)),
+                  backend.output_embeddings()[d2t_ids])
+        with torch.no_grad():
+            for param in new.parameters():
+                param.zero_()
+        return new
+
+    def view_layers(self, target: LoadedModel) -> tuple[int, ...]:
+        return (target.num_layers - 1,)
+
+    def draft_positions(self, depth: int) -> int:
+        return self.config.num_heads
+
+    def draft_logits(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[tuple[torch.Tensor, int, int]]:
+        """Head i at position t predicts row t + i (the target's distribution at t + 1 + i)."""
+        return [(logits, i, 0) for i, logits in enumerate(self(features))]
+
     def save(self, directory: str | Path) -> None:
         head_files.save(directory, self.config.to_json(), self.state_dict())
 
@@ -161,7 +190,7 @@ class PackedMedusa:
         return sum(m.nbytes for m in self.blocks + self.lm) + sum(b.numel() * 4 for b in self.biases)
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """One sequence's Medusa drafting: the heads applied to the target's last committed state.
     tree_width > 1: a token tree (Medusa's tree of per-depth top tokens), see `_propose_tree`."""
 
@@ -261,7 +290,8 @@ def load_heads(config: SpeculativeConfig, target: LoadedModel) -> MedusaHeads:
     return MedusaHeads.load(head_files.config_dir("medusa", config, target), target)
 
 
-@register("medusa", options=TreeOptions, default_k=3)
+@register("medusa", options=TreeOptions, default_k=3, takes_model=True,
+          summary="heads on the target's last state, one per position", tune_ks=(1, 2, 3), head="medusa")
 def _build(config: SpeculativeConfig, target: LoadedModel) -> MedusaDrafter:
     return MedusaDrafter(load_heads(config, target), target.num_layers, tree_width=config.tree_width,
                          tree_nodes=config.tree_nodes)

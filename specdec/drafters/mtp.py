@@ -247,7 +247,7 @@ def mtp_dir(config: SpeculativeConfig, target: LoadedModel) -> Path:
                       "set 'model' to the directory of a checkpoint whose config has num_nextn_predict_layers")
 
 
-@register("mtp", options=TreeOptions, default_k=1)
+@register("mtp", options=TreeOptions, default_k=1, takes_model=True, summary="a checkpoint's multi-token-prediction layer")
 def _build(config: SpeculativeConfig, target: LoadedModel) -> MtpDrafter:
     return MtpDrafter(load_mtp(mtp_dir(config, target), target), tree_width=config.tree_width,
                       tree_nodes=config.tree_nodes)

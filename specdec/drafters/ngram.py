@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.registry import Options, register, require_int
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
@@ -60,7 +60,7 @@ def find_continuation(context: np.ndarray, n_min: int, n_max: int, k: int) -> li
     return context[start : start + min(k, max(1, n - 1))].tolist()
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     added_memory_bytes = 0
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
@@ -97,6 +97,7 @@ class NgramOptions(Options):
             raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})")
 
 
-@register("ngram", options=NgramOptions, default_k=4)
+@register("ngram", options=NgramOptions, default_k=4, summary="prompt lookup: what followed the context's last n-gram before",
+          tune_ks=(1, 2, 3, 4, 6), tuned={})
 def _build(config: SpeculativeConfig, target: LoadedModel) -> NgramDrafter:
     return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.ngram import find_match
 from specdec.sampling.params import SamplingParams
 
@@ -29,7 +29,7 @@ from specdec.sampling.params import SamplingParams
 PREDICTION_K = 8
 
 
-class PredictionDrafter:
+class PredictionDrafter(Drafter):
     """Drafts from `prediction` (token ids), aligned with the output as it goes.
 
     lookup_max: the longest suffix of the output looked up while lost (prompt lookup's default).

@@ -1,15 +1,19 @@
-"""The registry of drafters by method name: each entry is a factory, its options and its default k.
+"""The registry of drafters by method name: each entry is the method's factory and everything the
+rest of specdec needs to know about it (options, default k, `tune`'s grid, whether it takes a
+model, its one-line help).
 
-Adding a drafter is one module plus its import in `specdec/drafters/__init__.py`. The module defines its options
-(a frozen subclass of :class:`Options` whose `__post_init__` validates them) and registers its
-factory::
+Adding a drafter is one module, its import in `specdec/drafters/__init__.py`, and its tests. The
+module defines its drafter (a :class:`~specdec.drafters.base.Drafter`), its options (a frozen
+subclass of :class:`Options` whose `__post_init__` validates them) and registers its factory::
 
-    @register("ngram", options=NgramOptions, default_k=4)
+    @register("ngram", options=NgramOptions, default_k=4, summary="prompt lookup: ...",
+              tune_ks=(1, 2, 3, 4, 6), tuned={})
     def build(config: SpeculativeConfig, target: LoadedModel) -> Drafter: ...
 
 `SpeculativeConfig` holds only the keys every method shares (method, k, model, adaptive,
 drafter_invariant) plus the method's options. Dependencies point one way: the config imports the
 drafters (and so this registry); drafter modules name the config in type annotations only.
+No code outside `specdec/drafters/` names a method (a test holds to that).
 """
 
 from __future__ import annotations
@@ -53,13 +57,34 @@ class Options:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def pinned(self, config: SpeculativeConfig, target: LoadedModel) -> SpeculativeConfig:
+        """The config with whatever it leaves to the target (a shipped profile) made explicit,
+        so that a recommendation names what was measured; unchanged by default."""
+        return config
+
+
+# The method a config or request gets when it names none.
+DEFAULT_METHOD = "ngram"
+# `tune`'s k grid for a method that gives none.
+DEFAULT_TUNE_KS = (1, 2, 3, 4)
+
 
 @dataclass(frozen=True)
 class Method:
+    """A registered drafter. `takes_model`: the config's `model` names what drafts (a label shows
+    it); `tune_ks`: the k `tune` measures; `tuned`: the config (beyond the method) `tune` measures
+    when no methods are named, or None to measure it only when named; `head`: the family of
+    trained head the method needs (`tune` includes it when such a head ships for the target)."""
+
     name: str
     build: DrafterFactory
     options: type[Options]
     default_k: int
+    summary: str = ""
+    takes_model: bool = False
+    tune_ks: tuple[int, ...] = DEFAULT_TUNE_KS
+    tuned: dict[str, Any] | None = None
+    head: str | None = None
 
     def keys(self) -> list[str]:
         return [f.name for f in fields(self.options)]
@@ -80,13 +105,16 @@ class Method:
 _REGISTRY: dict[str, Method] = {}
 
 
-def register(name: str, *, options: type[Options] = Options, default_k: int = 4) -> Callable[[DrafterFactory], DrafterFactory]:
-    """Register a drafter factory under a method name, with its options and default k."""
+def register(name: str, *, options: type[Options] = Options, default_k: int = 4, summary: str = "",
+             takes_model: bool = False, tune_ks: tuple[int, ...] = DEFAULT_TUNE_KS, tuned: dict[str, Any] | None = None,
+             head: str | None = None) -> Callable[[DrafterFactory], DrafterFactory]:
+    """Register a drafter factory under a method name, with what the rest of specdec reads of it
+    (see :class:`Method`)."""
 
     def wrap(factory: DrafterFactory) -> DrafterFactory:
         if name in _REGISTRY:
             raise ValueError(f"drafter {name!r} is already registered")
-        _REGISTRY[name] = Method(name, factory, options, default_k)
+        _REGISTRY[name] = Method(name, factory, options, default_k, summary, takes_model, tuple(tune_ks), tuned, head)
         return factory
 
     return wrap
@@ -94,6 +122,46 @@ def register(name: str, *, options: type[Options] = Options, default_k: int = 4)
 
 def registered_methods() -> list[str]:
     return sorted(_REGISTRY)
+
+
+# --- heads that `train-draft` trains -------------------------------------------------------
+
+# The head family train-draft trains when none is named.
+DEFAULT_HEAD = "eagle"
+_HEADS: dict[str, type] = {}
+
+
+def register_head(name: str) -> Callable[[type], type]:
+    """Register a trainable head class (an `nn.Module`) under its family's name. The class gives
+    `summary` (one line), `fresh(target, d2t_ids, heads=, seed=)` (a new head), `load(directory,
+    target)`, `save(directory)`, `draft_ids`, `view_layers(target)` (the target layers it reads),
+    `draft_positions(depth)` (how many draft positions it trains) and `draft_logits(features,
+    tokens, depth)` (per draft position: logits over every position t, the shift s of the target
+    row they predict, t + s, and the first position where they mean something)."""
+
+    def wrap(cls: type) -> type:
+        if name in _HEADS:
+            raise ValueError(f"head {name!r} is already registered")
+        _HEADS[name] = cls
+        return cls
+
+    return wrap
+
+
+def trainable_heads() -> list[str]:
+    return sorted(_HEADS)
+
+
+def head_class(name: str) -> type:
+    """The head class of a family; ConfigError naming the trainable ones if there is none."""
+    if name not in _HEADS:
+        raise ConfigError(f"unknown head architecture {name!r}; train-draft trains: {', '.join(sorted(_HEADS))}")
+    return _HEADS[name]
+
+
+def methods() -> list[Method]:
+    """Every registered method, by name."""
+    return [_REGISTRY[name] for name in sorted(_REGISTRY)]
 
 
 def method(name: str) -> Method:

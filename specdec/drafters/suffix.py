@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import CacheStats, Drafter, Proposal
 from specdec.drafters.registry import Options, register, require_int, require_number
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
@@ -231,7 +231,7 @@ class SuffixCache:
             return self._index.propose(context, k, max_depth, spec_factor, min_prob, tree)
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """One request's suffix drafting: its own context indexed as it grows, plus the route's cache."""
 
     added_memory_bytes = 0
@@ -246,6 +246,9 @@ class SuffixDrafter:
         self._own = _Index()
         self._prompt_length = 0
         self._doc = 0
+
+    def shared_cache(self) -> CacheStats:
+        return CacheStats(self.cache.nbytes, self.cache.requests)
 
     def begin(self, prompt_ids: list[int], max_len: int) -> None:
         self._own = _Index()
@@ -305,7 +308,8 @@ class SuffixOptions(Options):
             ["no cache"] if self.suffix_decoding_max_cached_requests == 0 else [])
 
 
-@register("suffix", options=SuffixOptions, default_k=6)
+@register("suffix", options=SuffixOptions, default_k=6, summary="the request's and the route's earlier outputs",
+          tune_ks=(4, 6, 8), tuned={})
 def _build(config: SpeculativeConfig, target: LoadedModel) -> SuffixDrafter:
     cache = SuffixCache(config.suffix_decoding_max_cached_requests, int(config.suffix_decoding_max_cache_mib * 2**20))
     return SuffixDrafter(cache, config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_spec_factor,

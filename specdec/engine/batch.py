@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SamplingParams
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Drafter, Verified
 from specdec.engine.adaptive import SpeculationPolicy
 from specdec.engine.generation import Generation, StreamChunk
 from specdec.engine.text import TextAssembler
@@ -108,7 +108,7 @@ class _Prefill:
 
 def target_layers(drafter: Drafter | None) -> tuple[int, ...]:
     """The target layers whose outputs a drafter reads (none for most drafters)."""
-    return tuple(getattr(drafter, "target_layers", ()))
+    return tuple(drafter.target_layers) if drafter is not None else ()
 
 
 def _features(states: dict[int, torch.Tensor], layers: tuple[int, ...], row: int, offsets: list[int]) -> torch.Tensor:
@@ -260,7 +260,7 @@ class BatchEngine:
             elif seq.drafter is not None and room > 0:
                 # Resumed after a pause (more than one step: a single timed plain step is none),
                 # a drafter that keeps state may catch up on less than everything it missed.
-                if seq.paused_steps > 1 and hasattr(seq.drafter, "resume"):
+                if seq.paused_steps > 1:
                     seq.drafter.resume()
                 seq.paused_steps = 0
                 proposal = seq.drafter.propose(seq.context, room, seq.params, seq.generator)
@@ -324,12 +324,12 @@ class BatchEngine:
             accepted = len(committed) - 1
             drafted = tree.depth if tree is not None else len(drafts[i])  # positions drafted, for a tree its depth
             seq.context.extend(committed)
-            if proposed[i] and hasattr(seq.drafter, "observe_verified"):
-                # The target's top token after the fed token and after every node verified, kept
-                # or not (lookahead's Jacobi window learns from all of them).
+            if proposed[i]:
+                # Every node verified, kept or not, with the target's logits after the fed token
+                # and after each node (lookahead's Jacobi window learns from all of them).
                 nodes = list(tree.tokens) if tree is not None else drafts[i]
                 parents = list(tree.parents) if tree is not None else list(range(-1, len(nodes) - 1))
-                seq.drafter.observe_verified(nodes, parents, logits[i, : 1 + len(nodes)].argmax(-1).tolist())
+                seq.drafter.observe_verified(Verified(nodes, parents, logits[i, : 1 + len(nodes)]))
             if seq.drafter is not None:
                 if own := target_layers(seq.drafter):  # the fed token's and accepted drafts' states
                     seq.drafter.observe_target(_features(out.layer_states, own, i, [0, *kept[i]]))

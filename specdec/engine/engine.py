@@ -63,7 +63,7 @@ class Engine:
         """A one-row batch engine whose cache holds `max_len` tokens (kept while big enough)."""
         if self._batch is None or self._batch.max_model_len < max_len:
             # A tree drafter may propose more tokens than its depth k.
-            size = max(self.k, getattr(self.drafter, "proposal_size", 0), PREDICTION_K)
+            size = max(self.k, self.drafter.proposal_size if self.drafter else 0, PREDICTION_K)
             self._batch = BatchEngine(self.target, max_rows=1, max_model_len=max_len, max_draft=size,
                                       sampling_rule=self.sampling_rule, tree_rule=self.tree_rule)
         return self._batch

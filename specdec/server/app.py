@@ -31,8 +31,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.api import LLM
 from specdec.config import SamplingParams, StructuredOutput
+from specdec.drafters.base import CacheStats
 from specdec.drafters.prediction import PREDICTION_K
-from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine.stats import RequestStats
 from specdec.engine.text import TokenBytes
 from specdec.errors import ConfigError, PromptError
@@ -399,7 +399,7 @@ def create_app(state: ServerState) -> FastAPI:
             "threads": state.scheduler.torch_threads,
             "replica": state.replica,
             "pid": os.getpid(),
-            "memory": memory_plan() | {"suffix_cache_bytes": {route: cache.nbytes for route, cache in suffix_caches()}},
+            "memory": memory_plan() | {"suffix_cache_bytes": {route: cache.nbytes for route, cache in shared_caches()}},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -407,14 +407,14 @@ def create_app(state: ServerState) -> FastAPI:
         """The start-up memory plan and the KV cache actually allocated."""
         return state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes}
 
-    def suffix_caches() -> list[tuple[str, SuffixCache]]:
-        """Each suffix route's cache of earlier outputs (shared by its requests' drafters)."""
-        return [(route, d.cache) for route, d in state.scheduler.drafters.items() if isinstance(d, SuffixDrafter)]
+    def shared_caches() -> list[tuple[str, CacheStats]]:
+        """Each route's cache shared by its requests' drafters (the suffix drafter's earlier outputs)."""
+        return [(route, cache) for route, d in state.scheduler.drafters.items() if d is not None and (cache := d.shared_cache()) is not None]
 
     @app.get("/metrics")
     async def metrics() -> Response:
         state.metrics.refresh_rates()
-        for route, cache in suffix_caches():
+        for route, cache in shared_caches():
             state.metrics.suffix_cache.labels(route).set(cache.nbytes)
             state.metrics.suffix_cache_requests.labels(route).set(cache.requests)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -46,6 +46,7 @@ from typing import Any
 import tomllib
 
 from specdec.config import SpeculativeConfig
+from specdec.drafters import DEFAULT_METHOD
 from specdec.drafters.prediction import PREDICTION_K
 from specdec.errors import ConfigError
 from specdec.models.backend import BACKENDS, DTYPES
@@ -317,7 +318,7 @@ def default_config(**overrides: Any) -> ServerConfig:
     """Two routes on the served model: `specdec` (ngram, k = 4, load-aware with the default
     schedule) and `specdec-plain` (no speculation)."""
     routes = (
-        RouteConfig(DEFAULT_ROUTE, SpeculativeConfig("ngram"), LoadSchedule.from_mapping(DEFAULT_LOAD_SCHEDULE), 8),
+        RouteConfig(DEFAULT_ROUTE, SpeculativeConfig(DEFAULT_METHOD), LoadSchedule.from_mapping(DEFAULT_LOAD_SCHEDULE), 8),
         RouteConfig(DEFAULT_PLAIN_ROUTE),
     )
     return ServerConfig(routes=routes, **overrides)

@@ -73,11 +73,10 @@ def plan_memory(target: LoadedModel, drafters: list[Drafter], max_model_len: int
     seen: set[tuple[int, tuple[int, ...] | None]] = set()
     weights = kv = 0
     for drafter in drafters:
-        runner = getattr(drafter, "runner", None)
-        loaded = getattr(runner, "loaded", None)
-        if not isinstance(loaded, LoadedModel):
+        runner = drafter.model_runner()
+        if runner is None:
             continue  # no model, no KV (ngram)
-        layers = getattr(runner, "layers", None)
+        loaded, layers = runner.loaded, runner.layers
         key = (id(loaded.backend), layers)
         if key in seen:
             continue

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from specdec.drafters.eagle import EagleHead, EagleHeadConfig
-from specdec.drafters.medusa import MedusaConfig, MedusaHeads
+from specdec import drafters
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
@@ -51,13 +51,12 @@ DEPTH_WEIGHT = 0.8
 BUDGET_FIELDS = ("max_tokens", "max_time", "checkpoint_every_s")
 
 
-ARCHS = ("eagle", "medusa")
 LOSS_ON = ("answers", "all")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    arch: str = "eagle"
+    arch: str = drafters.DEFAULT_HEAD
     medusa_heads: int = 3
     draft_vocab_size: int = 8192
     ttt_steps: int = 3
@@ -86,60 +85,6 @@ def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> 
     total = sum(counts.values()) or 1
     covered = sum(counts[t] for t in common) / total
     return torch.tensor(sorted(common), dtype=torch.long), covered
-
-
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Attention at depth j = len(keys) - 1 of training-time test.
-
-    q: [heads, n, head_dim]; keys[i], values[i]: [kv_heads, n, head_dim], depth i's entries at
-    positions 0 .. n - 1. Position t attends to depth 0 at positions <= t - j and to depth i at
-    position t - j + i for i = 1 .. j. Returns [heads, n, head_dim].
-    """
-    j = len(keys) - 1
-    heads, n, head_dim = q.shape
-    repeat = heads // keys[0].shape[0]
-    expand = lambda t: t.repeat_interleave(repeat, dim=0)  # noqa: E731  [heads, n, head_dim]
-    scale = head_dim ** -0.5
-    scores = [(q @ expand(keys[0]).transpose(1, 2)) * scale]  # [heads, n, n]
-    visible = torch.ones(n, n, dtype=torch.bool).tril(-j)
-    scores[0] = scores[0].masked_fill(~visible, float("-inf"))
-    shifted_values = []
-    for i in range(1, j + 1):
-        shift = j - i
-        k_i, v_i = expand(keys[i]), expand(values[i])
-        if shift:
-            pad = torch.zeros(heads, shift, head_dim)
-            k_i, v_i = torch.cat([pad, k_i[:, :-shift]], 1), torch.cat([pad, v_i[:, :-shift]], 1)
-        score = (q * k_i).sum(-1, keepdim=True) * scale  # [heads, n, 1]
-        score[:, :shift] = float("-inf")
-        scores.append(score)
-        shifted_values.append(v_i)
-    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # [heads, n, n + j]
-    out = weights[..., :n] @ expand(values[0])
-    for i, v_i in enumerate(shifted_values):
-        out = out + weights[..., n + i : n + i + 1] * v_i
-    return out
-
-
-def ttt_forward(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
-    """The head unrolled `depth` draft steps over a whole sequence.
-
-    features: [n, len(target_layers) * hidden], the target's states at positions 0 .. n - 1;
-    tokens: [n], token t + 1 for each position t. Returns each depth's draft logits
-    [n, draft_vocab]; at depth j positions < j have no meaning.
-    """
-    n = features.shape[0]
-    positions = torch.arange(n)
-    x = head.fc(features)  # [n, hidden]
-    keys, values, logits = [], [], []
-    for _ in range(depth):
-        q, k, v = head.project(x, tokens, positions)
-        keys.append(k)
-        values.append(v)
-        state = head.finish(x, ttt_attention(q, keys, values))  # [n, hidden]
-        logits.append(head.logits(state))
-        x = torch.cat([torch.zeros_like(state[:1]), state[:-1]])  # position t reads depth j's state at t - 1
-    return logits
 
 
 @dataclass(frozen=True)
@@ -196,18 +141,14 @@ def answer_start(record: dict) -> int:
     return max(0, len(record["prompt_ids"]) - 2) if record.get("answer_ids") else 0
 
 
-def sequence_losses(head: EagleHead | MedusaHeads, sample: TargetSample, ids: list[int], depth: int, start: int = 0):
+def sequence_losses(head: nn.Module, sample: TargetSample, ids: list[int], depth: int, start: int = 0):
     """Per draft position (EAGLE: depth; Medusa: head) (loss, correct count, positions counted)
     for one sequence, counting positions from `start`."""
     n = len(ids) - 1
-    if isinstance(head, MedusaHeads):
-        # Head i at position t: the target's distribution at t + 1 + i (sample row t + i).
-        all_logits = head(sample.features)  # [heads, n, draft_vocab]
-        pairs = [(all_logits[i, start : n - i], slice(start + i, n)) for i in range(head.config.num_heads)]
-    else:
-        # Depth j is meaningful from position j on.
-        unrolled = ttt_forward(head, sample.features, torch.tensor(ids[1:]), depth)
-        pairs = [(logits[max(j, start):], slice(max(j, start), n)) for j, logits in enumerate(unrolled)]
+    pairs = []
+    for logits, shift, first in head.draft_logits(sample.features, torch.tensor(ids[1:]), depth):
+        low, high = max(first, start), n - shift
+        pairs.append((logits[low:high], slice(low + shift, max(low, high) + shift)))
     results = []
     for logits, rows in pairs:
         if logits.shape[0] == 0:
@@ -219,33 +160,9 @@ def sequence_losses(head: EagleHead | MedusaHeads, sample: TargetSample, ids: li
     return results
 
 
-def new_head(target: LoadedModel, d2t_ids: torch.Tensor, config: TrainConfig) -> EagleHead | MedusaHeads:
-    """A fresh head reading the target's LM head rows for the vocabulary `d2t_ids`. EAGLE: small
-    normal weights (the output projections scaled down, so the layer starts near the identity on
-    its residual). Medusa: zero residual blocks (each head starts as the target's next-token guess)."""
-    backend = target.backend
-    offsets = d2t_ids - torch.arange(len(d2t_ids))
-    rows = backend.output_embeddings()[d2t_ids]
-    if config.arch == "medusa":
-        medusa = MedusaConfig(config.medusa_heads, backend.hidden_size, backend.vocab_size, config.draft_vocab_size,
-                              float(target.config.rms_norm_eps), target=target.name)
-        heads = MedusaHeads(medusa, backend.final_norm_weight(), offsets, rows)
-        with torch.no_grad():
-            for param in heads.parameters():
-                param.zero_()
-        return heads
-    head = EagleHead(EagleHeadConfig.for_target(target, config.draft_vocab_size), backend.input_embeddings(), offsets, rows)
-    generator = torch.Generator().manual_seed(config.seed)
-    with torch.no_grad():
-        for name, param in head.named_parameters():
-            if param.dim() == 2:
-                std = param.shape[1] ** -0.5 * (0.1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
-                param.normal_(0.0, std, generator=generator)
-    return head
-
-
-def _view_layers(head: EagleHead | MedusaHeads, target: LoadedModel) -> tuple[int, ...]:
-    return (target.num_layers - 1,) if isinstance(head, MedusaHeads) else head.config.target_layers
+def new_head(target: LoadedModel, d2t_ids: torch.Tensor, config: TrainConfig) -> nn.Module:
+    """A fresh head of `config.arch` reading the target's LM head rows for the vocabulary `d2t_ids`."""
+    return drafters.head_class(config.arch).fresh(target, d2t_ids, heads=config.medusa_heads, seed=config.seed)
 
 
 @dataclass
@@ -273,8 +190,7 @@ def train_head(
     "answer_ids"}), write it to `out` and return the report (also written as report.json).
     init: a head directory to start from (its weights and draft vocabulary) instead of fresh
     weights; a resumed run ignores it (its checkpoint holds the weights)."""
-    if config.arch not in ARCHS:
-        raise ConfigError(f"unknown head architecture {config.arch!r}; train-draft trains: {', '.join(ARCHS)}")
+    family = drafters.head_class(config.arch)  # ConfigError for an unknown one
     if config.loss_on not in LOSS_ON:
         raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {config.loss_on!r}")
     out.mkdir(parents=True, exist_ok=True)
@@ -303,7 +219,7 @@ def train_head(
         progress = Progress(**saved["progress"])
         coverage = saved["coverage"]
     elif init is not None:
-        start_from = MedusaHeads.load(init, target) if config.arch == "medusa" else EagleHead.load(init, target)
+        start_from = family.load(init, target)
         d2t_ids = start_from.draft_ids
         if len(d2t_ids) != config.draft_vocab_size:
             raise ConfigError(f"--init head has a draft vocabulary of {len(d2t_ids)}; this run asks for {config.draft_vocab_size}")
@@ -322,7 +238,7 @@ def train_head(
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     if saved is not None:
         optimizer.load_state_dict(saved["optimizer"])
-    view = TargetView(target, _view_layers(head, target), head.draft_ids, config.cache_top)
+    view = TargetView(target, head.view_layers(target), head.draft_ids, config.cache_top)
 
     def checkpoint() -> None:
         state = {"config": asdict(config), "d2t_ids": d2t_ids, "coverage": coverage, "head": head.state_dict(),
@@ -333,7 +249,7 @@ def train_head(
 
     start = time.monotonic() - progress.elapsed_s
     last_checkpoint = time.monotonic()
-    positions = config.medusa_heads if config.arch == "medusa" else config.ttt_steps
+    positions = head.draft_positions(config.ttt_steps)
     weights = [DEPTH_WEIGHT ** j for j in range(positions)]
 
     def out_of_budget() -> bool:
@@ -394,12 +310,12 @@ def train_head(
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead | MedusaHeads, view: TargetView, sequences: list[tuple[list[int], int]],
+def evaluate(head: nn.Module, view: TargetView, sequences: list[tuple[list[int], int]],
              depth: int) -> list[float]:
     """Top-1 agreement with the target per draft position (EAGLE: the (j + 1)-th drafted token,
     the earlier ones right; Medusa: head j), over (sequence, first position counted) pairs: the
     answer positions of held-out records."""
-    positions = head.config.num_heads if isinstance(head, MedusaHeads) else depth
+    positions = head.draft_positions(depth)
     correct, counted = [0] * positions, [0] * positions
     for ids, start in sequences:
         if len(ids) < positions + 2:

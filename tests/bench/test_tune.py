@@ -32,7 +32,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def test_default_grid_has_each_k_and_adaptive_at_the_largest() -> None:
-    candidates = tune.build_candidates([dict(m) for m in tune.DEFAULT_METHODS])
+    candidates = tune.build_candidates(tune.base_methods())
     by_drafter: dict[str, list[tune.Candidate]] = {}
     for c in candidates:
         by_drafter.setdefault(c.drafter, []).append(c)

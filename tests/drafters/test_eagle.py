@@ -11,12 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec import LLM, SamplingParams
-from specdec.drafters.eagle import EagleDrafter, EagleHead, default_target_layers
+from specdec.drafters.base import Drafter
+from specdec.drafters.eagle import EagleDrafter, EagleHead, default_target_layers, ttt_forward
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
-from specdec.training.heads import TargetView, TrainConfig, evaluate, new_head, train_head, ttt_forward
+from specdec.training.heads import TargetView, TrainConfig, evaluate, new_head, train_head
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -227,7 +228,7 @@ def test_an_oracle_tree_is_accepted_along_its_right_branch(tiny_native: LoadedMo
     params = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)
     reference = prompt + Engine(tiny_native).generate(prompt, params).token_ids
 
-    class Oracle:
+    class Oracle(Drafter):
         proposal_size = 4  # a tree of 4 tokens, 3 deep
 
         def begin(self, prompt_ids, max_len):

@@ -8,6 +8,7 @@ import pytest
 
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.config import SamplingParams as Params
+from specdec.drafters.base import Verified
 from specdec.drafters.lookahead import LookaheadDrafter, NgramPool, merge_chains
 from specdec.errors import ConfigError
 
@@ -40,7 +41,7 @@ def test_window_proposes_its_guesses_and_learns_diagonals() -> None:
     first = drafter.propose(prompt, 4, GREEDY, None)
     window = first.tokens[-2:]
     assert first.parents is None and len(first.tokens) == 2  # an empty pool: the window alone, a chain
-    drafter.observe_verified(first.tokens, [-1, 0], [20, 21, 22])
+    drafter.observe_verified(Verified(first.tokens, [-1, 0], top=[20, 21, 22]))
     assert drafter.pool.guesses(13, 3) == [(20,)]
     assert drafter.pool.guesses(window[0], 3)[0] == (21,)
     assert drafter.pool.guesses(window[1], 3)[0] == (22,)
@@ -59,13 +60,13 @@ def test_trigrams_come_from_two_passes() -> None:
     prompt = [1, 2, 3]
     drafter.begin(prompt, 64)
     p1 = drafter.propose(prompt, 4, GREEDY, None)
-    drafter.observe_verified(p1.tokens, [-1, 0], [7, 8, 9])  # positions 3, 4, 5
+    drafter.observe_verified(Verified(p1.tokens, [-1, 0], top=[7, 8, 9]))  # positions 3, 4, 5
     assert len(drafter.pool) == 0  # one pass is not a trigram yet
     context = prompt + [7]  # nothing accepted: the target's token after the root is committed
     drafter.commit(context, 0)
     p2 = drafter.propose(context, 4, GREEDY, None)  # window [8, 9] at positions 4, 5
     assert p2.tokens[-2:] == [8, 9]
-    drafter.observe_verified(p2.tokens, list(p2.parents or [-1, 0]), [8, 5, 6])  # tops at positions 4, 5, 6
+    drafter.observe_verified(Verified(p2.tokens, list(p2.parents or [-1, 0]), top=[8, 5, 6]))  # tops at positions 4, 5, 6
     # (3 fed in pass 1, 7 out at 3, 8 out of pass 2 at 4): the root's n-gram; (p1.window[0], 8, 5);
     # (p1.window[1], 9, 6).
     assert (7, 8) in drafter.pool.guesses(3, 4)

@@ -17,7 +17,7 @@ import torch
 
 from specdec import LLM, SamplingParams, SpeculativeConfig, StructuredOutput
 from specdec.api import RequestOutput
-from specdec.drafters import Proposal
+from specdec.drafters import Drafter, Proposal
 from specdec.engine import Engine, Generation
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
@@ -71,7 +71,7 @@ def references(plain_llm: LLM, plain: list[RequestOutput]) -> dict[tuple[int, ..
 # --- test-only drafters -----------------------------------------------------------------------
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Always agrees: proposes the plain output's next tokens."""
 
     def __init__(self, references: dict[tuple[int, ...], list[int]]) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.drafters import Proposal
+from specdec.drafters import Drafter, Proposal
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
@@ -194,7 +194,7 @@ def test_invalid_settings() -> None:
 # --- through the engine, on the real default model -------------------------------------------
 
 
-class WrongDrafter:
+class WrongDrafter(Drafter):
     """Proposes tokens the target never picks (the vocabulary's last ids), counting its calls;
     each proposal takes 10 ms, as a draft model's passes would."""
 

@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig
 
 from specdec.config import SamplingParams
-from specdec.drafters import Proposal
+from specdec.drafters import Drafter, Proposal
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
@@ -24,7 +24,7 @@ PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 2000], [1, 700, 800, 900], [1, 42] * 6, [1, 300
 MAX_TOKENS = 24
 
 
-class NoisyDrafter:
+class NoisyDrafter(Drafter):
     """Agrees partly: proposes the plain greedy continuation with one token in three wrong."""
 
     def __init__(self, reference: list[int]) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.drafters import Proposal
+from specdec.drafters import Drafter, Proposal
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine, RequestStats
@@ -26,7 +26,7 @@ def plain_llm(default_model: LoadedModel) -> LLM:
     return LLM(loaded=default_model)
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes a fixed continuation of the prompt (whatever the target would say)."""
 
     def __init__(self, script: list[int], extra: int = 0) -> None:

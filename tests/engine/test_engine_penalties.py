@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdec.config import SamplingParams
-from specdec.drafters import Proposal
+from specdec.drafters import Drafter, Proposal
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
@@ -43,7 +43,7 @@ def reference_greedy(target: LoadedModel, params: SamplingParams) -> list[int]:
     return output
 
 
-class Oracle:
+class Oracle(Drafter):
     """Proposes the reference output's next tokens as a chain, or as a tree with a wrong first
     sibling before the right one at every node."""
 

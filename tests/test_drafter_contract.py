@@ -1,0 +1,103 @@
+"""The drafter contract holds across the package: outside `specdec/drafters/` no code names a
+method (a string literal equal to a registered method's name) and none probes a drafter
+(`hasattr`/`getattr` on something called a drafter, `isinstance` against a drafter class): it
+reads the registry and the hooks of `specdec.drafters.base.Drafter`. Every drafter class is a
+`Drafter`, and every registry entry says what the CLI, `tune` and the config read of it."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import specdec
+from specdec import drafters
+from specdec.drafters.base import Drafter
+
+PACKAGE = Path(specdec.__file__).parent
+OUTSIDE = sorted(p for p in PACKAGE.rglob("*.py") if "drafters" not in p.relative_to(PACKAGE).parts)
+
+
+def _where(path: Path, node: ast.AST) -> str:
+    return f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+
+
+def _method_literals(path: Path, names: set[str]) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [f"{_where(path, node)} {node.value!r}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+
+
+def _drafter_probes(path: Path, drafter_classes: set[str]) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+            continue
+        subject = ast.unparse(node.args[0]).lower()
+        if node.func.id in ("hasattr", "getattr") and "drafter" in subject:
+            found.append(f"{_where(path, node)} {ast.unparse(node)}")
+        if node.func.id == "isinstance" and len(node.args) == 2:
+            kinds = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node.args[1])
+                     if isinstance(n, (ast.Name, ast.Attribute))}
+            if kinds & drafter_classes:
+                found.append(f"{_where(path, node)} {ast.unparse(node)}")
+    return found
+
+
+def _drafter_classes() -> set[str]:
+    return {name for module in vars(drafters).values() if inspect.ismodule(module)
+            for name, obj in vars(module).items() if inspect.isclass(obj) and issubclass(obj, Drafter)}
+
+
+def test_no_method_name_outside_the_drafters() -> None:
+    names = set(drafters.registered_methods())
+    found = [hit for path in OUTSIDE for hit in _method_literals(path, names)]
+    assert not found, "method names outside specdec/drafters/ (read them from the registry):\n" + "\n".join(found)
+
+
+def test_no_code_outside_the_drafters_probes_a_drafter() -> None:
+    classes = _drafter_classes() - {"Drafter"}
+    found = [hit for path in OUTSIDE for hit in _drafter_probes(path, classes)]
+    assert not found, "drafters probed outside specdec/drafters/ (add a hook to Drafter):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ('x = "ngram"', ["'ngram'"]),
+    ('f(method="suffix")', ["'suffix'"]),
+    ('"""prose that mentions ngram"""', []),
+])
+def test_the_literal_check_can_fail(tmp_path: Path, source: str, expected: list[str]) -> None:
+    path = PACKAGE / "_probe_for_test.py"
+    try:
+        path.write_text(source, encoding="utf-8")
+        assert [hit.split(" ", 1)[1] for hit in _method_literals(path, set(drafters.registered_methods()))] == expected
+    finally:
+        path.unlink()
+
+
+def test_the_probe_check_can_fail() -> None:
+    path = PACKAGE / "_probe_for_test.py"
+    try:
+        path.write_text('hasattr(seq.drafter, "resume")\nisinstance(d, SuffixDrafter)\nisinstance(x, str)\n', encoding="utf-8")
+        assert len(_drafter_probes(path, _drafter_classes())) == 2
+    finally:
+        path.unlink()
+
+
+def test_every_drafter_class_keeps_the_contract() -> None:
+    classes = [obj for module in vars(drafters).values() if inspect.ismodule(module)
+               for obj in vars(module).values() if inspect.isclass(obj) and issubclass(obj, Drafter) and obj is not Drafter]
+    assert len({c.__name__ for c in classes}) >= 8
+    for cls in classes:
+        for hook in ("begin", "propose", "commit", "fork"):
+            assert getattr(cls, hook) is not getattr(Drafter, hook), f"{cls.__name__} does not define {hook}"
+
+
+def test_every_method_says_what_the_tools_read() -> None:
+    for m in drafters.methods():
+        assert m.summary and m.summary == m.summary.strip(), m.name
+        assert m.default_k >= 1 and m.tune_ks and all(k >= 1 for k in m.tune_ks), m.name
+        assert m.tuned is None or "method" not in m.tuned, m.name
+    assert drafters.DEFAULT_METHOD in drafters.registered_methods()
