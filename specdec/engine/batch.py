@@ -42,14 +42,11 @@ from specdec.models.batch_cache import BatchCache
 from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
-from specdec.sampling import SamplingRule, accept_batch, speculative_accept
-from specdec.sampling.acceptance import PAD_TOKEN
-from specdec.sampling.invariant import perturbed_log_probs
+from specdec.sampling import RowDraft, SamplingRule, accept_step, speculative_accept
 from specdec.sampling.grammar import Constraint, compiler_for
 from specdec.sampling.logprobs import TokenLogprob, token_logprobs
 from specdec.sampling.penalties import History, chain_paths, tree_paths
-from specdec.sampling.probs import logits_to_probs
-from specdec.sampling.tree import TokenTree, TreeRule, accept_tree_greedy, accept_tree_sampling
+from specdec.sampling.tree import TokenTree, TreeRule, accept_tree_sampling
 
 _ids = itertools.count()
 
@@ -199,7 +196,8 @@ class BatchEngine:
             seq.drafter.observe_target(_features({i: s[None] for i, s in states.items()}, layers, 0,
                                                  list(range(len(seq.prompt_ids)))))
         adjusted = self._adjusted([seq], raw[None], [[]], [None])[0]
-        first = self._accept([seq], adjusted[None], [[]], [None], [len(seq.prompt_ids)]).row(0)
+        first = accept_step(adjusted[None], [RowDraft([])], [params], [seq.generator], [len(seq.prompt_ids)],
+                            self.sampling_rule, self.tree_rule)[0].committed
         seq.context = list(seq.prompt_ids) + first
         seq.row = self.cache.insert_row(prefill_cache)
         stats.prefill_time_s = time.perf_counter() - seq._start
@@ -299,29 +297,23 @@ class BatchEngine:
         raw = out.logits  # [rows, new, vocab]
         logits = self._adjusted(seqs, raw, drafts, trees)
 
-        # 3. Accept, once for the step: each chain row a prefix of its draft, with its own
-        #    parameters; each tree row a branch of its tree.
-        chains = [[] if tree is not None else draft for draft, tree in zip(drafts, trees)]
-        result = self._accept(seqs, logits, chains, draft_probs, [len(seq.context) for seq in seqs])
-        kept: list[list[int]] = []  # per row: the new-token offsets it keeps after the fed token
-        committed_rows: list[list[int]] = []
-        for i, (seq, tree) in enumerate(zip(seqs, trees)):
-            if tree is None:
-                committed_rows.append(result.row(i))
-                kept.append(list(range(1, int(result.num_accepted[i]) + 1)))
-                continue
-            path, final = self._accept_tree(seq, logits[i, : 1 + len(tree.tokens)], tree, draft_probs[i])
-            committed_rows.append([tree.tokens[j] for j in path] + [final])
-            kept.append([1 + j for j in path])
-            self.cache.keep_path(i, kept[-1])
+        # 3. Accept, once for the step: each chain row a prefix of its draft, each tree row a
+        #    branch of its tree, each with its own parameters.
+        accepted = accept_step(logits, [RowDraft(d, p, t) for d, p, t in zip(drafts, draft_probs, trees)],
+                               [s.params for s in seqs], [s.generator for s in seqs], [len(s.context) for s in seqs],
+                               self.sampling_rule, self.tree_rule)
+        for i, (row, tree) in enumerate(zip(accepted, trees)):
+            if tree is not None:
+                self.cache.keep_path(i, row.offsets)
         verify_time = time.perf_counter() - start
 
         # 4. Commit: a row keeps its fed token and accepted drafts; its length forgets the rest.
         #    Committed token j was chosen at new-token offset ([0] + kept)[j].
-        self.cache.commit(new, torch.tensor([1 + len(k) for k in kept]))
+        self.cache.commit(new, torch.tensor([1 + len(row.offsets) for row in accepted]))
         outputs = []
-        for i, (seq, tree, committed) in enumerate(zip(seqs, trees, committed_rows)):
-            accepted = len(committed) - 1
+        for i, (seq, tree, row) in enumerate(zip(seqs, trees, accepted)):
+            committed, kept = row.committed, row.offsets
+            num_accepted = len(committed) - 1
             drafted = tree.depth if tree is not None else len(drafts[i])  # positions drafted, for a tree its depth
             seq.context.extend(committed)
             if proposed[i]:
@@ -332,12 +324,12 @@ class BatchEngine:
                 seq.drafter.observe_verified(Verified(nodes, parents, logits[i, : 1 + len(nodes)]))
             if seq.drafter is not None:
                 if own := target_layers(seq.drafter):  # the fed token's and accepted drafts' states
-                    seq.drafter.observe_target(_features(out.layer_states, own, i, [0, *kept[i]]))
-                seq.drafter.commit(seq.context, accepted)
+                    seq.drafter.observe_target(_features(out.layer_states, own, i, [0, *kept]))
+                seq.drafter.commit(seq.context, num_accepted)
             if seq.policy is not None:
-                seq.policy.observe(drafted, accepted, draft_times[i], verify_time)
-            seq.result.stats.record_step(drafted, accepted, draft_times[i], verify_time)
-            outputs.append(self._emit(seq, committed, drafted=drafted, accepted=accepted, raw=raw[i], offsets=[0, *kept[i]]))
+                seq.policy.observe(drafted, num_accepted, draft_times[i], verify_time)
+            seq.result.stats.record_step(drafted, num_accepted, draft_times[i], verify_time)
+            outputs.append(self._emit(seq, committed, drafted=drafted, accepted=num_accepted, raw=raw[i], offsets=[0, *kept]))
         return outputs
 
     def _adjusted(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
@@ -359,33 +351,6 @@ class BatchEngine:
                 rows = seq.constraint.mask(rows.contiguous(), paths)
             logits[i, : len(paths)] = rows
         return logits
-
-    def _accept_tree(self, seq: Sequence, logits: torch.Tensor, tree: TokenTree,
-                     draft_probs: torch.Tensor | None) -> tuple[list[int], int]:
-        """One row's token tree. logits: [1 + n, vocab], after the fed token and each node."""
-        params = seq.params
-        if params.greedy:
-            return accept_tree_greedy(logits, tree)
-        target_probs = logits_to_probs(logits, params)  # [1 + n, vocab]
-        if params.drafter_invariant:
-            # The Gumbel-max token after each node is the one at the node's position + 1.
-            base = len(seq.context)
-            seed = seq.generator.initial_seed()
-            rows = [perturbed_log_probs(target_probs[r : r + 1], seed, base + depth)[0]
-                    for r, depth in enumerate([0, *tree.depths()])]
-            return accept_tree_greedy(torch.stack(rows), tree)
-        return self.tree_rule(target_probs, tree, draft_probs, seq.generator)
-
-    def _accept(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
-                draft_probs: list[torch.Tensor | None], positions: list[int]):
-        # logits: [rows, 1 + longest draft, vocab]; positions: each row's first new token's index
-        longest = max(len(d) for d in drafts)
-        padded = torch.tensor([d + [PAD_TOKEN] * (longest - len(d)) for d in drafts], dtype=torch.long,
-                              device=logits.device).reshape(len(drafts), longest)  # [rows, longest]
-        keys = [(s.generator.initial_seed(), pos) if s.params.drafter_invariant and s.generator is not None else None
-                for s, pos in zip(seqs, positions)]
-        return accept_batch(logits[:, : longest + 1], padded, [len(d) for d in drafts], draft_probs,
-                            [s.params for s in seqs], [s.generator for s in seqs], self.sampling_rule, keys)
 
     def _emit(self, seq: Sequence, committed: list[int], drafted: int, accepted: int,
               raw: torch.Tensor, offsets: list[int]) -> SequenceOutput:

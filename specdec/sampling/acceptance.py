@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling.invariant import perturbed_log_probs
+from specdec.sampling.invariant import perturbed_at_depths
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import logits_to_probs
+from specdec.sampling.tree import TokenTree, TreeRule, accept_tree, accept_tree_sampling
 
 PAD_TOKEN = -1
 
@@ -175,7 +176,8 @@ def accept_batch(
         if params[i].drafter_invariant:
             if keys is None or keys[i] is None:
                 raise ValueError("a drafter-invariant row needs its (seed, position) key")
-            perturbed = perturbed_log_probs(target_probs[0], *keys[i])[None]  # [1, k + 1, vocab]
+            seed, base = keys[i]
+            perturbed = perturbed_at_depths(target_probs[0], seed, base, list(range(k + 1)))[None]  # [1, k + 1, vocab]
             result = greedy_accept(perturbed, draft_tokens[i : i + 1, :k])
             tokens[i, : k + 1], num_accepted[i] = result.tokens[0], result.num_accepted[0]
             continue
@@ -183,3 +185,56 @@ def accept_batch(
         result = rule(target_probs, draft_tokens[i : i + 1, :k], None if probs is None else probs[None], generators[i])
         tokens[i, : k + 1], num_accepted[i] = result.tokens[0], result.num_accepted[0]
     return AcceptResult(tokens=tokens, num_accepted=num_accepted)
+
+
+@dataclass(frozen=True)
+class RowDraft:
+    """What one row verified: its drafted tokens (a tree's nodes), the distributions they were
+    sampled from ([len(tokens), vocab], or None: deterministic), and its tree (None: a chain)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    tree: TokenTree | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """One row's outcome: the committed tokens (accepted drafts, then the recovered or bonus
+    token) and the new-token offsets of the accepted drafts in the pass (1 + node index)."""
+
+    committed: list[int]
+    offsets: list[int]
+
+
+def accept_step(
+    target_logits: torch.Tensor,
+    rows: list[RowDraft],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    positions: list[int],
+    rule: SamplingRule = speculative_accept,
+    tree_rule: TreeRule = accept_tree_sampling,
+) -> list[Accepted]:
+    """A step's acceptance for every row of a batch: chains together (:func:`accept_batch`),
+    trees one by one (:func:`specdec.sampling.tree.accept_tree`), each with its own parameters.
+
+    target_logits: [rows, 1 + longest draft, vocab], after each row's fed token and its nodes;
+    positions: the sequence position of each row's first new token (the drafter-invariant keys).
+    """
+    chains = [[] if row.tree is not None else row.tokens for row in rows]
+    longest = max(len(c) for c in chains)
+    padded = torch.tensor([c + [PAD_TOKEN] * (longest - len(c)) for c in chains], dtype=torch.long,
+                          device=target_logits.device).reshape(len(rows), longest)  # [rows, longest]
+    keys = [(g.initial_seed(), pos) if p.drafter_invariant and g is not None else None
+            for p, g, pos in zip(params, generators, positions)]
+    result = accept_batch(target_logits[:, : longest + 1], padded, [len(c) for c in chains],
+                          [row.probs for row in rows], params, generators, rule, keys)
+    out = []
+    for i, row in enumerate(rows):
+        if row.tree is None:
+            out.append(Accepted(result.row(i), list(range(1, int(result.num_accepted[i]) + 1))))
+            continue
+        path, final = accept_tree(target_logits[i, : 1 + len(row.tree.tokens)], row.tree, row.probs, params[i],
+                                  generators[i], positions[i], tree_rule)
+        out.append(Accepted([row.tree.tokens[j] for j in path] + [final], [1 + j for j in path]))
+    return out

@@ -50,3 +50,10 @@ def perturbed_log_probs(probs: torch.Tensor, seed: int, first_position: int) -> 
 def invariant_tokens(probs: torch.Tensor, seed: int, first_position: int) -> list[int]:
     """The Gumbel-max token at each of the n positions. probs: [n, vocab]."""
     return perturbed_log_probs(probs, seed, first_position).argmax(-1).tolist()
+
+
+def perturbed_at_depths(probs: torch.Tensor, seed: int, base: int, depths: list[int]) -> torch.Tensor:
+    """probs: [n, vocab], row r the distribution at sequence position base + depths[r] (a chain's
+    depths are 0, 1, ...; a tree row after node i sits at its depth) -> [n, vocab] perturbed
+    log probs: the invariant token at each row is their argmax."""
+    return torch.stack([perturbed_log_probs(probs[r : r + 1], seed, base + depth)[0] for r, depth in enumerate(depths)])

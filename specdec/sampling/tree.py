@@ -23,8 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from specdec.sampling.invariant import perturbed_at_depths
+from specdec.sampling.probs import logits_to_probs
+
+if TYPE_CHECKING:
+    from specdec.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -132,3 +139,18 @@ def accept_tree_sampling(target_probs: torch.Tensor, tree: TokenTree, draft_prob
 # (target_probs [1 + n, vocab], tree, draft_probs [n, vocab] | None, generator) -> (path, final
 # token). Engines use accept_tree_sampling; `specdec verify` swaps in deliberately wrong rules.
 TreeRule = Callable[[torch.Tensor, TokenTree, torch.Tensor | None, torch.Generator | None], tuple[list[int], int]]
+
+
+def accept_tree(target_logits: torch.Tensor, tree: TokenTree, draft_probs: torch.Tensor | None, params: SamplingParams,
+                generator: torch.Generator | None, position: int, rule: TreeRule = accept_tree_sampling) -> tuple[list[int], int]:
+    """One row's tree with its sampling parameters. target_logits: [1 + n, vocab], after the fed
+    token and each node; position: the sequence position of the row's first new token. Greedy
+    follows the argmax; a drafter-invariant row follows its Gumbel-max tokens (each node's at
+    its depth's position); a sampled row goes through `rule`."""
+    if params.greedy:
+        return accept_tree_greedy(target_logits, tree)
+    target_probs = logits_to_probs(target_logits, params)  # [1 + n, vocab]
+    if params.drafter_invariant:
+        assert generator is not None, "a drafter-invariant row has a seeded generator"
+        return accept_tree_greedy(perturbed_at_depths(target_probs, generator.initial_seed(), position, [0, *tree.depths()]), tree)
+    return rule(target_probs, tree, draft_probs, generator)
