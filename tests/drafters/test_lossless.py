@@ -244,7 +244,16 @@ REAL_DRAFTERS = [
     pytest.param({"method": "lookahead", "num_speculative_tokens": 2}, id="lookahead-k2"),
     pytest.param({"method": "lookahead", "num_speculative_tokens": 4, "lookahead_window": 4, "lookahead_ngram": 2,
                   "lookahead_guesses": 3}, id="lookahead-tree-k4"),
+    pytest.param({"method": "bigram", "num_speculative_tokens": 3}, id="bigram-k3"),
+    pytest.param({"method": "bigram", "num_speculative_tokens": 5, "bigram_min_count": 1}, id="bigram-k5-count1"),
 ]
+
+
+def test_every_registered_method_is_checked_here() -> None:
+    # A new drafter is lossless on real weights before it lands: it needs a line above.
+    from specdec.drafters import registered_methods
+
+    assert set(registered_methods()) <= {p.values[0]["method"] for p in REAL_DRAFTERS}
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +368,7 @@ def check_registered(target: LoadedModel, plain: list[RequestOutput], model_dirs
         # request's handful of drafts before the switch-off is too few to bound.
         drafted = sum(o.stats.drafted_tokens for o in outputs)
         assert sum(o.stats.accepted_tokens for o in outputs) > 0.4 * drafted
-    if config["method"] in ("ngram", "suffix", "lookahead") or config.get("adaptive"):
+    if config["method"] in ("ngram", "suffix", "lookahead", "bigram") or config.get("adaptive"):
         # The prompts repeat themselves enough for lookup to find something; an adaptive drafter
         # drafts at least until it has judged its first window.
         assert sum(o.stats.drafted_tokens for o in outputs) > 0
