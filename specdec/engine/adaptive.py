@@ -214,3 +214,25 @@ class AdaptiveK:
             state.switched_off += 1
             state.probing = True
         self._reset_window()
+
+
+class AdaptiveStates:
+    """What adaptive k has learned, per key (a server route; the library engine has one), carried
+    from request to request: the one place a speculation policy for a new sequence is made."""
+
+    def __init__(self) -> None:
+        self._states: dict[object, AdaptiveState] = {}
+
+    def get(self, key: object = None) -> AdaptiveState | None:
+        return self._states.get(key)
+
+    def set(self, state: AdaptiveState, key: object = None) -> None:
+        self._states[key] = state
+
+    def policy(self, k: int, adaptive: bool, key: object = None) -> SpeculationPolicy:
+        """A new sequence's policy: AdaptiveK continuing what this key learned, or FixedK(k)."""
+        if not adaptive:
+            return FixedK(k)
+        policy = AdaptiveK(k, self._states.get(key))
+        self._states[key] = policy.state
+        return policy

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
 from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
-from specdec.engine.adaptive import AdaptiveK, AdaptiveState, FixedK, SpeculationPolicy
+from specdec.engine.adaptive import AdaptiveStates, SpeculationPolicy
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.engine.generation import Generation, StreamChunk
 from specdec.errors import PromptError
@@ -45,7 +45,7 @@ class Engine:
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
         self.adaptive = adaptive and drafter is not None
-        self.adaptive_state: AdaptiveState | None = None  # what adaptive k learned, kept across requests
+        self.adaptive_states = AdaptiveStates()  # what adaptive k learned, kept across requests
         self.sampling_rule = sampling_rule
         self.tree_rule = tree_rule
         self._batch: BatchEngine | None = None
@@ -53,11 +53,7 @@ class Engine:
 
     def new_policy(self) -> SpeculationPolicy:
         """How many tokens each step of a new request drafts."""
-        if not self.adaptive:
-            return FixedK(self.k)
-        policy = AdaptiveK(self.k, self.adaptive_state)
-        self.adaptive_state = policy.state
-        return policy
+        return self.adaptive_states.policy(self.k, self.adaptive)
 
     def _engine(self, max_len: int) -> BatchEngine:
         """A one-row batch engine whose cache holds `max_len` tokens (kept while big enough)."""

@@ -22,7 +22,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
 from specdec.drafters.prediction import PredictionDrafter
-from specdec.engine.adaptive import AdaptiveK, AdaptiveState, SpeculationPolicy
+from specdec.engine.adaptive import AdaptiveStates, SpeculationPolicy
 from specdec.engine.batch import BatchEngine, Sequence, SequenceOutput
 from specdec.engine.stats import RequestStats
 from specdec.errors import SpecDecError
@@ -104,7 +104,7 @@ class Scheduler:
         self._waiting: deque[ServerRequest] = deque()
         self._running: dict[int, ServerRequest] = {}  # sequence id -> request
         # What adaptive k has learned on each adaptive route, shared by its sequences.
-        self._adaptive: dict[str, AdaptiveState] = {}
+        self._adaptive = AdaptiveStates()  # per route
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
         self.steps = 0
@@ -234,9 +234,7 @@ class Scheduler:
         spec = request.route.speculative
         if drafter is None or spec is None or not spec.adaptive:
             return None
-        policy = AdaptiveK(request.k, self._adaptive.get(request.route.name))
-        self._adaptive[request.route.name] = policy.state
-        return policy
+        return self._adaptive.policy(request.k, True, request.route.name)
 
     def threads_for(self, running: int) -> int:
         """torch threads for a step with `running` sequences: the configured count, or auto (see

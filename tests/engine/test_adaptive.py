@@ -254,7 +254,8 @@ def test_adaptive_keeps_a_paying_drafter_on(default_model_native_f32: LoadedMode
     assert fixed.stats.acceptance_rate > 0.8
     assert adaptive.stats.acceptance_rate > 0.8
     assert adaptive.stats.mean_accepted_length > 0.9 * fixed.stats.mean_accepted_length
-    assert engine.adaptive_state is not None and engine.adaptive_state.switched_off == 0
+    state = engine.adaptive_states.get()
+    assert state is not None and state.switched_off == 0
 
 
 @pytest.mark.slow
@@ -267,7 +268,7 @@ def test_a_draft_resumed_after_a_pause_keeps_output_identical(default_model: Loa
     plain = Engine(default_model).generate(prompt, params)
     drafter = DraftModelDrafter(default_model, layers=range(0, 30, 2), resume_window=16)
     engine = Engine(default_model, drafter, 3, adaptive=True)
-    engine.adaptive_state = AdaptiveState(k=2, backoff=16, off_steps_left=30, switched_off=1)
+    engine.adaptive_states.set(AdaptiveState(k=2, backoff=16, off_steps_left=30, switched_off=1))
     resumed = engine.generate(prompt, params)
     assert resumed.token_ids == plain.token_ids
     assert resumed.stats.drafted_tokens > 0 and drafter.offset > 0
