@@ -103,7 +103,7 @@ def test_unknown_keys_are_all_named() -> None:
 
 
 def test_head_defaults_are_the_measured_ones() -> None:
-    # Measured on the training prompts with the shipped head (README): k = 1 for eagle; the hybrid
+    # Measured on the training prompts with the shipped head (benchmarks/results/README.md): k = 1 for eagle; the hybrid
     # looks up from 2 tokens and lets the head draft one.
     assert SpeculativeConfig("eagle").num_speculative_tokens == 1
     hybrid = SpeculativeConfig("hybrid")

@@ -5,7 +5,7 @@ runs the target accepts whole; the head guesses everywhere, at a few percent of 
 token. Each step tries lookup first, with matches of at least `prompt_lookup_min` tokens
 (2 by default), and drafts with the head when lookup finds none, at most `hybrid_head_tokens`
 tokens (1 by default: the shipped head's later guesses are rarely right, so they cost more than
-they add; None: k). Both defaults are the best measured on training prompts (README, "Draft
+they add; None: k). Both defaults are the best measured on training prompts (benchmarks/results/README.md, "Draft
 heads"). The head sees every committed
 position's target states either way, so it is ready whenever lookup has nothing.
 """

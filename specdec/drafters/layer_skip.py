@@ -11,7 +11,7 @@ with neither, :func:`default_layers`.
 
 The draft's layers are not a prefix of the target's, so the target cannot reuse the draft's
 KV for its own: early exit (a prefix) would allow it, but measured on SmolLM2-135M a prefix
-of 24 of 30 layers agrees with the full model on only a third of greedy tokens (README,
+of 24 of 30 layers agrees with the full model on only a third of greedy tokens (docs/drafters.md,
 "Self-speculation"), far too few to pay for a draft that costs most of a target step.
 """
 

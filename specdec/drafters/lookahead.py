@@ -48,7 +48,7 @@ class LookaheadOptions(Options):
     lookahead_guesses: G, the most pool n-grams verified per pass; lookahead_pool: the most
     n-grams kept per first token (the most recent)."""
 
-    # Defaults: the best measured configuration with a window (README, "Lookahead decoding"): at
+    # Defaults: the best measured configuration with a window (docs/drafters.md, "Lookahead decoding"): at
     # most 3 nodes, so a pass stays within the rows the CPU's int4 kernel verifies at little more
     # than a plain step (`specdec costs`).
     lookahead_window: int = 1

@@ -94,7 +94,7 @@ def test_products_are_row_invariant(fmt: str, threads: int) -> None:
 
 def test_float32_products_are_not_row_invariant() -> None:
     # The float32 product is close, not bitwise: MKL's sgemm rounds a row otherwise from 4 rows on.
-    # The README says so; if a PyTorch upgrade makes it row-invariant, this fails and the README
+    # docs/backends.md says so; if a PyTorch upgrade makes it row-invariant, this fails and those docs
     # and the lossless suite's notes can say more.
     torch.manual_seed(1)
     linear = PackedLinear.pack(torch.randn(576, 1536), "float32")

@@ -21,7 +21,7 @@ from specdec.server.dashboard import histogram_quantile
 from specdec.server.runtime import ServerThread, build_state
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-SCREENSHOT = os.environ.get("SPECDEC_DASHBOARD_SCREENSHOT")  # where to save the README's picture
+SCREENSHOT = os.environ.get("SPECDEC_DASHBOARD_SCREENSHOT")  # where to save docs/server.md's picture
 
 
 def test_histogram_quantile_interpolates_like_prometheus() -> None:

@@ -1,4 +1,4 @@
-"""The README's table of request fields is the request models': every field they take is listed
+"""The server docs' table of request fields is the request models': every field they take is listed
 with its endpoint, a field listed as accepted and ignored validates, and one listed as refused is
 refused by name (at a non-neutral value) and taken at its neutral one."""
 
@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from specdec.server.protocol import NOT_SUPPORTED, ChatCompletionRequest, CompletionRequest
 
-README = Path(__file__).parents[2] / "README.md"
+README = Path(__file__).parents[2] / "docs" / "server.md"
 BASE = {"chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "completions": {"model": "m", "prompt": "hi"}}
 MODELS = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
 # A value each accepted-and-ignored field may take, and a non-neutral one for each refused field.

@@ -50,7 +50,7 @@ def test_head_route_is_lossless_in_the_batch(default_model: LoadedModel, head_se
     assert [text for text, _ in answers] == expected
     drafted = sum(s["drafted_tokens"] for _, s in answers)
     accepted = sum(s["accepted_tokens"] for _, s in answers)
-    # The shipped head agrees with the target only now and then (README, "Draft heads"); an
+    # The shipped head agrees with the target only now and then (benchmarks/results/README.md, "Draft heads"); an
     # untrained one almost never.
     assert drafted > 0 and accepted / drafted > 0.05
     metrics = httpx.get(f"{head_server.url}/metrics").text

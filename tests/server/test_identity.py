@@ -3,7 +3,7 @@
 
 The server's batched steps use different matrix shapes from the library's single-sequence
 steps, so logits can differ in the last bits of float32; this test shows that on the default
-model the greedy tokens do not (see README, "Server")."""
+model the greedy tokens do not (see docs/server.md)."""
 
 from __future__ import annotations
 
