@@ -103,6 +103,15 @@ class _Prefill:
     states: dict[int, torch.Tensor]  # {layer: [prompt, hidden]}, the layers asked for
 
 
+def check_prompt(prompt_ids: list[int], limit: int, holder: str) -> None:
+    """The one check of a tokenized prompt: not empty, and room for one output token within
+    `limit` positions (`holder`, what has that limit, names it in the error)."""
+    if not prompt_ids:
+        raise PromptError("prompt is empty")
+    if len(prompt_ids) >= limit:
+        raise PromptError(f"prompt has {len(prompt_ids)} tokens; {holder} takes at most {limit - 1}")
+
+
 def target_layers(drafter: Drafter | None) -> tuple[int, ...]:
     """The target layers whose outputs a drafter reads (none for most drafters)."""
     return tuple(drafter.target_layers) if drafter is not None else ()
@@ -149,12 +158,7 @@ class BatchEngine:
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise PromptError when a prompt cannot run (empty, or no room for one output token)."""
-        if not prompt_ids:
-            raise PromptError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise PromptError(
-                f"prompt has {len(prompt_ids)} tokens; this server takes at most {self.max_model_len - 1}"
-            )
+        check_prompt(prompt_ids, self.max_model_len, "this server")
 
     # --- sequences join and leave ------------------------------------------------------------
 

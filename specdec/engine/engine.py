@@ -15,9 +15,8 @@ from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
 from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
 from specdec.engine.adaptive import AdaptiveStates, SpeculationPolicy
-from specdec.engine.batch import BatchEngine, Sequence
+from specdec.engine.batch import BatchEngine, Sequence, check_prompt
 from specdec.engine.generation import Generation, StreamChunk
-from specdec.errors import PromptError
 from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
 from specdec.sampling import SamplingRule, speculative_accept
@@ -67,11 +66,8 @@ class Engine:
     def stream(self, prompt_ids: list[int], params: SamplingParams, result: Generation | None = None) -> Iterator[StreamChunk]:
         """Generate, yielding text and tokens as they are committed. When `result` is given it
         is filled in (tokens, text, finish reason, stats) as generation goes."""
-        if not prompt_ids:
-            raise PromptError("prompt is empty")
         limit = self.target.max_positions
-        if len(prompt_ids) >= limit:
-            raise PromptError(f"prompt has {len(prompt_ids)} tokens; {self.target.name} takes at most {limit - 1}")
+        check_prompt(prompt_ids, limit, self.target.name)
         if self._busy:
             raise RuntimeError("this engine is already generating: finish or close the previous stream first")
         budget = min(params.max_tokens, limit - len(prompt_ids))
