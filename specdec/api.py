@@ -12,12 +12,11 @@ import torch
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters import build_drafter
 from specdec.engine import Engine, Generation, RequestStats, StreamChunk
-from specdec.errors import ConfigError, PromptError
+from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel, load_model
+from specdec.models.prompts import Message, Prompt, PromptEncoder
 from specdec.sampling.logprobs import TokenLogprob
 
-Message = dict[str, str]
-Prompt = str | list[Message]
 
 
 @dataclass(frozen=True)
@@ -70,6 +69,7 @@ class LLM:
     ) -> None:
         self.speculative_config = _as_config(speculative_config)
         self.target = loaded if loaded is not None else load_model(model, device=device, backend=backend, dtype=dtype)
+        self._encoder = PromptEncoder(self.target)
         self.plain_engine = Engine(self.target)
         if self.speculative_config is None:
             self.engine = self.plain_engine
@@ -91,20 +91,8 @@ class LLM:
         return self.target.tokenizer
 
     def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
-        """Token ids for a prompt: raw text as is, a chat through the chat template (with
-        `tools` in the chat format of transformers, for a template that renders them)."""
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise PromptError("prompt is empty")
-            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if not prompt or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in prompt):
-            raise PromptError("a chat must be a non-empty list of {'role': ..., 'content': ...} messages")
-        if not any(str(m["content"]).strip() for m in prompt):
-            raise PromptError("chat messages are all empty")
-        if self.tokenizer.chat_template is None:
-            raise PromptError(f"{self.target.name} has no chat template; pass raw text instead")
-        ids = self.tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        """Token ids for a prompt (:class:`specdec.models.prompts.PromptEncoder`)."""
+        return self._encoder.encode(prompt, tools)
 
     def request_params(self, params: SamplingParams) -> SamplingParams:
         """The config's drafter-invariant rule applies to every request, speculating or not."""

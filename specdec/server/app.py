@@ -29,13 +29,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specdec.api import LLM
 from specdec.config import SamplingParams, StructuredOutput
 from specdec.drafters.base import CacheStats
 from specdec.drafters.prediction import PREDICTION_K
 from specdec.engine.stats import RequestStats
 from specdec.engine.text import TokenBytes
 from specdec.errors import ConfigError, PromptError
+from specdec.models.prompts import PromptEncoder
 from specdec.sampling.grammar import compiler_for
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.server import dashboard
@@ -70,7 +70,7 @@ class ServerState:
     thread of `encode_pool`), the scheduler thread, metrics and the memory plan."""
 
     config: ServerConfig
-    encoder: LLM
+    encoder: PromptEncoder
     scheduler: Scheduler
     metrics: ServerMetrics
     memory: MemoryPlan

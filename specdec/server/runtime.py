@@ -18,12 +18,12 @@ from collections.abc import Iterator
 import torch
 import uvicorn
 
-from specdec.api import LLM
 from specdec.drafters import build_drafter
 from specdec.drafters.base import Drafter
 from specdec.engine.batch import BatchEngine
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel, load_model
+from specdec.models.prompts import PromptEncoder
 from specdec.server.app import ServerState, create_app
 from specdec.server.config import ServerConfig
 from specdec.server.memory import plan_memory
@@ -67,7 +67,7 @@ def build_state(config: ServerConfig, model: str | None = None, *, loaded: Loade
     metrics.max_sequences.labels("false").set(memory.max_sequences_without_draft)
     # The HTTP side encodes prompts with its own tokenizer copy: a fast tokenizer must not be
     # used from two threads at once, and the scheduler thread decodes with the original.
-    encoder = LLM(loaded=dataclasses.replace(target, tokenizer=copy.deepcopy(target.tokenizer)))
+    encoder = PromptEncoder(dataclasses.replace(target, tokenizer=copy.deepcopy(target.tokenizer)))
     scheduler = Scheduler(engine, drafters, metrics, max_waiting=config.max_waiting, threads=config.threads)
     return ServerState(config, encoder, scheduler, metrics, memory, target.name, config.max_model_len, rows)
 
