@@ -13,7 +13,7 @@ from specdec.errors import ConfigError, SpecDecError
 
 
 def test_registered_methods() -> None:
-    assert registered_methods() == ["draft_model", "eagle", "hybrid", "layer_skip", "lookahead", "medusa", "mtp", "ngram", "suffix"]
+    assert registered_methods() == ["bigram", "draft_model", "eagle", "hybrid", "layer_skip", "lookahead", "medusa", "mtp", "ngram", "suffix"]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -46,7 +46,7 @@ def test_config_is_frozen_and_round_trips() -> None:
         ),
         ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer >= 1, got '4'"),
         ({"method": "ngram", "num_speculative_tokens": 65}, "num_speculative_tokens must be <= 64, got 65"),
-        ({"method": "hydra"}, "unknown speculative method 'hydra'; choose one of: draft_model, eagle, hybrid, layer_skip, "
+        ({"method": "hydra"}, "unknown speculative method 'hydra'; choose one of: bigram, draft_model, eagle, hybrid, layer_skip, "
                               "lookahead, medusa, mtp, ngram, suffix"),
         ({"method": "ngram", "tree_width": 2}, "unknown speculative config key(s) for method 'ngram': tree_width; "
                                                "'tree_width' is a key of eagle, hybrid, medusa, mtp"),

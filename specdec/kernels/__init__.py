@@ -6,7 +6,7 @@ weights out for them and `reference.py` is the plain PyTorch arithmetic they are
 bit for bit. `attention.cpp` attends a few queries per row over the KV cache in one call a layer;
 `layer_ops.cpp` fuses RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate)
 * up (tested against PyTorch within float32 rounding, the rotary bitwise, and all of them bitwise
-across pass shapes: a row's result never depends on the other rows). The extension is compiled once per machine and torch version with the compiler on
+across pass shapes: a row's result never depends on the other rows). The extension is compiled once per machine, torch version and version of its sources with the compiler on
 the machine (about a minute on two cores); where it cannot be built (no compiler, no AVX2),
 :func:`load` says why once and the native backend runs PyTorch's own int4/int8 kernels instead.
 """
@@ -14,9 +14,11 @@ the machine (about a minute on two cores); where it cannot be built (no compiler
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
+import shutil
 from pathlib import Path
 from collections.abc import Callable
 from types import ModuleType
@@ -38,8 +40,32 @@ class KernelsUnavailable(RuntimeError):
     """The extension cannot be built or run on this machine."""
 
 
+HEADERS = [Path(__file__).with_name("simd.h")]
+
+
+def _sources_digest() -> str:
+    digest = hashlib.sha256()
+    for path in [*SOURCES, *HEADERS]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def build_dir() -> Path:
-    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{platform.machine()}"
+    """One directory per torch version, machine and version of the sources: checkouts with the
+    same sources share a build, and different ones do not rebuild each other's."""
+    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{platform.machine()}-{_sources_digest()}"
+
+
+def _staged_sources(directory: Path) -> list[str]:
+    """The sources copied into the build directory, so that the build never depends on where the
+    checkout is (torch's build rules name the source paths)."""
+    staged = directory / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for path in [*SOURCES, *HEADERS]:
+        target = staged / path.name
+        if not target.exists() or target.read_bytes() != path.read_bytes():
+            shutil.copyfile(path, target)
+    return [str(staged / path.name) for path in SOURCES]
 
 
 @functools.cache
@@ -55,7 +81,7 @@ def _build() -> ModuleType | str:
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
-            name="specdec_kernels", sources=[str(p) for p in SOURCES], build_directory=str(directory),
+            name="specdec_kernels", sources=_staged_sources(directory), build_directory=str(directory),
             # Baseline x86-64 code; the AVX2 and AVX-512 functions carry their own target
             # attributes and are chosen at run time. No FMA contraction: the reference's float
             # operations are separate multiplies and adds, and the kernels must round alike.
