@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.drafters import build_drafter
 from specdec.engine import Engine, Generation, RequestStats, StreamChunk
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel, load_model
@@ -71,12 +70,8 @@ class LLM:
         self.target = loaded if loaded is not None else load_model(model, device=device, backend=backend, dtype=dtype)
         self._encoder = PromptEncoder(self.target)
         self.plain_engine = Engine(self.target)
-        if self.speculative_config is None:
-            self.engine = self.plain_engine
-        else:
-            drafter = build_drafter(self.speculative_config, self.target)
-            config = self.speculative_config
-            self.engine = Engine(self.target, drafter, config.num_speculative_tokens, adaptive=config.adaptive)
+        self.engine = self.plain_engine if self.speculative_config is None else \
+            Engine.from_config(self.target, self.speculative_config)
 
     def memory(self) -> dict[str, int]:
         """Weight bytes: the target's, and what the drafter adds to them (0 when it shares them)."""
@@ -130,7 +125,12 @@ class LLM:
         return self.generate([messages], sampling_params, **kwargs)[0]
 
     def stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, speculate: bool = True
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, speculate: bool = True,
+        result: Generation | None = None,
     ) -> Iterator[StreamChunk]:
-        """Yield text and token ids as each target step commits them."""
-        return self._engine(speculate).stream(self.encode(prompt), self.request_params(sampling_params or SamplingParams()))
+        """Yield text and token ids as each target step commits them. A `result` given is
+        filled in as generation goes: prompt ids, tokens, text, finish reason, statistics."""
+        prompt_ids = self.encode(prompt)
+        if result is not None:
+            result.prompt_ids = list(prompt_ids)
+        return self._engine(speculate).stream(prompt_ids, self.request_params(sampling_params or SamplingParams()), result)

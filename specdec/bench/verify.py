@@ -54,9 +54,8 @@ from scipy.stats import chi2_contingency, norm, poisson
 
 from specdec.api import LLM, Message
 from specdec.bench.data import Record, load_records
-from specdec.config import SamplingParams
-from specdec.drafters import build_drafter
-from specdec.drafters.ngram import NgramDrafter
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters import DEFAULT_METHOD
 from specdec.engine import Engine, Generation
 from specdec.sampling import AcceptResult, SamplingRule, speculative_accept
 from specdec.sampling.tree import TreeRule, accept_tree_sampling
@@ -437,12 +436,10 @@ def verify_sampling(
     config = llm.speculative_config
 
     def engine(rule: SamplingRule, tree_rule: TreeRule) -> Engine:
-        """The configured speculation (ngram k=4 without one), deciding with `rule`, watched."""
-        drafter = build_drafter(config, llm.target) if config is not None else NgramDrafter(1, 6)
-        k = config.num_speculative_tokens if config is not None else 4
+        """The configured speculation (the default method without one), deciding with `rule`, watched."""
         test = ConditionalTest()
-        return Engine(llm.target, drafter, num_speculative_tokens=k, sampling_rule=RecordingRule(rule, test),
-                      tree_rule=RecordingTreeRule(tree_rule, test), adaptive=config is not None and config.adaptive)
+        return Engine.from_config(llm.target, config or SpeculativeConfig(DEFAULT_METHOD), sampling_rule=RecordingRule(rule, test),
+                                  tree_rule=RecordingTreeRule(tree_rule, test))
 
     result = compare_samples(llm, engine(speculative_accept, accept_tree_sampling), params, prompts, draws, length,
                              alpha, on_draws, plain)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from specdec.config import SamplingParams
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters import build_drafter
 from specdec.drafters.base import Drafter
 from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
 from specdec.engine.adaptive import AdaptiveStates, SpeculationPolicy
@@ -49,6 +50,18 @@ class Engine:
         self.tree_rule = tree_rule
         self._batch: BatchEngine | None = None
         self._busy = False
+
+    @classmethod
+    def from_config(cls, target: LoadedModel, config: SpeculativeConfig | None, *,
+                    sampling_rule: SamplingRule = speculative_accept,
+                    tree_rule: TreeRule = accept_tree_sampling) -> Engine:
+        """The one way to build a drafter and its engine from a config (None: plain decoding):
+        the library, `verify`, `bench` and `tune` all come here. The server builds its route
+        drafters with the same :func:`~specdec.drafters.build_drafter` over its batch engine."""
+        if config is None:
+            return cls(target, sampling_rule=sampling_rule, tree_rule=tree_rule)
+        return cls(target, build_drafter(config, target), config.num_speculative_tokens,
+                   sampling_rule=sampling_rule, tree_rule=tree_rule, adaptive=config.adaptive)
 
     def new_policy(self) -> SpeculationPolicy:
         """How many tokens each step of a new request drafts."""
