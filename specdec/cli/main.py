@@ -168,15 +168,6 @@ def _quiet_libraries() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-def _gguf_file(model: str | None) -> str | None:
-    """The GGUF file behind a --model value, if it is one."""
-    from specdec.models.loader import default_model_path
-
-    if model in (None, "", "default"):
-        return str(default_model_path())
-    return model if str(model).endswith(".gguf") else None
-
-
 def _load(model: str | None, spec: SpeculativeConfig | None, device: str, backend: str = "auto", dtype: str = "auto"):
     from specdec.api import LLM
 
@@ -225,14 +216,11 @@ def generate(
                             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                             logit_bias=_logit_bias(logit_bias), structured=_structured(json_schema, json_object, regex, grammar))
     llm = _load(model, spec, device, backend, dtype)
-    params = llm.request_params(params)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    request = prompt if raw else messages
     from specdec.engine import Generation
 
-    result = Generation(prompt_ids=llm.encode(request))
-    chunks = llm.engine.stream(result.prompt_ids, params, result)
-    for chunk in chunks:
+    result = Generation(prompt_ids=[])
+    for chunk in llm.stream(prompt if raw else messages, params, result=result):
         if stream:
             out.print(chunk.text, end="", markup=False, highlight=False, soft_wrap=True)
     if not stream:
@@ -270,10 +258,10 @@ def bench(
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Run each prompt with and without speculation, interleaved, and report speedup and identity."""
-    from specdec.api import LLM
     from specdec.bench.data import load_records, select
-    from specdec.bench.report import PLAIN, SPEC, build_report, print_report
-    from specdec.bench.runner import System, llama_cpp_runner, run_bench, specdec_runner, transformers_runner
+    from specdec.bench.report import PLAIN, build_report, print_report
+    from specdec.bench.runner import run_bench
+    from specdec.bench.systems import PEERS, bench_systems
 
     records = select(load_records(data), per_category, category)
     spec = speculative_config(spec_json, method, k, draft_model)
@@ -281,49 +269,14 @@ def bench(
         raise ConfigError("bench compares speculation with plain decoding: give a method other than 'none'")
     if temperature > 0 and (peers or peer_names):
         raise ConfigError("the peers decode greedily: --peers and --temperature > 0 do not go together")
+    others = [speculative_config(text, None, None, None) for text in compare or []]
+    if None in others:
+        raise ConfigError("--compare needs a speculative config, not 'none'")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     llm = _load(model, spec, device, backend, dtype)
-    systems = [System(PLAIN, specdec_runner(llm, params, False)), System(SPEC, specdec_runner(llm, params, True), PLAIN)]
-    for text in compare or []:
-        other = speculative_config(text, None, None, None)
-        if other is None:
-            raise ConfigError("--compare needs a speculative config, not 'none'")
-        other_llm = LLM(loaded=llm.target, speculative_config=other)
-        systems.append(System(f"specdec {other.label}", specdec_runner(other_llm, params, True), PLAIN))
-    for text in other_backends or []:
-        name, _, fmt = text.partition(":")
-        other_llm = LLM(model, None, device=device, backend=name, dtype=fmt or "auto")
-        systems.append(System(f"specdec {other_llm.target.describe()} plain", specdec_runner(other_llm, params, False), PLAIN))
-    unknown = sorted(set(peer_names or []) - {"transformers", "llama.cpp"})
-    if unknown:
-        raise ConfigError(f"unknown peer(s): {', '.join(unknown)}; choose transformers or llama.cpp")
-    wanted_peers = set(peer_names) if peer_names else ({"transformers", "llama.cpp"} if peers else set())
-    encode = llm.encode
-    stock = None
-    if "transformers" in wanted_peers:
-        from specdec.models.loader import load_model
-
-        stock = load_model(model, device=device, backend="hf", fast_kernels=False)
-        systems += [
-            System("transformers generate", transformers_runner(stock, encode, params)),
-            System("transformers prompt lookup", transformers_runner(stock, encode, params, prompt_lookup_num_tokens=10), "transformers generate"),
-        ]
-    if "llama.cpp" in wanted_peers:
-        gguf = _gguf_file(model)
-        if gguf is None:
-            err.print("llama-cpp-python peer skipped: the model is not a GGUF file")
-        else:
-            try:
-                systems += [
-                    System("llama.cpp plain", llama_cpp_runner(gguf, encode, params, llm.target.eos_token_ids)),
-                    System("llama.cpp prompt lookup", llama_cpp_runner(gguf, encode, params, llm.target.eos_token_ids, 10), "llama.cpp plain"),
-                ]
-            except ImportError:
-                err.print("llama.cpp peers skipped: llama-cpp-python is not installed (make peers installs it)")
-    runner = llm.engine.drafter.model_runner() if llm.engine.drafter is not None else None
-    if stock is not None and runner is not None and runner.layers is None and runner.loaded.model is not None:
-        # A draft model of its own on transformers: transformers' assisted generation with it.
-        systems.append(System("transformers assisted", transformers_runner(stock, encode, params, assistant_model=runner.loaded.model), "transformers generate"))
+    systems = bench_systems(llm, params, model=model, compare=others, plain_on=other_backends or [],
+                            peers=peer_names or (PEERS if peers else ()), device=device,
+                            note=lambda message: err.print(escape(message)))
     turns = sum(len(r.turns) for r in records)
     err.print(f"{len(records)} prompts ({turns} turns) x {len(systems)} systems, up to {max_tokens} tokens a turn")
     with prompt_progress("bench", len(records)) as advance:
@@ -687,49 +640,18 @@ def train_draft(
     then the head learns its hidden states and distributions. Use it with
     --speculative-config '{"method": "eagle", "model": "OUT"}' (or "medusa")."""
     from specdec.models.loader import load_model
-    from specdec.training.corpus import generate_answers, read_answers, select_prompts, text_records
-    from specdec.training.heads import TrainConfig, train_head
     from specdec.training.heads import Progress as TrainProgress
+    from specdec.training.run import TrainRun
+    from specdec.training.run import train_draft as run_training
 
-    drafters.head_class(arch)  # ConfigError for an unknown one
-    if max_time is None and max_tokens is None:
-        raise ConfigError("give a budget: --max-time SECONDS and/or --max-tokens N")
-    answers_path = out_dir / "answers.jsonl"
-    if not resume and (answers_path.exists() or (out_dir / "checkpoint.pt").exists()):
-        raise ConfigError(f"{out_dir} holds an earlier run: pass --resume to continue it, or choose another --out")
+    run = TrainRun(out_dir=out_dir, arch=arch, data=data, answers=answers, code_prompts=code_prompts,
+                   answer_tokens=answer_tokens, answer_time=answer_time, max_time=max_time, max_tokens=max_tokens,
+                   draft_vocab=draft_vocab, ttt_steps=ttt_steps, medusa_heads=medusa_heads, seed=seed, init=init,
+                   answers_from=answers_from, text=text, resume=resume)
+    run.check()  # before the target loads
     start = time.monotonic()
     with err.status(f"loading {model or 'the default model'}..."):
         target = load_model(model, backend=backend, dtype=dtype)
-    if answers_from is not None:
-        if not answers_from.is_file():
-            raise ConfigError(f"answers file not found: {answers_from}")
-        answers_path = answers_from
-    else:
-        prompts = select_prompts(data, answers, code_prompts, seed)
-        done = len(read_answers(answers_path))
-        if answer_time is None:
-            answer_time = max_time / 2 if max_time is not None else float("inf")
-        with prompt_progress("answering", len(prompts)) as advance:
-            for _ in range(done):
-                advance(None)
-            generate_answers(target, prompts, answers_path, max_tokens=answer_tokens,
-                             should_stop=lambda: time.monotonic() - start >= answer_time, on_answer=advance)
-    records = read_answers(answers_path)
-    err.print(f"{len(records)} answers ({sum(len(r['answer_ids']) for r in records)} answer tokens) in {answers_path}")
-    if text:
-        if data is None:
-            raise ConfigError("--text takes its text from the prompts of --data: give --data")
-        fixed = text_records(target, data, text, {r["id"] for r in records}, seed)
-        records += fixed
-        err.print(f"{len(fixed)} fixed texts ({sum(len(r['answer_ids']) for r in fixed)} tokens) from {data}")
-    remaining = None if max_time is None else max(0.0, max_time - (time.monotonic() - start))
-    if resume and max_time is not None and (out_dir / "checkpoint.pt").is_file():
-        remaining = max_time  # training had started: --max-time is its whole budget, earlier runs included
-    config = TrainConfig(arch=arch, medusa_heads=medusa_heads, draft_vocab_size=draft_vocab, ttt_steps=ttt_steps,
-                         max_tokens=max_tokens, seed=seed, max_time=remaining)
-    if resume:  # a resumed run keeps the first run's settings, its training budget included
-        config = _resumed_config(out_dir, config)
-
     last_print = 0.0
 
     def report(p: TrainProgress) -> None:
@@ -739,7 +661,8 @@ def train_draft(
             err.print(f"training: step {p.steps}, {p.tokens} tokens, epoch {p.epoch}, {int(p.elapsed_s)}s, "
                       f"loss {p.loss:.3f}, agreement {p.agreement:.3f}", highlight=False)
 
-    result = train_head(target, records, out_dir, config, resume=resume, init=init, on_progress=report)
+    config, result = run_training(target, run, start=start, progress=prompt_progress,
+                                  note=lambda message: err.print(escape(message)), on_progress=report)
     if result["validation_agreement"] is None:
         measured = (f"no held-out answers to measure on ({config.validation_fraction:.0%} of the answers are held out, "
                     "fixed text never): compare heads with benchmarks/head_agreement.py")
@@ -748,22 +671,6 @@ def train_draft(
         measured = f"validation top-1 agreement per draft position (answer tokens): {agreement}"
     out.print(f"trained on {result['tokens']} tokens ({result['epochs']} epochs, {result['seconds']} s); "
               f"{measured}; head {result['head_bytes'] / 1e6:.1f} MB in {out_dir}", soft_wrap=True)
-
-
-def _resumed_config(out_dir: Path, fresh):
-    """The settings of the run a --resume continues; its budget too, unless this command
-    gives one (--max-time, --max-tokens: a larger one trains longer)."""
-    import torch
-
-    from specdec.training.heads import BUDGET_FIELDS, CHECKPOINT_FILE, TrainConfig
-
-    path = out_dir / CHECKPOINT_FILE
-    if not path.is_file():
-        return fresh
-    saved = torch.load(path, weights_only=False)["config"]
-    keep = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__
-            and (k not in BUDGET_FIELDS or getattr(fresh, k) is None)}
-    return dataclasses.replace(fresh, **keep)
 
 
 def _serve_replicas(config: Any, model: str | None, **kwargs: Any) -> None:
@@ -873,6 +780,12 @@ def doctor(
         json_out.write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
 
 
+# The top-level modules of the optional extras (pyproject.toml), for the error a command gives
+# when its extra is not installed.
+EXTRAS = {"fastapi": "server", "starlette": "server", "uvicorn": "server", "prometheus_client": "server",
+          "scipy": "bench", "matplotlib": "bench", "ray": "ray"}
+
+
 def main() -> None:
     """Entry point: user errors print one line and exit 2, with no traceback."""
     _quiet_libraries()
@@ -881,6 +794,14 @@ def main() -> None:
     except SpecDecError as exc:
         # The message is plain text: "[routes.NAME]" in it is not rich markup.
         err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except ModuleNotFoundError as exc:
+        module = (exc.name or "").partition(".")[0]
+        extra = EXTRAS.get(module)
+        if extra is None:
+            raise
+        err.print("[bold red]error:[/bold red] " + escape(f"this command needs {module}, in specdec's {extra} extra: "
+                  f"pip install 'specdec[{extra}]'"), highlight=False, soft_wrap=True)
         sys.exit(2)
 
 

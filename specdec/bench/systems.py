@@ -1,0 +1,79 @@
+"""The systems `specdec bench` sets side by side: plain decoding and the configured speculation,
+other speculative configs on the same target, plain decoding on other backends, and the peers
+(transformers' generate, plain, with prompt lookup and assisted by the same draft model;
+llama.cpp, plain and with prompt lookup, when llama-cpp-python is installed)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from specdec.api import LLM
+from specdec.bench.report import PLAIN, SPEC
+from specdec.bench.runner import System, llama_cpp_runner, specdec_runner, transformers_runner
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.errors import ConfigError
+from specdec.models.loader import default_model_path, load_model
+
+PEERS = ("transformers", "llama.cpp")
+PROMPT_LOOKUP_TOKENS = 10  # the peers' prompt-lookup guesses per step
+
+
+def gguf_file(model: str | None) -> str | None:
+    """The GGUF file behind a model argument (None or `default`: the embedded default's), or
+    None when it is not one."""
+    if model in (None, "", "default"):
+        return str(default_model_path())
+    return model if str(model).endswith(".gguf") else None
+
+
+def bench_systems(
+    llm: LLM,
+    params: SamplingParams,
+    *,
+    model: str | None = None,
+    compare: Sequence[SpeculativeConfig] = (),
+    plain_on: Sequence[str] = (),
+    peers: Sequence[str] = (),
+    device: str = "cpu",
+    note: Callable[[str], None] = lambda message: None,
+) -> list[System]:
+    """Every system of a bench run, its baselines first. `plain_on` holds BACKEND[:DTYPE]
+    strings; `peers` names from PEERS; `note` hears why a peer was skipped."""
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise ConfigError(f"unknown peer(s): {', '.join(unknown)}; choose {' or '.join(PEERS)}")
+    systems = [System(PLAIN, specdec_runner(llm, params, False)), System(SPEC, specdec_runner(llm, params, True), PLAIN)]
+    for other in compare:
+        other_llm = LLM(loaded=llm.target, speculative_config=other)
+        systems.append(System(f"specdec {other.label}", specdec_runner(other_llm, params, True), PLAIN))
+    for text in plain_on:
+        name, _, fmt = text.partition(":")
+        other_llm = LLM(model, None, device=device, backend=name, dtype=fmt or "auto")
+        systems.append(System(f"specdec {other_llm.target.describe()} plain", specdec_runner(other_llm, params, False), PLAIN))
+    encode = llm.encode
+    if "transformers" in peers:
+        stock = load_model(model, device=device, backend="hf", fast_kernels=False)
+        systems += [
+            System("transformers generate", transformers_runner(stock, encode, params)),
+            System("transformers prompt lookup", transformers_runner(stock, encode, params, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS),
+                   "transformers generate"),
+        ]
+        runner = llm.engine.drafter.model_runner() if llm.engine.drafter is not None else None
+        if runner is not None and runner.layers is None and runner.loaded.model is not None:
+            # A draft model of its own on transformers: transformers' assisted generation with it.
+            systems.append(System("transformers assisted", transformers_runner(stock, encode, params, assistant_model=runner.loaded.model),
+                                  "transformers generate"))
+    if "llama.cpp" in peers:
+        gguf = gguf_file(model)
+        if gguf is None:
+            note("llama-cpp-python peer skipped: the model is not a GGUF file")
+        else:
+            eos = llm.target.eos_token_ids
+            try:
+                systems += [
+                    System("llama.cpp plain", llama_cpp_runner(gguf, encode, params, eos)),
+                    System("llama.cpp prompt lookup", llama_cpp_runner(gguf, encode, params, eos, PROMPT_LOOKUP_TOKENS), "llama.cpp plain"),
+                ]
+            except ImportError:
+                note("llama.cpp peers skipped: llama-cpp-python is not installed (make peers installs it)")
+    return systems

@@ -1,0 +1,117 @@
+"""One `specdec train-draft` run: the target answers training prompts (kept as they come, so a
+rerun continues), then a head trains on the answers within the run's budget, resuming from its
+checkpoint. The CLI parses and reports; the budget and resume rules live here."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.drafters import head_class
+from specdec.errors import ConfigError
+from specdec.models.loader import LoadedModel
+from specdec.training.corpus import generate_answers, read_answers, select_prompts, text_records
+from specdec.training.heads import BUDGET_FIELDS, CHECKPOINT_FILE, Progress, TrainConfig, train_head
+
+ANSWERS_FILE = "answers.jsonl"
+
+# progress(label, total) -> a context whose value is called once per item done
+ProgressFactory = Callable[[str, int], AbstractContextManager[Callable[[object], None]]]
+
+
+@contextlib.contextmanager
+def _silent(label: str, total: int) -> Iterator[Callable[[object], None]]:
+    yield lambda item: None
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """What a run does (the options of `specdec train-draft`)."""
+
+    out_dir: Path
+    arch: str
+    data: Path | None = None
+    answers: int = 2000
+    code_prompts: int = 300
+    answer_tokens: int = 160
+    answer_time: float | None = None
+    max_time: float | None = None
+    max_tokens: int | None = None
+    draft_vocab: int = 8192
+    ttt_steps: int = 3
+    medusa_heads: int = 3
+    seed: int = 0
+    init: Path | None = None
+    answers_from: Path | None = None
+    text: int = 0
+    resume: bool = False
+
+    def check(self) -> None:
+        """ConfigError for what would fail later: before the target loads."""
+        head_class(self.arch)  # an unknown architecture
+        if self.max_time is None and self.max_tokens is None:
+            raise ConfigError("give a budget: --max-time SECONDS and/or --max-tokens N")
+        if not self.resume and ((self.out_dir / ANSWERS_FILE).exists() or (self.out_dir / CHECKPOINT_FILE).exists()):
+            raise ConfigError(f"{self.out_dir} holds an earlier run: pass --resume to continue it, or choose another --out")
+        if self.answers_from is not None and not self.answers_from.is_file():
+            raise ConfigError(f"answers file not found: {self.answers_from}")
+        if self.text and self.data is None:
+            raise ConfigError("--text takes its text from the prompts of --data: give --data")
+
+
+def resumed_config(out_dir: Path, fresh: TrainConfig) -> TrainConfig:
+    """The settings of the run a --resume continues; its budget too, unless this run gives one
+    (a larger --max-time or --max-tokens trains longer)."""
+    path = out_dir / CHECKPOINT_FILE
+    if not path.is_file():
+        return fresh
+    saved = torch.load(path, weights_only=False)["config"]
+    keep = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__
+            and (k not in BUDGET_FIELDS or getattr(fresh, k) is None)}
+    return dataclasses.replace(fresh, **keep)
+
+
+def train_draft(target: LoadedModel, run: TrainRun, *, start: float | None = None, progress: ProgressFactory = _silent,
+                note: Callable[[str], None] = lambda message: None,
+                on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[TrainConfig, dict[str, Any]]:
+    """Answer, then train. `start` is when the run began (its clock: loading the target counts
+    against --max-time). Returns the training settings used and train_head's result."""
+    run.check()
+    start = time.monotonic() if start is None else start
+    answers_path = run.out_dir / ANSWERS_FILE
+    if run.answers_from is not None:
+        answers_path = run.answers_from
+    else:
+        prompts = select_prompts(run.data, run.answers, run.code_prompts, run.seed)
+        done = len(read_answers(answers_path))
+        answer_time = run.answer_time
+        if answer_time is None:
+            answer_time = run.max_time / 2 if run.max_time is not None else float("inf")
+        with progress("answering", len(prompts)) as advance:
+            for _ in range(done):
+                advance(None)
+            generate_answers(target, prompts, answers_path, max_tokens=run.answer_tokens,
+                             should_stop=lambda: time.monotonic() - start >= answer_time, on_answer=advance)
+    records = read_answers(answers_path)
+    note(f"{len(records)} answers ({sum(len(r['answer_ids']) for r in records)} answer tokens) in {answers_path}")
+    if run.text:
+        fixed = text_records(target, run.data, run.text, {r["id"] for r in records}, run.seed)
+        records += fixed
+        note(f"{len(fixed)} fixed texts ({sum(len(r['answer_ids']) for r in fixed)} tokens) from {run.data}")
+    remaining = None if run.max_time is None else max(0.0, run.max_time - (time.monotonic() - start))
+    if run.resume and run.max_time is not None and (run.out_dir / CHECKPOINT_FILE).is_file():
+        remaining = run.max_time  # training had started: --max-time is its whole budget, earlier runs included
+    config = TrainConfig(arch=run.arch, medusa_heads=run.medusa_heads, draft_vocab_size=run.draft_vocab,
+                         ttt_steps=run.ttt_steps, max_tokens=run.max_tokens, seed=run.seed, max_time=remaining)
+    if run.resume:  # a resumed run keeps the first run's settings, its training budget included
+        config = resumed_config(run.out_dir, config)
+    result = train_head(target, records, run.out_dir, config, resume=run.resume, init=run.init, on_progress=on_progress)
+    return config, result
