@@ -3,8 +3,9 @@ not), `/v1/models`, `/health` and `/metrics`, over the scheduler thread.
 
 Each choice of a request is one sequence in the batch. Its events arrive from the scheduler
 thread on an asyncio queue; a client that goes away cancels its sequences. Prompts are
-tokenized on a thread of their own, so a long one does not hold up the event loop. A guard
-around the app refuses bodies over `max_request_bytes` (413) and counts refused requests.
+tokenized on a thread of their own, so a long one does not hold up the event loop. The guard
+around the app (:mod:`specdec.server.guard`) refuses bodies over `max_request_bytes` (413) and
+counts refused requests.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.config import SamplingParams, StructuredOutput
 from specdec.drafters.base import CacheStats
@@ -42,6 +42,7 @@ from specdec.server import dashboard
 from specdec.server.config import RouteConfig, ServerConfig
 from specdec.server.memory import MemoryPlan
 from specdec.server.logprobs import chat_logprobs, completion_logprobs
+from specdec.server.guard import RequestGuard
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import (
     APIError,
@@ -54,8 +55,6 @@ from specdec.server.scheduler import Event, QueueFullError, Scheduler, ServerReq
 from specdec.server.tools import CallScanner, ToolPlan, may_be_calls, parse_calls, plan_tools
 
 log = logging.getLogger(__name__)
-
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 T = TypeVar("T")
 
@@ -115,11 +114,13 @@ JSON_INVALID = "We could not parse the JSON body of your request."
 # --- request -> sequences ------------------------------------------------------------------------
 
 
-def _route(state: ServerState, name: str) -> RouteConfig:
+def _route(state: ServerState, name: str, request: Request) -> RouteConfig:
+    """The route a request names (404 for an unknown one), noted on the request for the guard's count."""
     route = state.config.route(name)
     if route is None:
         known = ", ".join(r.name for r in state.config.routes)
         raise APIError(404, f"The model '{name}' does not exist; this server has: {known}", param="model", code="model_not_found")
+    request.state.route = route.name
     return route
 
 
@@ -430,8 +431,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        route = _route(state, body.model)
-        request.state.route = route.name
+        route = _route(state, body.model, request)
         k = _k(route, body.speculative)
         prompts, texts = await state.encode(_encode_completion, state, body)
         structured = await state.encode(_compiled_structured, state, body)
@@ -443,15 +443,8 @@ def create_app(state: ServerState) -> FastAPI:
         echoes = [(ids, text) for ids, text in zip(prompts, texts) for _ in range(body.n)] if body.echo else None
         params = [_params(body, max(max_tokens, 1), i % body.n, route, state.encoder.target.vocab_size, structured)
                   for i in range(len(expanded))]
-        job = _submit(state, request, route, expanded, params, k, arrival)
-        prompt_tokens = sum(len(ids) for ids in prompts)
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(job, meta, prompt_tokens, shape, include_usage=include_usage, echoes=echoes)
-        results = await _collect(job, request, shape)
-        choices = []
-        for i, r in enumerate(results):
+
+        def choice(i: int, r: _Result) -> dict[str, Any]:
             text, logprobs = r.text, None
             if shape.logprobs:
                 logprobs = completion_logprobs(r.logprobs, r.token_ids, shape.names)
@@ -460,15 +453,16 @@ def create_app(state: ServerState) -> FastAPI:
                 text = prompt_text + text
                 if shape.logprobs:
                     logprobs = completion_logprobs(r.prompt_logprobs + r.logprobs, ids + r.token_ids, shape.names)
-            choices.append({"index": i, "text": text, "finish_reason": r.finish_reason, "logprobs": logprobs,
-                            "speculation": _stats_dict(r)})
-        return JSONResponse(meta | {"object": "text_completion", "choices": choices, **_totals(prompt_tokens, results)})
+            return {"index": i, "text": text, "finish_reason": r.finish_reason, "logprobs": logprobs,
+                    "speculation": _stats_dict(r)}
+
+        plan = _Plan(expanded, params, k, shape, sum(len(ids) for ids in prompts), choice, echoes)
+        return await _answer(state, request, body, route, arrival, plan)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        route = _route(state, body.model)
-        request.state.route = route.name
+        route = _route(state, body.model, request)
         ids, tools = await state.encode(_encode_chat, state, body)
         prediction = await state.encode(_encode_prediction, state, body) if body.prediction is not None else ()
         k = _k(route, body.speculative, predicted=bool(prediction))
@@ -478,141 +472,24 @@ def create_app(state: ServerState) -> FastAPI:
         shape = _Shape(chat=True, logprobs=bool(body.logprobs),
                        names=await state.encode(state.token_bytes) if body.logprobs else None, predicted=bool(prediction),
                        callable=tools.callable, calls_only=tools.structured is not None)
-        prompts = [ids] * body.n
         params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size, structured, prediction)
                   for i in range(body.n)]
-        job = _submit(state, request, route, prompts, params, k, arrival)
-        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(job, meta, len(ids), shape, include_usage=include_usage)
-        results = await _collect(job, request, shape)
-        choices = []
-        for i, r in enumerate(results):
+
+        def choice(i: int, r: _Result) -> dict[str, Any]:
             calls = parse_calls(r.text, tools.callable) if r.finish_reason == "stop" else None
             message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else {"role": "assistant", "content": r.text}
-            choices.append({"index": i, "message": message, "finish_reason": "tool_calls" if calls else r.finish_reason,
-                            "logprobs": chat_logprobs(r.logprobs, shape.names) if shape.logprobs else None,
-                            "speculation": _stats_dict(r)})
-        return JSONResponse(meta | {"object": "chat.completion", "choices": choices,
-                                    **_totals(len(ids), results, shape.predicted)})
+            return {"index": i, "message": message, "finish_reason": "tool_calls" if calls else r.finish_reason,
+                    "logprobs": chat_logprobs(r.logprobs, shape.names) if shape.logprobs else None,
+                    "speculation": _stats_dict(r)}
+
+        return await _answer(state, request, body, route, arrival, _Plan([ids] * body.n, params, k, shape, len(ids), choice))
 
     return app
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _BodyTimeout(Exception):
-    pass
 
 
 class _ClientGone(Exception):
     """A non-streaming request's client left before its answer: nothing to send, nothing to log
     (the scheduler counts its sequences as aborted)."""
-
-
-class RequestGuard:
-    """ASGI middleware around the app.
-
-    1. Refuses a body over `max_request_bytes` with 413 and the JSON error body: at once when
-       Content-Length says so, else once the bytes read pass it; and one not all there within
-       `request_body_timeout_s` with 408 (the connection then closes). The body is read here (the
-       handlers read all of it anyway) and handed on unchanged; a client that leaves mid-body is
-       an abort, and the app never sees the request.
-    2. Under Ray Serve, names the replica that answered in the header x-specdec-replica.
-    3. Counts a request to a generation endpoint that ends before any of its sequences was
-       queued in `specdec_requests_total`: "rejected" (a 4xx), "error" (a 5xx or an exception)
-       or "abort" (the client left first). Once sequences are queued, the scheduler counts
-       each of them instead, so nothing is counted twice.
-    """
-
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_state = scope.setdefault("state", {})
-        status = 0
-        failed = False
-
-        async def observed(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                if self.state.replica is not None:
-                    message = {**message, "headers": [*message.get("headers", []),
-                                                      (b"x-specdec-replica", self.state.replica.encode())]}
-            await send(message)
-
-        try:
-            try:
-                replay = await self._read_body(scope, receive)
-            except _BodyTooLarge:
-                limit = self.state.config.max_request_bytes
-                body = error_body(f"the request body exceeds the server's limit of {limit} bytes", code="request_too_large")
-                await JSONResponse(body, status_code=413)(scope, receive, observed)
-                return
-            except _BodyTimeout:
-                wait = self.state.config.request_body_timeout_s
-                body = error_body(f"the request body did not arrive within {wait:g} s", code="request_timeout")
-                await JSONResponse(body, status_code=408, headers={"connection": "close"})(scope, receive, observed)
-                return
-            if replay is None:  # the client left mid-body: an abort, nothing to answer
-                return
-            await self.app(scope, replay, observed)
-        except Exception:
-            failed = True
-            raise
-        finally:
-            if scope["path"] in GENERATION_PATHS and not request_state.get("submitted"):
-                reason = None
-                if failed or status >= 500:
-                    reason = "error"
-                elif status >= 400:
-                    reason = "rejected"
-                elif status == 0:  # cancelled before it answered: the client went away
-                    reason = "abort"
-                if reason is not None:
-                    self.state.metrics.requests.labels(request_state.get("route", ""), reason).inc()
-
-    async def _read_body(self, scope: Scope, receive: Receive) -> Receive | None:
-        """Read the whole body (at most the limit, within the timeout), and return a `receive`
-        that replays it and then passes on to the client's (for disconnects); None when the
-        client left before the body was all there."""
-        limit = self.state.config.max_request_bytes
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length", b"").decode("latin-1")
-        if length.isdigit() and int(length) > limit:
-            raise _BodyTooLarge
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.state.config.request_body_timeout_s
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
-            except TimeoutError:
-                raise _BodyTimeout from None
-            if message["type"] != "http.request":  # http.disconnect
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise _BodyTooLarge
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-        async def replay() -> Message:
-            return pending.pop() if pending else await receive()
-
-        return replay
 
 
 @dataclass(frozen=True)
@@ -648,6 +525,34 @@ class _Result:
             self.tokens += len(event.token_ids)
             self.token_ids.extend(event.token_ids)
             self.logprobs.extend(event.logprobs)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a handler made of its request: the sequences to run and how to answer."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    k: int
+    shape: _Shape
+    prompt_tokens: int
+    choice: Callable[[int, _Result], dict[str, Any]]  # a finished choice's JSON (not streaming)
+    echoes: list[tuple[list[int], str]] | None = None  # completions with echo: each choice's prompt
+
+
+async def _answer(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                  route: RouteConfig, arrival: float, plan: _Plan) -> Response:
+    """The path both endpoints share: queue the sequences, then stream their chunks or answer
+    with one JSON body."""
+    job = _submit(state, request, route, plan.prompts, plan.params, plan.k, arrival)
+    prefix, obj = ("chatcmpl", "chat.completion") if plan.shape.chat else ("cmpl", "text_completion")
+    meta = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _stream(job, meta, plan.prompt_tokens, plan.shape, include_usage=include_usage, echoes=plan.echoes)
+    results = await _collect(job, request, plan.shape)
+    choices = [plan.choice(i, r) for i, r in enumerate(results)]
+    return JSONResponse(meta | {"object": obj, "choices": choices, **_totals(plan.prompt_tokens, results, plan.shape.predicted)})
 
 
 def _stats_dict(result: _Result) -> dict[str, Any] | None:

@@ -1,0 +1,127 @@
+"""The ASGI middleware around the app: body limits, the replica header, and counting requests
+that end before any sequence is queued."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specdec.server.protocol import error_body
+
+if TYPE_CHECKING:
+    from specdec.server.app import ServerState
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _BodyTimeout(Exception):
+    pass
+
+
+class RequestGuard:
+    """ASGI middleware around the app.
+
+    1. Refuses a body over `max_request_bytes` with 413 and the JSON error body: at once when
+       Content-Length says so, else once the bytes read pass it; and one not all there within
+       `request_body_timeout_s` with 408 (the connection then closes). The body is read here (the
+       handlers read all of it anyway) and handed on unchanged; a client that leaves mid-body is
+       an abort, and the app never sees the request.
+    2. Under Ray Serve, names the replica that answered in the header x-specdec-replica.
+    3. Counts a request to a generation endpoint that ends before any of its sequences was
+       queued in `specdec_requests_total`: "rejected" (a 4xx), "error" (a 5xx or an exception)
+       or "abort" (the client left first). Once sequences are queued, the scheduler counts
+       each of them instead, so nothing is counted twice.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_state = scope.setdefault("state", {})
+        status = 0
+        failed = False
+
+        async def observed(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if self.state.replica is not None:
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"x-specdec-replica", self.state.replica.encode())]}
+            await send(message)
+
+        try:
+            try:
+                replay = await self._read_body(scope, receive)
+            except _BodyTooLarge:
+                limit = self.state.config.max_request_bytes
+                body = error_body(f"the request body exceeds the server's limit of {limit} bytes", code="request_too_large")
+                await JSONResponse(body, status_code=413)(scope, receive, observed)
+                return
+            except _BodyTimeout:
+                wait = self.state.config.request_body_timeout_s
+                body = error_body(f"the request body did not arrive within {wait:g} s", code="request_timeout")
+                await JSONResponse(body, status_code=408, headers={"connection": "close"})(scope, receive, observed)
+                return
+            if replay is None:  # the client left mid-body: an abort, nothing to answer
+                return
+            await self.app(scope, replay, observed)
+        except Exception:
+            failed = True
+            raise
+        finally:
+            if scope["path"] in GENERATION_PATHS and not request_state.get("submitted"):
+                reason = None
+                if failed or status >= 500:
+                    reason = "error"
+                elif status >= 400:
+                    reason = "rejected"
+                elif status == 0:  # cancelled before it answered: the client went away
+                    reason = "abort"
+                if reason is not None:
+                    self.state.metrics.requests.labels(request_state.get("route", ""), reason).inc()
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Receive | None:
+        """Read the whole body (at most the limit, within the timeout), and return a `receive`
+        that replays it and then passes on to the client's (for disconnects); None when the
+        client left before the body was all there."""
+        limit = self.state.config.max_request_bytes
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"").decode("latin-1")
+        if length.isdigit() and int(length) > limit:
+            raise _BodyTooLarge
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.state.config.request_body_timeout_s
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                raise _BodyTimeout from None
+            if message["type"] != "http.request":  # http.disconnect
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        return replay
