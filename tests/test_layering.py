@@ -99,3 +99,57 @@ def test_kernels_are_the_bottom_layer() -> None:
     for name, targets in _graph().items():
         if name.startswith("specdec.kernels"):
             assert targets <= {"specdec.paths", "specdec.kernels", "specdec.kernels.packing"}, (name, targets)
+
+
+# The layers of docs/architecture.md, bottom up: a package imports only from lower ones (and
+# itself). The faces (cli) sit on the tools, the tools (bench, server, training) on the library;
+# no tool imports another, and the server does not use the library's LLM.
+LAYERS = [
+    ("errors", "paths", "data"),  # data: packaged files (prompts, profiles, heads), no code
+    ("kernels",),
+    ("models", "sampling"),
+    ("drafters",),
+    ("config",),  # validates a SpeculativeConfig's options against the drafter registry
+    ("engine",),
+    ("api",),
+    ("bench", "server", "training"),
+    ("cli",),
+]
+
+
+def _rank(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None  # the top package: it re-exports the API, and `from specdec import x` names x
+    return next(i for i, layer in enumerate(LAYERS) if parts[1] in layer)
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from its own layer or one above it (other than its own package)."""
+    found = []
+    for name, targets in graph.items():
+        low = _rank(name)
+        for target in targets:
+            high = _rank(target)
+            if low is None or high is None or target.split(".")[1] == name.split(".")[1]:
+                continue
+            if high >= low:
+                found.append(f"{name} imports {target}")
+    return found
+
+
+def test_imports_point_down_the_layers() -> None:
+    assert _upward(_graph()) == []
+
+
+def test_the_layer_check_can_fail() -> None:
+    graph = {"specdec.engine.batch": {"specdec.server.app", "specdec.models.runner"},
+             "specdec.bench.tune": {"specdec.server.metrics", "specdec.bench.report"}}
+    assert _upward(graph) == ["specdec.engine.batch imports specdec.server.app",
+                              "specdec.bench.tune imports specdec.server.metrics"]
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists() or p.suffix == ".py"}
+    named = {name.removesuffix(".py") for name in packages} - {"__init__", "__main__", "__pycache__"}
+    assert named <= {m for layer in LAYERS for m in layer}, named - {m for layer in LAYERS for m in layer}
