@@ -89,15 +89,59 @@ def _tiny_llama(vocab_size: int, seed: int, *, hidden: int = 64, layers: int = 2
     return model
 
 
+# The tiny model's own tokenizer: byte-level BPE trained here on specdec's docs (all bytes
+# encode), with ChatML special tokens at the ids SmolLM2 uses (0 text end, 1 start, 2 end of turn).
+TINY_VOCAB = 1024
+TINY_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    docs = Path(__file__).resolve().parents[1]
+    corpus = [p.read_text(encoding="utf-8") for p in sorted([docs / "README.md", *(docs / "docs").glob("*.md")])]
+    backend = Tokenizer(BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=list(TINY_SPECIAL), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=TINY_SPECIAL[1], eos_token=TINY_SPECIAL[2],
+                                        pad_token=TINY_SPECIAL[2], unk_token=TINY_SPECIAL[0])
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model: LoadedModel) -> Path:
-    """A random 2-layer Llama with SmolLM2's tokenizer, saved as a Hugging Face model directory."""
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama with a tokenizer of its own (TINY_VOCAB tokens), saved as a
+    Hugging Face model directory: the tiny tier's model (nothing of the real model's)."""
     path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = tiny_tokenizer()
+    model = _tiny_llama(len(tokenizer), seed=1234, eos=tokenizer.eos_token_id)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, default_model: LoadedModel) -> Path:
+    """A random 2-layer Llama with SmolLM2's tokenizer: a draft model for the real target."""
+    path = tmp_path_factory.mktemp("tiny-draft")
     tokenizer = default_model.tokenizer
     model = _tiny_llama(len(tokenizer), seed=1234, eos=tokenizer.eos_token_id)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_draft_dir: Path) -> LoadedModel:
+    """The tiny draft model with the real target's vocabulary, on the hf backend."""
+    return load_model(str(tiny_draft_dir), backend="hf")
 
 
 @pytest.fixture(scope="session")
@@ -162,11 +206,7 @@ def small_model_factory() -> SmallModelFactory:
 CliRun = Callable[..., tuple[int, str, str]]
 
 
-@pytest.fixture
-def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], default_model: LoadedModel) -> CliRun:
-    """Runs the `specdec` command in this process, as `main()` runs it: (exit status, stdout, stderr).
-    The default model is loaded first, so its one-time conversion (with its progress bar) never
-    lands in a command's output, whichever test of a worker runs first."""
+def _cli_runner(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> CliRun:
     from specdec.cli.main import main
 
     def run(*args: str) -> tuple[int, str, str]:
@@ -177,6 +217,35 @@ def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         return exit_info.value.code or 0, captured.out, captured.err
 
     return run
+
+
+@pytest.fixture
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], default_model: LoadedModel) -> CliRun:
+    """Runs the `specdec` command in this process, as `main()` runs it: (exit status, stdout, stderr).
+    The default model is loaded first, so its one-time conversion (with its progress bar) never
+    lands in a command's output, whichever test of a worker runs first."""
+    return _cli_runner(monkeypatch, capsys)
+
+
+@pytest.fixture
+def run_cli_tiny(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> CliRun:
+    """run_cli for commands that name their own model (`--model` a tiny one): the tiny tier."""
+    return _cli_runner(monkeypatch, capsys)
+
+
+# --- test tiers ---------------------------------------------------------------------------------
+
+# A test that uses one of these (directly or through another fixture) runs the real default
+# model: it is in the `real` tier. Tests that run the real model in a subprocess say so with
+# @pytest.mark.real.
+REAL_MODEL_FIXTURES = frozenset({"default_model", "default_model_hf", "default_model_native_f32",
+                                 "default_model_variants", "tiny_draft_dir", "run_cli"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)
 
 
 # --- MTP checkpoints (no real one can be had here) ------------------------------------------

@@ -87,6 +87,7 @@ def test_tallies_speedup_and_identity_against_own_baseline() -> None:
     assert raw["turns_by_system"]["2"]["fast"]["speedup"] == pytest.approx(2.0)
 
 
+@pytest.mark.real  # the real model, in a subprocess
 def test_bench_cli_writes_report(tmp_path: Path) -> None:
     data = write_jsonl(
         tmp_path / "mini.jsonl",

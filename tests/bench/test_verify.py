@@ -144,6 +144,7 @@ def test_first_divergence_reports_position_tokens_and_logits(default_model: Load
     assert first_divergence(llm, prompt_ids, plain, list(plain)) is None
 
 
+@pytest.mark.real  # the real model, in a subprocess
 def test_verify_cli_greedy_passes_and_writes_json(tmp_path: Path) -> None:
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"id": "a", "category": "x", "turns": ["Repeat: one two three, one two three."]}) + "\n")
@@ -223,13 +224,13 @@ def test_drafter_invariant_check_is_token_by_token(small_llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("invariant", [True, False])
-def test_verify_cli_sampling_json(run_cli, tiny_model_dir: Path, tmp_path: Path, invariant: bool) -> None:
+def test_verify_cli_sampling_json(run_cli_tiny, tiny_model_dir: Path, tmp_path: Path, invariant: bool) -> None:
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"id": "a", "category": "x", "turns": ["one two three one two three"]}) + "\n")
     out = tmp_path / "v.json"
     args = ["verify", "--model", str(tiny_model_dir), "--data", str(data), "--max-tokens", "4", "--temperature", "1",
             "--min-p", "0.01", "--draws", "10", "--length", "3", "--max-draws", "20", "--json", str(out)]
-    code, stdout, stderr = run_cli(*args, *(["--drafter-invariant"] if invariant else []))
+    code, stdout, stderr = run_cli_tiny(*args, *(["--drafter-invariant"] if invariant else []))
     report = json.loads(out.read_text())
     if invariant:
         assert code == 0, stderr

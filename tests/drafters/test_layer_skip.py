@@ -111,7 +111,7 @@ def test_config_checks() -> None:
     assert SpeculativeConfig(method="layer_skip", layers=[3, 1]).to_dict()["layers"] == [1, 3]
 
 
-@pytest.mark.slow
+@pytest.mark.real
 def test_shipped_profile_is_used_for_the_default_model(default_model: LoadedModel) -> None:
     profile = shipped_profile(default_model.name)
     assert profile is not None and profile.num_layers == 30
@@ -131,7 +131,7 @@ def greedy_agreement(target: LoadedModel, draft: LoadedModel) -> float:
     return (torch.stack(logits).argmax(-1) == torch.tensor(answer)).float().mean().item()
 
 
-@pytest.mark.slow
+@pytest.mark.real
 def test_int8_self_draft_shares_embeddings_and_leaves_the_target_alone(default_model_hf: LoadedModel) -> None:
     default_model = default_model_hf
     target_types = [type(m) for m in default_model.model.modules()]
@@ -152,7 +152,7 @@ def test_int8_self_draft_shares_embeddings_and_leaves_the_target_alone(default_m
     torch.testing.assert_close(draft_logits, target_logits)
 
 
-@pytest.mark.slow
+@pytest.mark.real
 def test_native_int8_self_draft_shares_the_rest_and_mostly_agrees(default_model_native_f32: LoadedModel) -> None:
     target = default_model_native_f32
     draft = quantize_int8(target)

@@ -93,7 +93,7 @@ def test_options_are_validated() -> None:
         SpeculativeConfig(method="lookahead", lookahead_guesses=-1)
 
 
-@pytest.mark.slow
+@pytest.mark.real
 @pytest.mark.parametrize("options", [
     {"num_speculative_tokens": 2},
     {"num_speculative_tokens": 3, "lookahead_window": 3, "lookahead_ngram": 2, "lookahead_guesses": 3},

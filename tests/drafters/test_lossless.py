@@ -1,8 +1,9 @@
 """The lossless suite (STYLE habit 8): with greedy decoding, every drafter gives exactly the
 tokens of plain decoding, whether it always agrees with the target, never agrees, or agrees
-partly. Runs on the real default model: the synthetic drafters on every backend and weight
-format, every registered drafter on the default backend and one per kind of verification pass on
-the others. Lossless means identical to the same backend's own plain decoding."""
+partly. The synthetic drafters (always, never, partly, randomly agreeing) run on the tiny model
+in every backend and weight format; every registered drafter runs on the real default model on
+the default backend, and one per kind of verification pass on its other backends and formats.
+Lossless means identical to the same backend's own plain decoding."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from specdec.api import RequestOutput
 from specdec.drafters import Drafter, Proposal
 from specdec.engine import Engine, Generation
 from specdec.errors import ConfigError
-from specdec.models import LoadedModel
+from specdec.models import LoadedModel, load_model
 from specdec.models.qlinear import QUANTIZED_FORMATS
 from specdec.training.heads import TrainConfig, new_head
 
@@ -58,8 +59,7 @@ def plain(plain_llm: LLM) -> list[RequestOutput]:
     return outputs
 
 
-@pytest.fixture(scope="module")
-def references(plain_llm: LLM, plain: list[RequestOutput]) -> dict[tuple[int, ...], list[int]]:
+def reference_table(plain_llm: LLM, plain: list[RequestOutput]) -> dict[tuple[int, ...], list[int]]:
     """prompt ids -> prompt ids followed by the plain output: what an oracle drafter knows."""
     table = {}
     for prompt, output in zip(PROMPTS, plain):
@@ -68,14 +68,44 @@ def references(plain_llm: LLM, plain: list[RequestOutput]) -> dict[tuple[int, ..
     return table
 
 
+# The tiny model (tests/conftest.py: its own tokenizer, random weights) on every backend and
+# weight format: the synthetic drafters' matrix.
+TINY_VARIANTS = ["hf-float32", "native-float32", "native-bfloat16", "native-int8", "native-int4"]
+
+
+@pytest.fixture(scope="module", params=TINY_VARIANTS)
+def tiny_target(request: pytest.FixtureRequest, tiny_model_dir) -> LoadedModel:
+    backend, dtype = request.param.split("-")
+    return load_model(str(tiny_model_dir), backend=backend, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def tiny_plain_llm(tiny_target: LoadedModel) -> LLM:
+    return LLM(loaded=tiny_target)
+
+
+@pytest.fixture(scope="module")
+def tiny_plain(tiny_plain_llm: LLM) -> list[RequestOutput]:
+    outputs = tiny_plain_llm.generate(PROMPTS, PARAMS, speculate=False)
+    # The exact step counts below assume the budget, not EOS, ends each output.
+    assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def references(tiny_plain_llm: LLM, tiny_plain: list[RequestOutput]) -> dict[tuple[int, ...], list[int]]:
+    return reference_table(tiny_plain_llm, tiny_plain)
+
+
 # --- test-only drafters -----------------------------------------------------------------------
 
 
 class OracleDrafter(Drafter):
     """Always agrees: proposes the plain output's next tokens."""
 
-    def __init__(self, references: dict[tuple[int, ...], list[int]]) -> None:
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab: int | None = None) -> None:
         self.references = references
+        self.vocab = vocab  # the target's: a wrong guess is still a token
         self.reference: list[int] = []
         self.commits: list[int] = []
 
@@ -100,30 +130,30 @@ class AdversaryDrafter(OracleDrafter):
     """Never agrees: every proposed token differs from the plain output's."""
 
     def propose(self, context, k, params, generator) -> Proposal:
-        return Proposal([(t + 1) % 49152 for t in self.right(context, k)])
+        return Proposal([(t + 1) % self.vocab for t in self.right(context, k)])
 
 
 class PartialDrafter(OracleDrafter):
     """Agrees on the first `agree` positions of every proposal, then disagrees."""
 
-    def __init__(self, references, agree: int) -> None:
-        super().__init__(references)
+    def __init__(self, references, agree: int, vocab: int) -> None:
+        super().__init__(references, vocab)
         self.agree = agree
 
     def propose(self, context, k, params, generator) -> Proposal:
         right = self.right(context, k)
-        return Proposal(right[: self.agree] + [(t + 7) % 49152 for t in right[self.agree :]])
+        return Proposal(right[: self.agree] + [(t + 7) % self.vocab for t in right[self.agree :]])
 
 
 class RandomMixDrafter(OracleDrafter):
     """Agrees or disagrees at random at each position (seeded)."""
 
-    def __init__(self, references, seed: int) -> None:
-        super().__init__(references)
+    def __init__(self, references, seed: int, vocab: int) -> None:
+        super().__init__(references, vocab)
         self.rng = random.Random(seed)
 
     def propose(self, context, k, params, generator) -> Proposal:
-        return Proposal([t if self.rng.random() < 0.6 else (t + 3) % 49152 for t in self.right(context, k)])
+        return Proposal([t if self.rng.random() < 0.6 else (t + 3) % self.vocab for t in self.right(context, k)])
 
 
 def run_drafter(target: LoadedModel, plain_llm: LLM, drafter, k: int) -> list[Generation]:
@@ -146,8 +176,8 @@ def adversary_drafted(k: int) -> int:
 # --- the suite --------------------------------------------------------------------------------
 
 
-def test_plain_stats(plain: list[RequestOutput]) -> None:
-    for output in plain:
+def test_plain_stats(tiny_plain: list[RequestOutput]) -> None:
+    for output in tiny_plain:
         stats = output.stats
         assert len(output.token_ids) == stats.generated_tokens == MAX_TOKENS
         assert stats.target_forward_passes == MAX_TOKENS  # prefill + one pass per further token
@@ -159,10 +189,10 @@ def test_plain_stats(plain: list[RequestOutput]) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_oracle(target, plain_llm, references, plain, k: int) -> None:
+def test_oracle(tiny_target, tiny_plain_llm, references, tiny_plain, k: int) -> None:
     drafter = OracleDrafter(references)
-    outputs = run_drafter(target, plain_llm, drafter, k)
-    assert_same_as_plain(outputs, plain)
+    outputs = run_drafter(tiny_target, tiny_plain_llm, drafter, k)
+    assert_same_as_plain(outputs, tiny_plain)
     steps = math.ceil((MAX_TOKENS - 1) / (k + 1))
     for output in outputs:
         stats = output.stats
@@ -178,9 +208,9 @@ def test_oracle(target, plain_llm, references, plain, k: int) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_adversary(target, plain_llm, references, plain, k: int) -> None:
-    outputs = run_drafter(target, plain_llm, AdversaryDrafter(references), k)
-    assert_same_as_plain(outputs, plain)
+def test_adversary(tiny_target, tiny_plain_llm, references, tiny_plain, k: int) -> None:
+    outputs = run_drafter(tiny_target, tiny_plain_llm, AdversaryDrafter(references, tiny_target.vocab_size), k)
+    assert_same_as_plain(outputs, tiny_plain)
     for output in outputs:
         stats = output.stats
         assert stats.accepted_tokens == 0
@@ -191,10 +221,10 @@ def test_adversary(target, plain_llm, references, plain, k: int) -> None:
         assert stats.per_position_acceptance == [0.0] * k
 
 
-def test_partial(target, plain_llm, references, plain) -> None:
+def test_partial(tiny_target, tiny_plain_llm, references, tiny_plain) -> None:
     k, agree = 4, 2
-    outputs = run_drafter(target, plain_llm, PartialDrafter(references, agree), k)
-    assert_same_as_plain(outputs, plain)
+    outputs = run_drafter(tiny_target, tiny_plain_llm, PartialDrafter(references, agree, tiny_target.vocab_size), k)
+    assert_same_as_plain(outputs, tiny_plain)
     for output in outputs:
         stats = output.stats
         assert 0.0 < stats.acceptance_rate < 1.0
@@ -202,9 +232,9 @@ def test_partial(target, plain_llm, references, plain) -> None:
         assert stats.mean_accepted_length == pytest.approx(agree + 1, abs=0.35)
 
 
-def test_random_mix(target, plain_llm, references, plain) -> None:
-    outputs = run_drafter(target, plain_llm, RandomMixDrafter(references, seed=5), 5)
-    assert_same_as_plain(outputs, plain)
+def test_random_mix(tiny_target, tiny_plain_llm, references, tiny_plain) -> None:
+    outputs = run_drafter(tiny_target, tiny_plain_llm, RandomMixDrafter(references, 5, tiny_target.vocab_size), 5)
+    assert_same_as_plain(outputs, tiny_plain)
     for output in outputs:
         assert 0.0 < output.stats.acceptance_rate < 1.0
         assert output.stats.committed_tokens == output.stats.accepted_tokens + output.stats.target_steps
@@ -298,9 +328,9 @@ def default_plain(default_model: LoadedModel) -> list[RequestOutput]:
 
 
 @pytest.fixture
-def model_dirs(tiny_model_dir, random_eagle_dir, random_medusa_dir, random_mtp_dir) -> dict[str, str]:
+def model_dirs(tiny_draft_dir, random_eagle_dir, random_medusa_dir, random_mtp_dir) -> dict[str, str]:
     """The placeholders of REAL_DRAFTERS' `model` keys -> the directories they stand for."""
-    return {"TINY": str(tiny_model_dir), "RANDOM_EAGLE": random_eagle_dir, "RANDOM_MEDUSA": random_medusa_dir,
+    return {"TINY": str(tiny_draft_dir), "RANDOM_EAGLE": random_eagle_dir, "RANDOM_MEDUSA": random_medusa_dir,
             "RANDOM_MTP": random_mtp_dir}
 
 

@@ -129,7 +129,7 @@ def test_drafter_invariant_sampling_gives_the_plain_tokens(tiny_native: LoadedMo
     llm = LLM(loaded=tiny_native, speculative_config={"method": "mtp", "model": str(directory),
                                                      "num_speculative_tokens": 2, "drafter_invariant": True})
     drafted = 0
-    for seed, prompt in enumerate(([5, 17, 300, 5, 17], [9, 9, 9, 40], [1000, 2000, 3000])):
+    for seed, prompt in enumerate(([5, 17, 300, 5, 17], [9, 9, 9, 40], [100, 200, 300])):
         params = llm.request_params(SamplingParams(max_tokens=20, temperature=temperature, seed=seed, ignore_eos=True))
         spec = llm.engine.generate(prompt, params)
         assert spec.token_ids == llm.plain_engine.generate(prompt, params).token_ids

@@ -216,7 +216,7 @@ class WrongDrafter(Drafter):
         pass
 
 
-@pytest.mark.slow
+@pytest.mark.real
 def test_adaptive_switches_a_useless_drafter_off_without_changing_output(default_model: LoadedModel) -> None:
     prompt = default_model.tokenizer("The history of the printing press begins", add_special_tokens=True)["input_ids"]
     params = SamplingParams(max_tokens=96, ignore_eos=True)
@@ -237,7 +237,7 @@ def test_adaptive_switches_a_useless_drafter_off_without_changing_output(default
     assert drafter.calls - calls < calls
 
 
-@pytest.mark.slow
+@pytest.mark.real
 def test_adaptive_keeps_a_paying_drafter_on(default_model_native_f32: LoadedModel) -> None:
     # In float32 the model copies the list exactly (the int4 model paraphrases part of it).
     default_model = default_model_native_f32
@@ -258,7 +258,7 @@ def test_adaptive_keeps_a_paying_drafter_on(default_model_native_f32: LoadedMode
     assert state is not None and state.switched_off == 0
 
 
-@pytest.mark.slow
+@pytest.mark.real
 def test_a_draft_resumed_after_a_pause_keeps_output_identical(default_model: LoadedModel) -> None:
     # The engine starts switched off (as after a draft that did not pay), so the probe resumes
     # the draft mid-request on the recent window of the context only.

@@ -20,7 +20,7 @@ from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.models import LoadedModel
 
-PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 2000], [1, 700, 800, 900], [1, 42] * 6, [1, 3000, 3001, 3002, 3003, 3004]]
+PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 200], [1, 700, 800, 900], [1, 42] * 6, [1, 300, 301, 302, 303, 304]]
 MAX_TOKENS = 24
 
 

@@ -119,7 +119,7 @@ def test_engine_trims_overlong_proposals(tiny_model: LoadedModel, tiny_plain: li
 
 def test_request_reaching_the_end_of_the_context_finishes_by_length(tiny_model: LoadedModel) -> None:
     # 500 prompt tokens in a 512-position model leave room for 12 more, whatever max_tokens says.
-    prompt = [(7 * i) % 40000 + 100 for i in range(500)]
+    prompt = [(7 * i) % 900 + 100 for i in range(500)]
     for engine in (Engine(tiny_model), Engine(tiny_model, NgramDrafter(1, 3), 3)):
         result = engine.generate(prompt, SamplingParams(max_tokens=100, ignore_eos=True))
         assert len(result.token_ids) == 12
@@ -128,7 +128,7 @@ def test_request_reaching_the_end_of_the_context_finishes_by_length(tiny_model: 
 
 def test_request_filling_the_context_exactly(tiny_model: LoadedModel) -> None:
     # 500 + 12 = 512 tokens: exactly the context, nothing clamped.
-    prompt = [(7 * i) % 40000 + 100 for i in range(500)]
+    prompt = [(7 * i) % 900 + 100 for i in range(500)]
     result = Engine(tiny_model).generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(result.token_ids) == 12
     assert result.finish_reason == "length"

@@ -9,7 +9,7 @@ import torch
 from specdec.models import LoadedModel, ModelRunner, PreallocatedCache
 from specdec.models.cache import ContextOverflowError
 
-TOKENS = [17, 905, 3301, 42, 42, 7, 12000, 49151, 256, 9, 88, 4096, 31, 5, 6000]
+TOKENS = [17, 905, 331, 42, 42, 7, 120, 1023, 256, 9, 88, 496, 31, 5, 600]
 
 
 def reference_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from specdec.errors import PromptError
 from specdec.models import LoadedModel, ModelRunner
 
-TOKENS = [17, 905, 3301, 42, 42, 7]
+TOKENS = [17, 905, 331, 42, 42, 7]
 
 
 def test_new_cache_beyond_context_is_a_prompt_error(tiny_model: LoadedModel) -> None:

@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from specdec.server.runtime import wait_healthy
+from tests.conftest import _tiny_llama, tiny_tokenizer
 
 CONFIG = """
 max_model_len = 256
@@ -52,8 +54,19 @@ def _serve(model_dir: Path, tmp_path: Path, config_text: str) -> tuple[subproces
     return process, f"http://127.0.0.1:{port}"
 
 
-def test_serve_then_sigterm_finishes_the_request_in_flight(tiny_model_dir: Path, tmp_path: Path) -> None:
-    process, url = _serve(tiny_model_dir, tmp_path, CONFIG)
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model made wide (hidden 768, 4 layers: ~100 MB of float32 weights), so that a
+    request takes a few seconds: the tiny tokenizer, random weights."""
+    path = tmp_path_factory.mktemp("wide-llama")
+    tokenizer = tiny_tokenizer()
+    _tiny_llama(len(tokenizer), seed=5, hidden=768, layers=4, eos=tokenizer.eos_token_id).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_serve_then_sigterm_finishes_the_request_in_flight(wide_model_dir: Path, tmp_path: Path) -> None:
+    process, url = _serve(wide_model_dir, tmp_path, CONFIG)
     try:
         wait_healthy(url, timeout=120)
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
@@ -86,9 +99,9 @@ graceful_shutdown_s = 0.3
 """
 
 
-def test_sigterm_past_the_grace_aborts_every_request_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    process, url = _serve(tiny_model_dir, tmp_path, SHORT_GRACE)
-    # One row: the first request runs (about 2 s for 480 tokens), the others wait; all outlast the grace.
+def test_sigterm_past_the_grace_aborts_every_request_cleanly(wide_model_dir: Path, tmp_path: Path) -> None:
+    process, url = _serve(wide_model_dir, tmp_path, SHORT_GRACE)
+    # One row: the first request runs (seconds for 480 tokens), the others wait; all outlast the grace.
     body = {"model": "tiny", "prompt": "one two three", "max_tokens": 480, "ignore_eos": True}
     streamed: list[list[str]] = []
     whole: list[httpx.Response] = []

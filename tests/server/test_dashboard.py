@@ -53,7 +53,7 @@ def test_data_endpoint(server: ServerThread) -> None:
     assert "uPlot" in httpx.get(f"{server.url}/dashboard").text
 
 
-@pytest.mark.slow
+@pytest.mark.real
 @pytest.mark.browser
 def test_charts_render_and_update_in_a_browser(server: ServerThread, tmp_path: Path) -> None:
     if not (CHROMIUM and CHROMEDRIVER):

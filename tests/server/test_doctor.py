@@ -23,7 +23,7 @@ from specdec.server.doctor import DEFAULT_VERIFY_COSTS, RouteReport, best_k, dia
 from specdec.server.memory import plan_memory
 from specdec.server.runtime import ServerThread, build_state
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.real
 
 REPEAT = "Repeat this line ten times: the cat sat on the mat and the dog sat on the log."
 FREE = ["Write a haiku about autumn leaves.", "Name three rivers in Africa.", "Why is the sky blue? One sentence.",
@@ -135,10 +135,10 @@ def test_batches_full_and_the_schedule_switching_off(lookup_server: ServerThread
 
 
 @pytest.fixture(scope="module")
-def draft_server(default_model: LoadedModel, tiny_model_dir) -> Iterator[ServerThread]:
+def draft_server(default_model: LoadedModel, tiny_draft_dir) -> Iterator[ServerThread]:
     """A random draft model (the tests' tiny Llama with the default model's vocabulary), and a
     cache budget in which its weights and KV cost half the sequences: 2 fit, 4 would without it."""
-    spec = SpeculativeConfig("draft_model", 3, model=str(tiny_model_dir))
+    spec = SpeculativeConfig("draft_model", 3, model=str(tiny_draft_dir))
     max_len = 192
     plan = plan_memory(default_model, [build_drafter(spec, default_model)], max_len, 1)
     per_target = max_len * plan.target_kv_bytes_per_token

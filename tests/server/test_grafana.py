@@ -20,7 +20,7 @@ from specdec.server.config import RouteConfig, ServerConfig
 from specdec.server.runtime import ServerThread, build_state
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "specdec.json"
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")

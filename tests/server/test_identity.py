@@ -30,7 +30,7 @@ def prompts() -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": r.turns[0]}] for r in records]
 
 
-@pytest.mark.slow
+@pytest.mark.real
 @pytest.mark.parametrize(("route", "speculative"), [("fixed", True), ("adaptive", True), ("plain", False)])
 def test_server_greedy_matches_library(default_model: LoadedModel, client: openai.OpenAI, prompts, route: str, speculative: bool) -> None:
     llm = LLM(loaded=default_model, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
