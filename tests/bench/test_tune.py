@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 
 from specdec.bench import tune
 from specdec.cli.main import speculative_config
@@ -215,7 +216,7 @@ def test_tune_checks_its_arguments_before_loading_the_model(
     assert code == 2 and err.startswith("error: "), err
 
 
-@pytest.mark.slow
+@pytest.mark.real
 def test_measure_needs_prompts(default_model: LoadedModel) -> None:
     candidates = tune.build_candidates([{"method": "ngram"}], [2], adaptive=False)
     with pytest.raises(ConfigError, match="no prompts"):
@@ -223,24 +224,31 @@ def test_measure_needs_prompts(default_model: LoadedModel) -> None:
 
 
 @pytest.fixture(scope="session")
-def tuned(mini_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    out = tmp_path_factory.mktemp("tune-out")
-    result = subprocess.run(
-        [sys.executable, "-m", "specdec.cli.main", "tune", "--data", str(mini_data), "--per-category", "1",
-         "--max-tokens", "8", "--methods", "ngram", "--methods", json.dumps(INT8_SELF), "--k", "2", "--dtype", "float32", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )
-    return out, result
+def tuned(mini_data: Path, tmp_path_factory: pytest.TempPathFactory, worker_id: str
+          ) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One minute-long tune run for the whole session: under pytest-xdist the first worker to
+    ask runs it into the session's shared temporary folder, and the others read its output."""
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    out, record = shared / "tune-out", shared / "tune-run.json"
+    with FileLock(str(shared / "tune-run.lock")):
+        if not record.exists():
+            args = [sys.executable, "-m", "specdec.cli.main", "tune", "--data", str(mini_data), "--per-category", "1",
+                    "--max-tokens", "8", "--methods", "ngram", "--methods", json.dumps(INT8_SELF), "--k", "2",
+                    "--dtype", "float32", "--out", str(out)]
+            done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+            record.write_text(json.dumps({"args": args, "returncode": done.returncode, "stdout": done.stdout,
+                                          "stderr": done.stderr}))
+    run = json.loads(record.read_text())
+    return out, subprocess.CompletedProcess(run["args"], run["returncode"], run["stdout"], run["stderr"])
 
 
-# The tests reading one `tuned` run stay on one pytest-xdist worker (`--dist loadgroup`), and the
-# run is session-scoped: a worker interleaves other modules' tests between them, which would tear
-# a module fixture down and run the minute-long tune again.
+# The tests reading the `tuned` run (they stay on one worker where pytest-xdist's loadgroup does
+# group them; the fixture holds either way).
 ONE_TUNE_RUN = pytest.mark.xdist_group("tuned")
 
 
 @ONE_TUNE_RUN
-@pytest.mark.slow
+@pytest.mark.real
 def test_tune_writes_results_and_files(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, result = tuned
     assert result.returncode == 0, result.stderr
@@ -266,7 +274,7 @@ def test_tune_writes_results_and_files(tuned: tuple[Path, subprocess.CompletedPr
 
 
 @ONE_TUNE_RUN
-@pytest.mark.slow
+@pytest.mark.real
 def test_tune_prediction_recomputes_from_its_measurements(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, result = tuned
     assert result.returncode == 0, result.stderr
@@ -294,7 +302,7 @@ def test_tune_prediction_recomputes_from_its_measurements(tuned: tuple[Path, sub
 
 
 @ONE_TUNE_RUN
-@pytest.mark.slow
+@pytest.mark.real
 def test_tune_recommendation_loads(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, result = tuned
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,7 @@
-"""The `specdec` command as a user runs it: a real process, real model, one-line errors."""
+"""The `specdec` command as a user runs it, on the real model: one-line errors, generation and
+costs. Two tests run it as a real process; the rest run its `main()` in this process
+(`run_cli`: the same exit status, stdout and stderr, without a Python start-up and model load
+per command)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _tiny_llama, small_vocab_tokenizer
+from tests.conftest import CliRun, _tiny_llama, small_vocab_tokenizer
 
 SPECDEC = [sys.executable, "-m", "specdec.cli.main"]
+pytestmark = pytest.mark.real  # every test here runs the real model (some in a subprocess)
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +52,28 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
         (["serve", "--config", str(Path(__file__).parent / "no_routes.toml")], "needs a [routes.NAME] table for each served model name"),
     ],
 )
-def test_bad_input_is_one_line_error(args: list[str], message: str) -> None:
-    result = run(*args)
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
+def test_bad_input_is_one_line_error(run_cli: CliRun, args: list[str], message: str) -> None:
+    code, _, stderr = run_cli(*args)
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
 
 
-def test_draft_with_other_vocabulary_is_refused(other_vocabulary_dir: Path) -> None:
-    result = run("generate", "hi", "--method", "draft_model", "--draft-model", str(other_vocabulary_dir))
+def test_bad_input_in_a_real_process_is_one_line_and_exit_2() -> None:
+    result = run("generate", "hi", "--method", "bogus")
     assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    assert "cannot draft for SmolLM2-135M-Instruct" in result.stderr
-    assert "logit sizes differ: target 49152, draft 64" in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: unknown speculative method 'bogus'; choose one of: " + result.stderr.split("choose one of: ")[1].strip()]
+
+
+def test_draft_with_other_vocabulary_is_refused(run_cli: CliRun, other_vocabulary_dir: Path) -> None:
+    code, _, stderr = run_cli("generate", "hi", "--method", "draft_model", "--draft-model", str(other_vocabulary_dir))
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    assert "cannot draft for SmolLM2-135M-Instruct" in stderr
+    assert "logit sizes differ: target 49152, draft 64" in stderr
 
 
 def test_generate_streams_text_and_reports_stats() -> None:
@@ -76,29 +87,29 @@ def test_generate_streams_text_and_reports_stats() -> None:
     assert "ngram k=4" in result.stderr
 
 
-def test_generate_plain_and_speculative_print_the_same_text() -> None:
+def test_generate_plain_and_speculative_print_the_same_text(run_cli: CliRun) -> None:
     prompt = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
-    plain = run("generate", prompt, "--method", "none", "--max-tokens", "32", "--no-stream")
-    spec = run("generate", prompt, "--method", "ngram", "-k", "6", "--max-tokens", "32")
-    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
-    assert plain.stdout == spec.stdout
-    assert plain.stdout.strip()
+    plain = run_cli("generate", prompt, "--method", "none", "--max-tokens", "32", "--no-stream")
+    spec = run_cli("generate", prompt, "--method", "ngram", "-k", "6", "--max-tokens", "32")
+    assert plain[0] == 0 and spec[0] == 0, plain[2] + spec[2]
+    assert plain[1] == spec[1]
+    assert plain[1].strip()
 
 
-def test_generate_at_a_tiny_temperature_is_greedy() -> None:
+def test_generate_at_a_tiny_temperature_is_greedy(run_cli: CliRun) -> None:
     prompt = "Name three colours."
-    greedy = run("generate", prompt, "--max-tokens", "12", "--no-stream")
-    tiny = run("generate", prompt, "--max-tokens", "12", "--no-stream", "--temperature", "1e-38", "--seed", "3")
-    assert tiny.returncode == 0 and "Traceback" not in tiny.stderr, tiny.stderr
-    assert tiny.stdout == greedy.stdout and tiny.stdout.strip()
+    greedy = run_cli("generate", prompt, "--max-tokens", "12", "--no-stream")
+    tiny = run_cli("generate", prompt, "--max-tokens", "12", "--no-stream", "--temperature", "1e-38", "--seed", "3")
+    assert tiny[0] == 0 and "Traceback" not in tiny[2], tiny[2]
+    assert tiny[1] == greedy[1] and tiny[1].strip()
 
 
-def test_costs_prints_a_ratio_per_size_and_format(tmp_path) -> None:
+def test_costs_prints_a_ratio_per_size_and_format(run_cli: CliRun, tmp_path) -> None:
     path = tmp_path / "costs.json"
-    result = run("costs", "--max-verified", "3", "--repeats", "2", "--context", "16",
-                 "--format", "native:auto", "--format", "hf:float32", "--json", str(path))
-    assert result.returncode == 0, result.stderr
-    rows = [line for line in result.stdout.splitlines() if line.strip().startswith("│")]
+    code, stdout, stderr = run_cli("costs", "--max-verified", "3", "--repeats", "2", "--context", "16",
+                                   "--format", "native:auto", "--format", "hf:float32", "--json", str(path))
+    assert code == 0, stderr
+    rows = [line for line in stdout.splitlines() if line.strip().startswith("│")]
     assert len(rows) == 3
     cells = rows[0].split("│")
     assert cells[3].strip().endswith("(1.00)") and cells[4].strip().endswith("(1.00)")  # a plain step costs itself

@@ -38,6 +38,7 @@ VOCAB = 8
 LENGTH = 3  # tokens of each continuation compared
 PROMPT = [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 4]  # repeats itself, so prompt lookup finds drafts
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+ROWS = 32  # requests sampled at once
 
 
 # The suite runs on every backend and format: the target on hf, and on native in each format
@@ -84,13 +85,34 @@ def exact_sequence_probs(loaded: LoadedModel, params: SamplingParams) -> torch.T
     return joint.reshape(-1)
 
 
-def sample_sequences(engine: Engine, params: SamplingParams, n: int, first_seed: int = 0) -> torch.Tensor:
-    """[n] indices of the first 3 generated tokens, one seeded generation each."""
+def sample_sequences(engine: Engine, params: SamplingParams, n: int, first_seed: int = 0, rows: int = ROWS) -> torch.Tensor:
+    """[n] indices of the first 3 generated tokens, one seeded generation each: `engine`'s
+    drafter, k, adaptive policy and rules, run `rows` requests at a time in one batch engine
+    (a seeded request samples the same tokens in any batch: tests/engine/test_batch.py)."""
+    size = max(engine.k, engine.drafter.proposal_size if engine.drafter else 0)
+    batch = BatchEngine(engine.target, max_rows=rows, max_model_len=len(PROMPT) + params.max_tokens,
+                        max_draft=max(size, 1), sampling_rule=engine.sampling_rule, tree_rule=engine.tree_rule)
+    seeds = list(range(first_seed, first_seed + n))
     indices = []
-    for seed in range(first_seed, first_seed + n):
-        tokens = engine.generate(PROMPT, dataclasses.replace(params, seed=seed)).token_ids
+
+    def finish(seq: Sequence) -> None:
+        tokens = seq.result.token_ids
         assert len(tokens) == params.max_tokens
         indices.append(tokens[0] * VOCAB**2 + tokens[1] * VOCAB + tokens[2])
+        batch.remove(seq)
+
+    while seeds or batch.sequences:
+        while seeds and batch.running < rows:
+            drafter = engine.drafter.fork() if engine.drafter is not None else None
+            assert type(drafter) is type(engine.drafter), "a test's drafter class must fork into its own class"
+            seq = Sequence(list(PROMPT), dataclasses.replace(params, seed=seeds.pop(0)), drafter, k=engine.k,
+                           policy=engine.new_policy())
+            if batch.add(seq).finished:
+                finish(seq)
+        for out in batch.step() if batch.sequences else []:
+            pass
+        for seq in [s for s in batch.sequences if s.finished]:
+            finish(seq)
     return torch.tensor(indices)
 
 
@@ -198,6 +220,9 @@ class ResumedDrafter(DraftModelDrafter):
         super().begin(prompt_ids, max_len)
         self.resume()
 
+    def fork(self) -> ResumedDrafter:
+        return ResumedDrafter(self.runner.loaded, sink=self.sink, resume_window=self.resume_window)
+
 
 def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoint=None, tmp_path=None) -> Engine:
     """Every drafter family on the tiny models: a separate draft, prompt lookup, a subset of
@@ -270,19 +295,20 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
     ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle", "eagle-tree", "hybrid", "medusa",
      "medusa-tree", "mtp", "suffix", "suffix-tree", "lookahead"]), indirect=["target"])
 def test_speculative_sampling_follows_target(
-    target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str, mtp_checkpoint, tmp_path
+    target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str, mtp_checkpoint, tmp_path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = deep_target if drafter == "layer_skip" else target
     engine = make_engine(drafter, model, draft, mtp_checkpoint, tmp_path)
     trees = []
-    if drafter == "suffix-tree":  # count the proposals with siblings: the test must see some
-        propose = engine.drafter.propose
+    if drafter == "suffix-tree":  # count the proposals with siblings (of every request's fork): the test must see some
+        propose = SuffixDrafter.propose
 
-        def counted(*args):
-            trees.append(propose(*args))
+        def counted(self, *args):
+            trees.append(propose(self, *args))
             return trees[-1]
 
-        engine.drafter.propose = counted
+        monkeypatch.setattr(SuffixDrafter, "propose", counted)
     samples = sample_sequences(engine, SAMPLED, 2500)
     if drafter == "suffix-tree":
         assert sum(p.parents is not None for p in trees) > 100
@@ -410,6 +436,9 @@ class MinPMismatchDrafter(DraftModelDrafter):
         logits = torch.stack([ModelRunner(self.runner.loaded).score(context + proposal.tokens[:i])[-1]
                               for i in range(len(proposal.tokens))])
         return dataclasses.replace(proposal, probs=logits_to_probs(logits, params))
+
+    def fork(self) -> MinPMismatchDrafter:
+        return MinPMismatchDrafter(self.runner.loaded)
 
 
 def test_min_p_draft_must_report_what_it_sampled_from(target: LoadedModel, draft: LoadedModel) -> None:
