@@ -36,7 +36,8 @@ from torch import nn
 
 from specdec.drafters import head_files
 from specdec.drafters.base import Drafter, Proposal, best_subtree
-from specdec.drafters.registry import Options, register, register_head, require_int
+from specdec.drafters.head_parts import TREE_SLOTS, PackedHead, TreeOptions, rms_norm, rope, rope_inv_freq, rotate
+from specdec.drafters.registry import register, register_head
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
@@ -45,9 +46,6 @@ from specdec.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from specdec.config import SpeculativeConfig
-
-TREE_SLOTS = 64  # cache slots for a tree's expanded nodes (tree_width x depth at most)
-
 
 def default_target_layers(num_layers: int) -> tuple[int, ...]:
     """The low, middle and high layers EAGLE-3 reads (outputs of layers 1, L/2 - 1, L - 4: the
@@ -140,29 +138,6 @@ class EagleHeadConfig:
             raise ConfigError(f"not an EAGLE head config: {exc}") from None
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def rope_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] the rotary frequencies of a head layer."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-
-
-def rope(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [n, head_dim] of the rotary embedding at these positions."""
-    angles = positions.float()[:, None] * inv_freq[None]  # [n, head_dim / 2]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [heads, n, head_dim]; cos, sin: [n, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 class EagleLayer(nn.Module):
     """The head's decoder layer; attention takes [embedding, features] ([2 * hidden]) in, the
     residual stream is the features. Parameter names follow EAGLE-3's `midlayer`."""
@@ -237,14 +212,14 @@ class EagleHead(nn.Module):
         k, v [kv_heads, n, head_dim], rotated."""
         c, layer = self.config, self.midlayer
         n = features.shape[0]
-        x = torch.cat([_rms_norm(self.embed[tokens], layer.input_layernorm, c.rms_norm_eps),
-                       _rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [n, 2 * hidden]
+        x = torch.cat([rms_norm(self.embed[tokens], layer.input_layernorm, c.rms_norm_eps),
+                       rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [n, 2 * hidden]
         attn = layer.self_attn
         q = attn["q_proj"](x).view(n, c.num_heads, c.head_dim).transpose(0, 1)
         k = attn["k_proj"](x).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
         v = attn["v_proj"](x).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
         cos, sin = self.rope(positions)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(self, features: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """features: [n, hidden] (the residual stream); attended: [heads, n, head_dim].
@@ -253,12 +228,12 @@ class EagleHead(nn.Module):
         n = features.shape[0]
         x = features + layer.self_attn["o_proj"](attended.transpose(0, 1).reshape(n, -1))
         mlp = layer.mlp
-        y = _rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)
+        y = rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)
         return x + mlp["down_proj"](F.silu(mlp["gate_proj"](y)) * mlp["up_proj"](y))
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """state: [n, hidden] -> [n, draft_vocab]."""
-        normed = _rms_norm(state, self.norm, self.config.rms_norm_eps)
+        normed = rms_norm(state, self.norm, self.config.rms_norm_eps)
         return normed @ self.lm_head_rows.t() if self.lm_head is None else self.lm_head(normed)
 
     def packed(self, fmt: str) -> PackedHead:
@@ -395,22 +370,6 @@ def ttt_forward(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, d
         logits.append(head.logits(state))
         x = torch.cat([torch.zeros_like(state[:1]), state[:-1]])  # position t reads depth j's state at t - 1
     return logits
-
-
-@dataclass(frozen=True)
-class PackedHead:
-    """The matrices of a head as the drafter multiplies them (:class:`PackedLinear`). `fc` is
-    the layer's input projection: EAGLE's fusion of the target's states, an MTP layer's eh_proj."""
-
-    fc: PackedLinear
-    qkv: PackedLinear
-    o: PackedLinear
-    gate_up: PackedLinear
-    down: PackedLinear
-    lm: PackedLinear
-
-    def nbytes(self) -> int:
-        return sum(m.nbytes for m in (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm))
 
 
 class EagleDrafter(Drafter):
@@ -559,12 +518,12 @@ class EagleDrafter(Drafter):
         :meth:`EagleHead.finish`, with the packed matrices."""
         c, layer, w = self.head.config, self.head.midlayer, self.weights
         n = features.shape[0]
-        x = torch.cat([_rms_norm(self.head.embed[tokens], layer.input_layernorm, c.rms_norm_eps),
-                       _rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [n, 2 * hidden]
+        x = torch.cat([rms_norm(self.head.embed[tokens], layer.input_layernorm, c.rms_norm_eps),
+                       rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [n, 2 * hidden]
         qkv = w.qkv(x).float().view(n, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(0, 1)
         q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads])  # [heads or kv_heads, n, head_dim]
         cos, sin = self.head.rope(positions)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         self._keys[:, slots] = k
         self._values[:, slots] = v
         span = int(slots.max()) + 1
@@ -572,12 +531,12 @@ class EagleDrafter(Drafter):
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=q.shape[0] != keys.shape[0])  # [heads, n, head_dim]
         x = features + w.o(attended.transpose(0, 1).reshape(n, -1)).float()
-        gate, up = w.gate_up(_rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)).float().chunk(2, dim=-1)
+        gate, up = w.gate_up(rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)).float().chunk(2, dim=-1)
         return x + w.down(F.silu(gate) * up).float()
 
     def _logits(self, state: torch.Tensor) -> torch.Tensor:
         # state: [n, hidden] -> [n, draft_vocab]
-        return self.weights.lm(_rms_norm(state, self.head.norm, self.head.config.rms_norm_eps)).float()
+        return self.weights.lm(rms_norm(state, self.head.norm, self.head.config.rms_norm_eps)).float()
 
     def commit(self, context: list[int], num_accepted: int) -> None:
         pass  # the target's features for the committed positions arrive through observe_target
@@ -589,32 +548,6 @@ class EagleDrafter(Drafter):
 def load_head(config: SpeculativeConfig, target: LoadedModel) -> EagleHead:
     """The head a config names (`model`: a directory), else the one shipped for the target."""
     return EagleHead.load(head_files.config_dir("eagle", config, target), target)
-
-
-@dataclass(frozen=True)
-class TreeOptions(Options):
-    """tree_width, tree_nodes: draft a token tree instead of a chain: the head's top `tree_width`
-    tokens at each of the `tree_width` best nodes of each depth (k deep), the `tree_nodes` best
-    kept (default 4 x width). 1: a chain."""
-
-    tree_width: int = 1
-    tree_nodes: int | None = None
-
-    def __post_init__(self) -> None:
-        require_int("tree_width", self.tree_width, 1)
-        require_int("tree_nodes", self.tree_nodes, 1, optional=True)
-
-    def check(self, config: SpeculativeConfig) -> None:
-        if self.tree_width > 1 and self.tree_width * config.num_speculative_tokens > 64:
-            raise ConfigError("a tree of tree_width x num_speculative_tokens > 64 expanded nodes is too large")
-
-    def label_after_k(self) -> list[str]:
-        return [f"tree {self.tree_width}x{self.proposal_nodes}"] if self.tree_width > 1 else []
-
-    @property
-    def proposal_nodes(self) -> int:
-        """The most tokens one proposal holds beyond k (0 for a chain)."""
-        return (self.tree_nodes or 4 * self.tree_width) if self.tree_width > 1 else 0
 
 
 @register("eagle", options=TreeOptions, default_k=1, takes_model=True, summary="a head trained on the target's states",

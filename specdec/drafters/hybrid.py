@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.drafters.base import Drafter, Proposal
-from specdec.drafters.eagle import EagleDrafter, TreeOptions, load_head
+from specdec.drafters.eagle import EagleDrafter, load_head
+from specdec.drafters.head_parts import TreeOptions
 from specdec.drafters.ngram import NgramDrafter, NgramOptions
 from specdec.drafters.registry import register, require_int
 from specdec.models.loader import LoadedModel

@@ -27,7 +27,7 @@ from torch import nn
 
 from specdec.drafters import head_files
 from specdec.drafters.base import Drafter, Proposal, best_subtree
-from specdec.drafters.eagle import TreeOptions
+from specdec.drafters.head_parts import TreeOptions
 from specdec.drafters.registry import register, register_head
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel

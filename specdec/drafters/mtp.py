@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specdec.drafters.eagle import EagleDrafter, PackedHead, TreeOptions, _rms_norm, _rotate, rope, rope_inv_freq
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.head_parts import PackedHead, TreeOptions, rms_norm, rope, rope_inv_freq, rotate
 from specdec.drafters.registry import register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
@@ -209,31 +210,31 @@ class MtpDrafter(EagleDrafter):
     """One sequence's drafting with an MTP module (EagleDrafter's machinery, MTP's arithmetic)."""
 
     def _entry_features(self, target_states: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(target_states, self.head.target_norm, self.head.config.rms_norm_eps)
+        return rms_norm(target_states, self.head.target_norm, self.head.config.rms_norm_eps)
 
     def _run_at(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         c, w, packed = self.head.config, self.head.w, self.weights
         n, eps = features.shape[0], c.rms_norm_eps
         embedded = self.head.embed[tokens] * (positions != 0)[:, None]  # vLLM zeroes position 0's
-        x = packed.fc(torch.cat([_rms_norm(embedded, w["enorm.weight"], eps),
-                                 _rms_norm(features, w["hnorm.weight"], eps)], dim=-1)).float()  # [n, hidden]
-        h = _rms_norm(x, w["input_layernorm.weight"], eps)
+        x = packed.fc(torch.cat([rms_norm(embedded, w["enorm.weight"], eps),
+                                 rms_norm(features, w["hnorm.weight"], eps)], dim=-1)).float()  # [n, hidden]
+        h = rms_norm(x, w["input_layernorm.weight"], eps)
         qkv = packed.qkv(h).float().view(n, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(0, 1)
         q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
         cos, sin = self.head.rope(positions)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         self._keys[:, slots] = k
         self._values[:, slots] = v
         span = int(slots.max()) + 1
         attended = F.scaled_dot_product_attention(q, self._keys[:, :span], self._values[:, :span], attn_mask=mask,
                                                   enable_gqa=c.num_heads != c.num_kv_heads)  # [heads, n, head_dim]
         x = x + packed.o(attended.transpose(0, 1).reshape(n, -1)).float()
-        gate, up = packed.gate_up(_rms_norm(x, w["post_attention_layernorm.weight"], eps)).float().chunk(2, dim=-1)
+        gate, up = packed.gate_up(rms_norm(x, w["post_attention_layernorm.weight"], eps)).float().chunk(2, dim=-1)
         return x + packed.down(F.silu(gate) * up).float()
 
     def _logits(self, state: torch.Tensor) -> torch.Tensor:
-        return self.weights.lm(_rms_norm(state, self.head.w["shared_head.norm.weight"], self.head.config.rms_norm_eps)).float()
+        return self.weights.lm(rms_norm(state, self.head.w["shared_head.norm.weight"], self.head.config.rms_norm_eps)).float()
 
 
 def mtp_dir(config: SpeculativeConfig, target: LoadedModel) -> Path:
