@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then show three example calls.
 
-.PHONY: setup demo test test-all browser bench peers clean
+.PHONY: setup demo test test-tiny test-all browser bench peers clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -39,12 +39,17 @@ browser:
 		  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 		echo "no chromium/chromedriver: the dashboard's browser test will skip"
 
-# Two tiers. `make test` is CI's: everything but the Ray clusters and the browser, one worker per
-# logical CPU (pytest-xdist), one torch thread each (tests/conftest.py). `make test-all` adds
-# the browser test (Chromium installed as above) and then the Ray tests alone (their clusters
-# take the whole machine); it fails if either part fails.
+# `make test` is CI's run: the tiny tier and the real tier (tests marked `real` run the real
+# default model), everything but the Ray clusters and the browser, one worker per logical CPU
+# (pytest-xdist), one torch thread each (tests/conftest.py). `make test-all` adds the browser
+# test (Chromium installed as above) and then the Ray tests alone (their clusters take the whole
+# machine); it fails if either part fails.
 test: setup
 	$(PY) -m pytest -q -n logical --dist loadgroup -m "not ray and not browser"
+
+# The tiny tier alone: every test that does not run the real model (a few minutes; for quick loops).
+test-tiny: setup
+	$(PY) -m pytest -q -n logical --dist loadgroup -m "not real and not ray and not browser"
 
 test-all: setup browser
 	$(PY) -m pytest -q -n logical --dist loadgroup -m "not ray"; rest=$$?; \
