@@ -50,13 +50,17 @@ def plain_llm(target: LoadedModel) -> LLM:
     return LLM(loaded=target)
 
 
-@pytest.fixture(scope="module")
-def plain(plain_llm: LLM) -> list[RequestOutput]:
+def plain_outputs(llm: LLM) -> list[RequestOutput]:
     """Plain greedy decoding of every prompt: the reference every drafter must reproduce."""
-    outputs = plain_llm.generate(PROMPTS, PARAMS, speculate=False)
+    outputs = llm.generate(PROMPTS, PARAMS, speculate=False)
     # The exact step counts below assume the budget, not EOS, ends each output.
     assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
     return outputs
+
+
+@pytest.fixture(scope="module")
+def plain(plain_llm: LLM) -> list[RequestOutput]:
+    return plain_outputs(plain_llm)
 
 
 def reference_table(plain_llm: LLM, plain: list[RequestOutput]) -> dict[tuple[int, ...], list[int]]:
@@ -86,10 +90,7 @@ def tiny_plain_llm(tiny_target: LoadedModel) -> LLM:
 
 @pytest.fixture(scope="module")
 def tiny_plain(tiny_plain_llm: LLM) -> list[RequestOutput]:
-    outputs = tiny_plain_llm.generate(PROMPTS, PARAMS, speculate=False)
-    # The exact step counts below assume the budget, not EOS, ends each output.
-    assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
-    return outputs
+    return plain_outputs(tiny_plain_llm)
 
 
 @pytest.fixture(scope="module")
