@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling.invariant import perturbed_at_depths
+from specdec.sampling.invariant import perturbed_log_probs
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import logits_to_probs
 from specdec.sampling.tree import TokenTree, TreeRule, accept_tree, accept_tree_sampling
@@ -176,8 +176,7 @@ def accept_batch(
         if params[i].drafter_invariant:
             if keys is None or keys[i] is None:
                 raise ValueError("a drafter-invariant row needs its (seed, position) key")
-            seed, base = keys[i]
-            perturbed = perturbed_at_depths(target_probs[0], seed, base, list(range(k + 1)))[None]  # [1, k + 1, vocab]
+            perturbed = perturbed_log_probs(target_probs[0], *keys[i])[None]  # [1, k + 1, vocab]
             result = greedy_accept(perturbed, draft_tokens[i : i + 1, :k])
             tokens[i, : k + 1], num_accepted[i] = result.tokens[0], result.num_accepted[0]
             continue

@@ -42,9 +42,7 @@ def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | st
 def perturbed_log_probs(probs: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
     """probs: [n, vocab], the distributions at positions first_position .. + n - 1 ->
     [n, vocab] log probs plus each position's noise (-inf where a probability is 0)."""
-    noise = torch.stack([gumbel_noise(seed, first_position + i, probs.shape[-1], probs.device)
-                         for i in range(probs.shape[0])])
-    return probs.log() + noise
+    return perturbed_at_depths(probs, seed, first_position, list(range(probs.shape[0])))
 
 
 def invariant_tokens(probs: torch.Tensor, seed: int, first_position: int) -> list[int]:
@@ -55,5 +53,7 @@ def invariant_tokens(probs: torch.Tensor, seed: int, first_position: int) -> lis
 def perturbed_at_depths(probs: torch.Tensor, seed: int, base: int, depths: list[int]) -> torch.Tensor:
     """probs: [n, vocab], row r the distribution at sequence position base + depths[r] (a chain's
     depths are 0, 1, ...; a tree row after node i sits at its depth) -> [n, vocab] perturbed
-    log probs: the invariant token at each row is their argmax."""
-    return torch.stack([perturbed_log_probs(probs[r : r + 1], seed, base + depth)[0] for r, depth in enumerate(depths)])
+    log probs: the invariant token at each row is their argmax. Each position's noise is drawn
+    once, however many tree rows share its depth."""
+    noise = {depth: gumbel_noise(seed, base + depth, probs.shape[-1], probs.device) for depth in dict.fromkeys(depths)}
+    return probs.log() + torch.stack([noise[depth] for depth in depths])
