@@ -110,9 +110,9 @@ def sample_sequences(engine: Engine, params: SamplingParams, n: int, first_seed:
             if batch.add(seq).finished:
                 finish(seq)
         for out in batch.step() if batch.sequences else []:
-            pass
-        for seq in [s for s in batch.sequences if s.finished]:
-            finish(seq)
+            if out.finished:
+                finish(out.sequence)
+    assert len(indices) == n
     return torch.tensor(indices)
 
 
