@@ -29,7 +29,7 @@ from specdec.paths import cache_dir
 
 log = logging.getLogger("specdec.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.cpp", "layer_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp")]
 # The instruction sets a product may be asked to run on: auto picks the best this CPU has.
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2}
 # Set to `avx2` to run the AVX2 path on an AVX-512 machine (tests and comparisons), or `off`.
@@ -40,7 +40,7 @@ class KernelsUnavailable(RuntimeError):
     """The extension cannot be built or run on this machine."""
 
 
-HEADERS = [Path(__file__).with_name("simd.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 
 
 def _sources_digest() -> str:

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <algorithm>

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <cmath>

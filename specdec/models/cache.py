@@ -56,6 +56,25 @@ class PreallocatedLayer(CacheLayerMixin):
         self.values = self._value_buf[:, :, :end]
         return self.keys, self.values
 
+    def claim(self, rows: int, new: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a pass that writes the buffers itself (the native backend's fused layers): the key
+        and value buffers and the first slot it will write (then :meth:`advance`); None where the
+        buffers hold another shape."""
+        if not self.is_initialized:
+            empty = torch.empty(rows, kv_heads, 0, head_dim)
+            self.lazy_initialization(empty, empty)
+        if tuple(self._key_buf.shape) != (rows, kv_heads, self.max_len, head_dim) or self._key_buf.dtype != torch.float32:
+            return None
+        if self.length + new > self.max_len:
+            raise ContextOverflowError(f"context of {self.length + new} tokens exceeds the cache's {self.max_len}")
+        return self._key_buf, self._value_buf, self.length
+
+    def advance(self, new: int) -> None:
+        """The `new` positions after the cached ones were written (see :meth:`claim`)."""
+        self.length += new
+        self.keys = self._key_buf[:, :, : self.length]
+        self.values = self._value_buf[:, :, : self.length]
+
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         # Called before update: the mask spans what is cached plus the new queries.
         return self.length + query_length, 0

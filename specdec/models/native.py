@@ -29,6 +29,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from specdec import kernels
 from specdec.errors import ModelLoadError
 from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_token
+from specdec.models.batch_cache import BatchCacheLayer
+from specdec.models.cache import PreallocatedLayer
 from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear, RawWeight
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -151,6 +153,10 @@ class NativeBackend:
         # specdec's fused layer operations where the kernels are built (see `_norm`).
         self.fused = kernels.available()
         self._ops = kernels.load() if self.fused else None
+        # A short pass runs every layer in one kernel call where it can (see `_fused_layers`);
+        # off, the Python loop calls the same kernels one by one (the same bits).
+        self.fuse_layers = True
+        self._fusable_for: tuple[object, bool] = (None, False)
         self._weights, self._format = weights, weight_format
 
         self.embed = self._tensor("model.embed_tokens.weight")  # [vocab, hidden] float32
@@ -258,7 +264,11 @@ class NativeBackend:
         cos = self.cos[positions].view(rows * new, -1)  # [rows * new, head_dim]
         sin = self.sin[positions].view(rows * new, -1)
         states: dict[int, torch.Tensor] = {}
-        for index in range(self.num_layers) if layers is None else layers:
+        ids = list(range(self.num_layers) if layers is None else layers)
+        fused = self._fused_layers(cache, ids, x, rows, cos, sin, visible, hidden_layers) if visible is not None else None
+        if fused is not None:
+            x, states = fused
+        for index in ids if fused is None else ():
             layer = self.layers[index]
             attended = self._attention(layer, cache.layers[index], self._norm(x, layer.attn_norm), rows, cos, sin,
                                        mask, visible)  # [rows * new, heads * head_dim]
@@ -272,6 +282,59 @@ class NativeBackend:
         normed = self._norm(x, self.norm)  # [rows, new or 1, hidden]
         logits = self.lm_head(normed.view(-1, self.hidden_size)).float().view(rows, -1, self.vocab_size)
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)
+
+    def _layers_fusable(self) -> bool:
+        if self._fusable_for[0] is not self.layers:  # checked once per set of layers
+            linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            able = (self.fused and all(lin.fmt in KERNEL_FORMATS for lin in linears) and self.kv_dtype == torch.float32
+                    and all(layer.qkv_bias is None and layer.q_norm is None for layer in self.layers))
+            self._fusable_for = (self.layers, able)
+        return self.fuse_layers and self._fusable_for[1]
+
+    def _fused_layers(self, cache, ids: list[int], x: torch.Tensor, rows: int, cos: torch.Tensor, sin: torch.Tensor,
+                      visible: Visible, hidden_layers: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+        """Every layer of a short pass in one call of the kernels (`forward_layers`: the same
+        kernels on the same values as the loop below, so the same bits, without its Python and
+        the cache's copies); None where it does not apply (no kernels, a layer outside the q4/q8
+        formats or with Qwen's extras, a cache it cannot write), and the loop runs instead."""
+        if not self._layers_fusable():
+            return None
+        new = x.shape[0] // rows
+        held = [cache.layers[i] for i in ids]
+        if all(isinstance(layer, BatchCacheLayer) for layer in held):
+            owner = held[0].owner
+            if rows != owner.rows:
+                raise ValueError(f"forward over {rows} rows but the cache has {owner.rows} active")
+            row_index, slot_index = owner.write_index(new)
+            keys, values = [layer.key_buf for layer in held], [layer.value_buf for layer in held]
+            write_rows, write_slots = row_index.reshape(-1), slot_index.reshape(-1)
+            advance = None
+        elif all(isinstance(layer, PreallocatedLayer) for layer in held):
+            claims = [layer.claim(rows, new, self.kv_heads, self.head_dim) for layer in held]
+            if any(claim is None for claim in claims) or len({claim[2] for claim in claims}) != 1:
+                return None
+            keys, values = [claim[0] for claim in claims], [claim[1] for claim in claims]
+            start = claims[0][2]
+            write_rows = torch.arange(rows).repeat_interleave(new)
+            write_slots = torch.arange(start, start + new).repeat(rows)
+            advance = held
+        else:
+            return None
+        layers = [self.layers[i] for i in ids]
+        kept = [n for n, i in enumerate(ids) if i in hidden_layers]
+        first = layers[0]
+        outs = self._ops.forward_layers(
+            x, [layer.attn_norm for layer in layers], [layer.qkv.tensors["weight"] for layer in layers],
+            [layer.o.tensors["weight"] for layer in layers], [layer.mlp_norm for layer in layers],
+            [layer.gate_up.tensors["weight"] for layer in layers], [layer.down.tensors["weight"] for layer in layers],
+            [first.qkv.out_features, first.o.out_features, first.gate_up.out_features, first.down.out_features],
+            keys, values, write_rows, write_slots, cos, sin, visible.counts,
+            _NO_SLOTS if visible.slots is None else visible.slots, rows, self.heads, self.kv_heads, self.eps,
+            self.head_dim ** -0.5, kernels.ISAS[kernels.default_isa()], kept)
+        for layer in advance or ():
+            layer.advance(new)
+        states = {ids[n]: state.view(rows, new, -1) for n, state in zip(kept, outs[1:])}
+        return outs[0], states
 
     # With the kernels built, RMSNorm, the rotary embedding, SiLU * up and attention over the cache
     # run fused (specdec.kernels: a few calls a layer); otherwise as PyTorch operations.

@@ -1,0 +1,23 @@
+// The kernels' functions as the other sources call them (each defined in the file named).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+// quant.cpp: x [rows, in] float32 times packed q4 (Q4_0/Q4_1) or q8 (Q8_0) weights, plus the
+// residual where given -> [rows, out] float32; isa 0 = the best this CPU has, 1 = AVX2, 2 = AVX-512.
+torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                               int64_t isa, bool q4, const c10::optional<torch::Tensor>& residual);
+std::vector<std::string> instruction_sets();
+
+// attention.cpp
+torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                            const torch::Tensor& counts, const torch::Tensor& slots, double scale);
+
+// layer_ops.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+std::vector<torch::Tensor> rotary_split(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                        int64_t rows, int64_t heads, int64_t kv_heads);
+torch::Tensor silu_mul(const torch::Tensor& h);

@@ -1,0 +1,93 @@
+"""The native backend's fused layers (`forward_layers`: every layer of a short pass in one kernel
+call) against its Python loop over the same kernels: the same bits in every output, every kept
+layer state and every cache slot written, for a prompt, plain steps, a chain, a token tree, a
+subset of layers and a batch of rows at different lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import kernels
+from specdec.models import LoadedModel
+from specdec.models.batch_cache import BatchCache
+from specdec.models.cache import PreallocatedCache
+from specdec.models.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built here")
+
+
+@pytest.fixture(scope="module", params=["q4", "q8"])
+def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel) -> LoadedModel:
+    loaded = tiny_model.native(request.param)
+    assert loaded.backend._layers_fusable()
+    return loaded
+
+
+def _single_passes(loaded: LoadedModel, fuse: bool, layers: list[int] | None = None) -> list[torch.Tensor]:
+    """A prompt, a plain step, a chain of 4, then a tree of 3 nodes (two siblings under one),
+    on one cache; the logits and kept states of each pass, and the cache's keys and values."""
+    backend = loaded.backend
+    backend.fuse_layers = fuse
+    cache = PreallocatedCache(backend.num_layers, 64, held=layers)
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, loaded.vocab_size, (40,), generator=generator)
+    seen: list[torch.Tensor] = []
+    at = 0
+
+    def run(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        out = backend.forward(cache, ids[None], positions[None], mask, layers=layers, hidden_layers=(0, 1))
+        seen.append(out.logits)
+        seen.extend(out.layer_states[i] for i in sorted(out.layer_states))
+
+    with torch.inference_mode():
+        for block in (10, 1, 4):  # prompt, plain step, chain
+            run(tokens[at : at + block], torch.arange(at, at + block))
+            at += block
+        # A tree: node 0 follows the cache, nodes 1 and 2 are its children (siblings).
+        mask = torch.zeros(1, 1, 3, at + 3, dtype=torch.bool)
+        mask[..., :at] = True
+        mask[0, 0, 0, at] = mask[0, 0, 1, at] = mask[0, 0, 2, at] = True
+        mask[0, 0, 1, at + 1] = mask[0, 0, 2, at + 2] = True
+        run(tokens[at : at + 3], torch.tensor([at, at + 1, at + 1]), mask)
+        for index in layers or range(backend.num_layers):
+            seen += [cache.layers[index].keys, cache.layers[index].values]
+    backend.fuse_layers = True
+    return seen
+
+
+@pytest.mark.parametrize("layers", [None, [0]], ids=["every layer", "a subset"])
+def test_fused_layers_are_the_loop_bit_for_bit(quantized: LoadedModel, layers: list[int] | None) -> None:
+    fused, loop = _single_passes(quantized, True, layers), _single_passes(quantized, False, layers)
+    assert len(fused) == len(loop) > 8
+    for got, want in zip(fused, loop):
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_fused_layers_write_a_batch_of_rows_at_their_own_lengths(quantized: LoadedModel) -> None:
+    backend = quantized.backend
+    results = {}
+    for fuse in (True, False):
+        backend.fuse_layers = fuse
+        cache = BatchCache.for_backend(backend, max_rows=3, capacity=64)
+        runner = ModelRunner(quantized)
+        for prompt in ([5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]):
+            single = runner.new_cache(64)
+            runner.forward(single, prompt)
+            cache.insert_row(single)
+        logits = []
+        with torch.inference_mode():
+            for tokens, keep in (([[20, 21, 22], [30, 31, 32], [40, 41, 42]], [1, 3, 2]), ([[23], [33], [43]], [1, 1, 1])):
+                positions, mask = cache.step_inputs(len(tokens[0]))
+                logits.append(backend.forward(cache, torch.tensor(tokens), positions, mask).logits)
+                cache.commit(len(tokens[0]), torch.tensor(keep))
+        results[fuse] = logits + [cache.layers[i].key_buf[:3, :, :12] for i in range(backend.num_layers)]
+    backend.fuse_layers = True
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)
+
+
+def test_formats_without_the_kernels_run_the_loop(tiny_model: LoadedModel) -> None:
+    # float32 matrices are not the fused call's: the loop runs, and answers as before.
+    backend = tiny_model.native("float32").backend
+    assert not backend._layers_fusable()
