@@ -42,13 +42,10 @@ constexpr int Q8_RECORD = 512 + 32;
 // enough once the loop does several rows' arithmetic per record (measured: a 42 MB q4 matrix
 // at 8 rows, one thread, 80 -> 120 GMAC/s; the results' bits do not change).
 constexpr int PREFETCH_AHEAD = 8;
-#ifndef SPECDEC_HINT
-#define SPECDEC_HINT _MM_HINT_NTA
-#endif
 
 template <int RECORD>
 inline void prefetch_ahead(const uint8_t* rec) {
-    for (int line = 0; line < RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD * RECORD + line), SPECDEC_HINT);
+    for (int line = 0; line < RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD * RECORD + line), _MM_HINT_T0);
 }
 
 enum Isa : int64_t { ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };

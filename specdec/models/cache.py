@@ -20,11 +20,21 @@ class PreallocatedLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, max_len: int) -> None:
-        super().__init__()
+        # Not CacheLayerMixin.__init__: it assigns `keys` and `values`, which here are views of
+        # the buffers' filled prefix, made when asked for (a step does not pay for them).
+        self.is_initialized = False
         self.max_len = max_len
         self.length = 0
         self._key_buf: torch.Tensor | None = None
         self._value_buf: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._key_buf is None else self._key_buf[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._value_buf is None else self._value_buf[:, :, : self.length]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # The first update tells us batch, heads, head_dim, dtype and device.
@@ -52,9 +62,7 @@ class PreallocatedLayer(CacheLayerMixin):
         self._key_buf[:, :, start:end] = key_states
         self._value_buf[:, :, start:end] = value_states
         self.length = end
-        self.keys = self._key_buf[:, :, :end]
-        self.values = self._value_buf[:, :, :end]
-        return self.keys, self.values
+        return self._key_buf[:, :, :end], self._value_buf[:, :, :end]
 
     def claim(self, rows: int, new: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """For a pass that writes the buffers itself (the native backend's fused layers): the key
@@ -72,8 +80,6 @@ class PreallocatedLayer(CacheLayerMixin):
     def advance(self, new: int) -> None:
         """The `new` positions after the cached ones were written (see :meth:`claim`)."""
         self.length += new
-        self.keys = self._key_buf[:, :, : self.length]
-        self.values = self._value_buf[:, :, : self.length]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         # Called before update: the mask spans what is cached plus the new queries.
