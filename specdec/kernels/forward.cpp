@@ -13,8 +13,6 @@
 
 namespace {
 
-constexpr int64_t Q4_RECORD = 320, Q8_RECORD = 544;
-
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa,
                       const c10::optional<torch::Tensor>& residual = c10::nullopt) {
     TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == Q4_RECORD || packed.size(2) == Q8_RECORD),

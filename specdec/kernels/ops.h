@@ -6,6 +6,10 @@
 #include <string>
 #include <vector>
 
+// Bytes per (unit of 16 output columns, block of 32 inputs) of the packed weights (quant.cpp).
+constexpr int Q4_RECORD = 256 + 64;  // nibbles, then 16 float16 d and 16 float16 m
+constexpr int Q8_RECORD = 512 + 32;  // int8, then 16 float16 d
+
 // quant.cpp: x [rows, in] float32 times packed q4 (Q4_0/Q4_1) or q8 (Q8_0) weights, plus the
 // residual where given -> [rows, out] float32; isa 0 = the best this CPU has, 1 = AVX2, 2 = AVX-512.
 torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,

@@ -35,12 +35,10 @@ namespace {
 
 constexpr int QK = 32;                 // inputs per block
 constexpr int NC = 16;                 // output columns per unit
-constexpr int Q4_RECORD = 256 + 64;    // bytes per (unit, block)
-constexpr int Q8_RECORD = 512 + 32;
+// Q4_RECORD and Q8_RECORD, the bytes per (unit, block): ops.h.
 // Weights stream from memory (a model's matrices do not fit in the caches): each tile asks for
 // the record this many blocks ahead, which the hardware prefetcher alone does not fetch early
-// enough once the loop does several rows' arithmetic per record (measured: a 42 MB q4 matrix
-// at 8 rows, one thread, 80 -> 120 GMAC/s; the results' bits do not change).
+// enough once the loop does several rows' arithmetic per record. Prefetching changes no bits.
 constexpr int PREFETCH_AHEAD = 8;
 
 template <int RECORD>

@@ -157,6 +157,7 @@ class NativeBackend:
         # off, the Python loop calls the same kernels one by one (the same bits).
         self.fuse_layers = True
         self._fusable_for: tuple[object, bool] = (None, False)
+        self._fused_weights: dict[tuple[int, ...], list] = {}
         self._weights, self._format = weights, weight_format
 
         self.embed = self._tensor("model.embed_tokens.weight")  # [vocab, hidden] float32
@@ -289,7 +290,21 @@ class NativeBackend:
             able = (self.fused and all(lin.fmt in KERNEL_FORMATS for lin in linears) and self.kv_dtype == torch.float32
                     and all(layer.qkv_bias is None and layer.q_norm is None for layer in self.layers))
             self._fusable_for = (self.layers, able)
+            self._fused_weights = {}
         return self.fuse_layers and self._fusable_for[1]
+
+    def _layer_weights(self, ids: list[int]) -> list:
+        """`forward_layers`' weight arguments for these layers, gathered once per set of layers."""
+        key = tuple(ids)
+        if key not in self._fused_weights:
+            layers = [self.layers[i] for i in ids]
+            self._fused_weights[key] = [
+                [layer.attn_norm for layer in layers], [layer.qkv.tensors["weight"] for layer in layers],
+                [layer.o.tensors["weight"] for layer in layers], [layer.mlp_norm for layer in layers],
+                [layer.gate_up.tensors["weight"] for layer in layers], [layer.down.tensors["weight"] for layer in layers],
+                [layers[0].qkv.out_features, layers[0].o.out_features, layers[0].gate_up.out_features,
+                 layers[0].down.out_features]]
+        return self._fused_weights[key]
 
     def _fused_layers(self, cache, ids: list[int], x: torch.Tensor, rows: int, cos: torch.Tensor, sin: torch.Tensor,
                       visible: Visible, hidden_layers: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
@@ -320,15 +335,9 @@ class NativeBackend:
             advance = held
         else:
             return None
-        layers = [self.layers[i] for i in ids]
         kept = [n for n, i in enumerate(ids) if i in hidden_layers]
-        first = layers[0]
         outs = self._ops.forward_layers(
-            x, [layer.attn_norm for layer in layers], [layer.qkv.tensors["weight"] for layer in layers],
-            [layer.o.tensors["weight"] for layer in layers], [layer.mlp_norm for layer in layers],
-            [layer.gate_up.tensors["weight"] for layer in layers], [layer.down.tensors["weight"] for layer in layers],
-            [first.qkv.out_features, first.o.out_features, first.gate_up.out_features, first.down.out_features],
-            keys, values, write_rows, write_slots, cos, sin, visible.counts,
+            x, *self._layer_weights(ids), keys, values, write_rows, write_slots, cos, sin, visible.counts,
             _NO_SLOTS if visible.slots is None else visible.slots, rows, self.heads, self.kv_heads, self.eps,
             self.head_dim ** -0.5, kernels.ISAS[kernels.default_isa()], kept)
         for layer in advance or ():
