@@ -173,14 +173,15 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
 
 
 def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor,
-                  slots: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                  slots: torch.Tensor | None = None, scale: float | None = None, isa: str | None = None) -> torch.Tensor:
     """Attention of each query over the cache slots it sees -> [rows, new, heads * head_dim] float32.
 
     q: [rows, heads, new, head_dim]; keys, values: [rows, kv_heads, S, head_dim] (heads share kv
     heads in groups, as GQA); counts: [rows, new] int32, how many slots each query sees: slots
     0 .. n - 1, or with `slots` ([rows, new, L] int32) the first n listed there (a tree node's).
-    scale: default 1 / sqrt(head_dim).
+    scale: default 1 / sqrt(head_dim). isa: the path, as for the products (the AVX-512 one
+    runs head_dim 64 and 128; its scores' bits differ from the AVX2 path's).
     """
     empty = torch.empty(0, dtype=torch.int32)
     return load().attend_cached(q, keys, values, counts, empty if slots is None else slots,
-                                q.shape[-1] ** -0.5 if scale is None else scale)
+                                q.shape[-1] ** -0.5 if scale is None else scale, ISAS[isa or default_isa()])

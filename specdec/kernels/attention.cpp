@@ -4,8 +4,9 @@
 // tree node's own slot list), a max-subtracted softmax, and the weighted sum of the values. So a
 // query's output is bitwise the same in a pass of one token or of many, which is what keeps a
 // verification pass identical to plain decoding. The heads that share a key/value head are computed
-// together (each key and value loaded once for them), each with its own unchanged arithmetic. One
-// AVX2 + FMA path (every supported CPU has it); the exponential is simd.h's polynomial, not the C library's.
+// together (each key and value loaded once for them), each with its own unchanged arithmetic. An
+// AVX2 + FMA path (every supported CPU has it) and an AVX-512 one, chosen as the products' path is;
+// the exponential is simd.h's polynomial, not the C library's.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -24,6 +25,32 @@ namespace {
 
 using specdec::exp8;
 using specdec::horizontal_sum;  // the softmax's sum
+
+// Scores -> exp(score - highest) in place, 8 at a time, and 1 / their sum (summed in 8 lanes in
+// order, then folded in a fixed order): the softmax's weights, normalized at the end.
+__attribute__((target("avx2,fma")))
+float softmax_weights(float* sc, int64_t n, float highest) {
+    __m256 total = _mm256_setzero_ps();
+    const __m256 shift = _mm256_set1_ps(highest);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), shift));
+        _mm256_storeu_ps(sc + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    if (j < n) {
+        alignas(32) float tail[8];
+        for (int i = 0; i < 8; ++i) tail[i] = j + i < n ? sc[j + i] - highest : -INFINITY;
+        const __m256 e = exp8(_mm256_load_ps(tail));
+        _mm256_store_ps(tail, e);
+        for (int i = 0; j + i < n; ++i) sc[j + i] = tail[i];
+        total = _mm256_add_ps(total, _mm256_blendv_ps(_mm256_setzero_ps(), e,
+                                                       _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                                                           _mm256_set1_epi32(static_cast<int>(n - j)),
+                                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
+    }
+    return 1.0f / horizontal_sum(total);
+}
 
 // One query of one row, for HG query heads that share a key/value head (grouped-query attention):
 // each key and value is loaded once for all HG heads. Every head's arithmetic is the same
@@ -80,33 +107,12 @@ void attend_heads(const Heads<HG>& it, int64_t head_dim, float scale, std::vecto
         }
     }
 
-    // 2. per head, softmax weights (unnormalized) and their sum, 8 at a time
+    // 2. per head, softmax weights (unnormalized) and their sum
     float inverse[HG];
     for (int h = 0; h < HG; ++h) {
         __m128 m = _mm_max_ps(top[h], _mm_movehl_ps(top[h], top[h]));
         m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-        const float highest = _mm_cvtss_f32(m);
-        float* sc = scores[h];
-        __m256 total = _mm256_setzero_ps();
-        const __m256 shift = _mm256_set1_ps(highest);
-        int64_t j = 0;
-        for (; j + 8 <= it.n; j += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), shift));
-            _mm256_storeu_ps(sc + j, e);
-            total = _mm256_add_ps(total, e);
-        }
-        if (j < it.n) {
-            alignas(32) float tail[8];
-            for (int i = 0; i < 8; ++i) tail[i] = j + i < it.n ? sc[j + i] - highest : -INFINITY;
-            const __m256 e = exp8(_mm256_load_ps(tail));
-            _mm256_store_ps(tail, e);
-            for (int i = 0; j + i < it.n; ++i) sc[j + i] = tail[i];
-            total = _mm256_add_ps(total, _mm256_blendv_ps(_mm256_setzero_ps(), e,
-                                                           _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                                                               _mm256_set1_epi32(static_cast<int>(it.n - j)),
-                                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
-        }
-        inverse[h] = 1.0f / horizontal_sum(total);
+        inverse[h] = softmax_weights(scores[h], it.n, _mm_cvtss_f32(m));
     }
 
     // 3. the weighted sums of the values, 2 chunks (16 dimensions) at a time: the HG x 2
@@ -139,12 +145,97 @@ void attend_heads(const Heads<HG>& it, int64_t head_dim, float scale, std::vecto
     }
 }
 
+
+// The AVX-512 path: the same three steps, 16 lanes wide, for head_dim = 16 CH (the query's CH
+// vectors stay in registers). A key's score is 16-lane FMAs over the chunks in order, then a fixed
+// tree over its own lanes (pairs within each 128-bit block, then the blocks), run for 16 keys at
+// once; so a score never depends on the keys beside it, but its bits differ from the AVX2 path's
+// (8 lanes, another tree). The softmax is the shared code above, and the weighted sum of the
+// values is the AVX2 path's arithmetic per element (the same FMAs in the same order), 16 wide.
+
+// v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes, in a fixed order.
+__attribute__((target("avx512f")))
+inline __m512 lane_sums(const __m512* v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; ++i)  // per 128-bit block: (a0 + a2, b0 + b2, a1 + a3, b1 + b3)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)  // per block: keys 4i .. 4i + 3, each its block's four lanes summed
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // the four blocks of each key: (b0 + b1) + (b2 + b3), keys landing in order
+    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+template <int HG, int CH>
+__attribute__((target("avx512f,avx2,fma")))
+void attend_heads_avx512(const Heads<HG>& it, std::vector<float>& buffer, float scale) {
+    constexpr int64_t head_dim = 16 * CH;
+    if (it.n == 0) {  // a padding query that sees nothing: zeros, not NaN
+        for (int h = 0; h < HG; ++h)
+            for (int64_t d = 0; d < head_dim; ++d) it.out[h][d] = 0.0f;
+        return;
+    }
+    const int64_t stride = it.n + 16;  // room for a tail block's copies
+    buffer.resize(static_cast<size_t>(HG * stride));
+    auto slot = [&](int64_t j) { return it.slots ? it.slots[j] : j; };
+
+    // 1. scores, 16 keys at a time (a tail block repeats its last key; the copies land past n)
+    float inverse[HG];
+    for (int h = 0; h < HG; ++h) {
+        float* sc = buffer.data() + h * stride;
+        __m512 q[CH];
+        for (int c = 0; c < CH; ++c) q[c] = _mm512_loadu_ps(it.q[h] + 16 * c);
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t j0 = 0; j0 < it.n; j0 += 16) {
+            __m512 acc[16];
+            for (int jj = 0; jj < 16; ++jj) {
+                const float* k = it.keys + slot(std::min<int64_t>(j0 + jj, it.n - 1)) * it.slot_stride;
+                __m512 a = _mm512_fmadd_ps(q[0], _mm512_loadu_ps(k), _mm512_setzero_ps());
+                for (int c = 1; c < CH; ++c) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), a);
+                acc[jj] = a;
+            }
+            const __m512 dots = _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale));
+            _mm512_storeu_ps(sc + j0, dots);
+            top = _mm512_max_ps(top, dots);  // a copy's score equals its key's: the maximum holds
+        }
+        // 2. softmax weights (unnormalized) and their sum: the shared code
+        inverse[h] = softmax_weights(sc, it.n, _mm512_reduce_max_ps(top));
+    }
+
+    // 3. the weighted sums of the values, 64 dimensions at a time (HG x 4 accumulators), every
+    //    element summed over the slots in order
+    for (int c0 = 0; c0 < CH; c0 += 4) {
+        __m512 acc[HG][4];
+        for (int h = 0; h < HG; ++h)
+            for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < it.n; ++j) {
+            const float* v = it.values + slot(j) * it.slot_stride + 16 * c0;
+            __m512 vc[4];
+            for (int c = 0; c < 4; ++c) vc[c] = _mm512_loadu_ps(v + 16 * c);
+            for (int h = 0; h < HG; ++h) {
+                const __m512 w = _mm512_set1_ps(buffer[h * stride + j]);
+                for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_fmadd_ps(w, vc[c], acc[h][c]);
+            }
+        }
+        for (int h = 0; h < HG; ++h) {
+            const __m512 inv = _mm512_set1_ps(inverse[h]);
+            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(it.out[h] + 16 * (c0 + c), _mm512_mul_ps(acc[h][c], inv));
+        }
+    }
+}
+
 }  // namespace
 
 torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                            const torch::Tensor& counts, const torch::Tensor& slots, double scale) {
+                            const torch::Tensor& counts, const torch::Tensor& slots, double scale, int64_t isa) {
     // q [rows, heads, new, head_dim]; keys, values [rows, kv_heads, S, head_dim] (any strides but
-    // the last); counts [rows, new] int32; slots [rows, new, L] int32 or empty -> [rows, new, heads * head_dim]
+    // the last); counts [rows, new] int32; slots [rows, new, L] int32 or empty -> [rows, new, heads * head_dim];
+    // isa as the products take it (the AVX-512 path for head_dim 64 or 128, else AVX2)
     TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
     TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32, "q must be [rows, heads, new, head_dim] float32");
     TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.scalar_type() == torch::kFloat32 &&
@@ -179,6 +270,7 @@ torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, c
     // group split into balanced sets: 4 -> 2 + 2).
     const int64_t sets = (group + 2) / 3;
     const float fscale = static_cast<float>(scale);
+    const bool wide = resolve_isa(isa) == 2 && (head_dim == 64 || head_dim == 128);
     const int64_t qs = qc.stride(1);  // between heads
     at::parallel_for(0, rows * nq * kv_heads * sets, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buffer;
@@ -200,7 +292,9 @@ torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, c
                     it.out[h] = obase + (first + h) * head_dim;
                 }
                 it.keys = kb; it.values = vb; it.slot_stride = keys.stride(2); it.slots = sl; it.n = n;
-                attend_heads<HG>(it, head_dim, fscale, buffer);
+                if (!wide) attend_heads<HG>(it, head_dim, fscale, buffer);
+                else if (head_dim == 64) attend_heads_avx512<HG, 4>(it, buffer, fscale);
+                else attend_heads_avx512<HG, 8>(it, buffer, fscale);
             };
             switch (last - first) {
                 case 1: run(std::integral_constant<int, 1>{}); break;

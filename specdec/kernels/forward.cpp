@@ -73,7 +73,7 @@ std::vector<torch::Tensor> forward_layers(
         write_cache(qkv_rotated[1], keys[i], wr.data_ptr<int64_t>(), ws.data_ptr<int64_t>());
         write_cache(qkv_rotated[2], values[i], wr.data_ptr<int64_t>(), ws.data_ptr<int64_t>());
         const torch::Tensor attended = attend_cached(qkv_rotated[0], keys[i].narrow(0, 0, rows),
-                                                     values[i].narrow(0, 0, rows), counts, slots, scale);
+                                                     values[i].narrow(0, 0, rows), counts, slots, scale, isa);
         x = product(attended.view({tokens, -1}), o[i], widths[1], isa, x);
         const torch::Tensor g = product(rms_norm(x, mlp_norm[i], eps), gate_up[i], widths[2], isa);
         x = product(silu_mul(g), down[i], widths[3], isa, x);

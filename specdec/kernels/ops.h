@@ -15,10 +15,12 @@ constexpr int Q8_RECORD = 512 + 32;  // int8, then 16 float16 d
 torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                                int64_t isa, bool q4, const c10::optional<torch::Tensor>& residual);
 std::vector<std::string> instruction_sets();
+// The path a kernel takes: 0 (auto) -> the best this CPU has; 1 = AVX2, 2 = AVX-512 (with VNNI).
+int64_t resolve_isa(int64_t isa);
 
 // attention.cpp
 torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                            const torch::Tensor& counts, const torch::Tensor& slots, double scale);
+                            const torch::Tensor& counts, const torch::Tensor& slots, double scale, int64_t isa);
 
 // layer_ops.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);

@@ -336,6 +336,8 @@ TileFn q8_tile_avx2_n(int rows) {
     return table[rows];
 }
 
+}  // namespace
+
 int64_t resolve_isa(int64_t isa) {
     if (isa == ISA_AUTO) return has_avx512() ? ISA_AVX512 : ISA_AVX2;
     TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512, "unknown instruction set ", isa);
@@ -343,8 +345,6 @@ int64_t resolve_isa(int64_t isa) {
     TORCH_CHECK(has_avx2(), "this CPU has no AVX2");
     return isa;
 }
-
-}  // namespace
 
 torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                                int64_t isa, bool q4, const c10::optional<torch::Tensor>& residual) {

@@ -379,7 +379,8 @@ class NativeBackend:
             # Each query of each row attends alone over its row's visible slots, exactly as a
             # one-token step of that sequence alone would (specdec's kernel: one call a layer).
             slots = _NO_SLOTS if visible.slots is None else visible.slots
-            return self._ops.attend_cached(q, keys, values, visible.counts, slots, self.head_dim ** -0.5).view(rows * new, -1)
+            return self._ops.attend_cached(q, keys, values, visible.counts, slots, self.head_dim ** -0.5,
+                                          kernels.ISAS[kernels.default_isa()]).view(rows * new, -1)
         gqa = self.heads != self.kv_heads
         if visible is not None:
             # The same with PyTorch's attention, a call per query: its activations are bitwise

@@ -15,13 +15,15 @@ from specdec.models.native import _rms_norm, _rotate
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built on this machine")
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+# Attention's paths: AVX2 everywhere, AVX-512 where the CPU has it (head_dim 64 and 128).
+ISAS = [isa for isa in ("avx2", "avx512_vnni") if isa in kernels.instruction_sets()]
 
 
-def _cache(rows: int, span: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _cache(rows: int, span: int, seed: int, head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     # Views into a longer preallocated buffer, as the KV caches hand them out.
-    keys = torch.randn(rows, KV_HEADS, span + 17, HEAD_DIM, generator=gen)[:, :, :span]
-    values = torch.randn(rows, KV_HEADS, span + 17, HEAD_DIM, generator=gen)[:, :, :span]
+    keys = torch.randn(rows, KV_HEADS, span + 17, head_dim, generator=gen)[:, :, :span]
+    values = torch.randn(rows, KV_HEADS, span + 17, head_dim, generator=gen)[:, :, :span]
     return keys, values
 
 
@@ -31,17 +33,20 @@ def _sdpa(q, keys, values, r: int, i: int, seen) -> torch.Tensor:
     return F.scaled_dot_product_attention(q[r : r + 1, :, i : i + 1], k, v, enable_gqa=True).transpose(1, 2).reshape(-1)
 
 
-def test_attention_over_prefixes_is_pytorchs() -> None:
-    keys, values = _cache(2, 300, seed=0)
-    q = torch.randn(2, HEADS, 5, HEAD_DIM)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_attention_over_prefixes_is_pytorchs(isa: str, head_dim: int) -> None:
+    keys, values = _cache(2, 300, seed=0, head_dim=head_dim)
+    q = torch.randn(2, HEADS, 5, head_dim)
     counts = torch.tensor([[290, 291, 292, 293, 294], [1, 2, 3, 9, 100]], dtype=torch.int32)
-    out = kernels.attend_cached(q, keys, values, counts)  # [rows, new, heads * head_dim]
+    out = kernels.attend_cached(q, keys, values, counts, isa=isa)  # [rows, new, heads * head_dim]
     for r in range(2):
         for i in range(5):
             torch.testing.assert_close(out[r, i], _sdpa(q, keys, values, r, i, int(counts[r, i])), rtol=1e-5, atol=1e-6)
 
 
-def test_attention_over_listed_slots_is_pytorchs() -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_over_listed_slots_is_pytorchs(isa: str) -> None:
     # A token tree: each node sees its own slots (listed in order, padded past its count).
     keys, values = _cache(1, 64, seed=1)
     q = torch.randn(1, HEADS, 3, HEAD_DIM)
@@ -50,28 +55,30 @@ def test_attention_over_listed_slots_is_pytorchs() -> None:
     for i, s in enumerate(seen):
         slots[0, i, : len(s)] = s
     counts = torch.tensor([[len(s) for s in seen]], dtype=torch.int32)
-    out = kernels.attend_cached(q, keys, values, counts, slots)
+    out = kernels.attend_cached(q, keys, values, counts, slots, isa=isa)
     for i, s in enumerate(seen):
         torch.testing.assert_close(out[0, i], _sdpa(q, keys, values, 0, i, s), rtol=1e-5, atol=1e-6)
-    # Listing a prefix's slots is the prefix, bit for bit.
-    prefix = torch.arange(4, dtype=torch.int32).expand(1, 1, 4).contiguous()
-    assert torch.equal(kernels.attend_cached(q[:, :, :1], keys, values, counts[:, :1], prefix),
-                       kernels.attend_cached(q[:, :, :1], keys, values, counts[:, :1]))
+    # Listing a prefix's slots is the prefix, bit for bit (20 slots: a block of 16 and a tail).
+    prefix = torch.arange(20, dtype=torch.int32).expand(1, 1, 20).contiguous()
+    twenty = torch.tensor([[20]], dtype=torch.int32)
+    assert torch.equal(kernels.attend_cached(q[:, :, :1], keys, values, twenty, prefix, isa=isa),
+                       kernels.attend_cached(q[:, :, :1], keys, values, twenty, isa=isa))
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_attention_is_query_invariant(threads: int) -> None:
+def test_attention_is_query_invariant(threads: int, isa: str) -> None:
     keys, values = _cache(3, 200, seed=2)
     q = torch.randn(3, HEADS, 8, HEAD_DIM)
     counts = (torch.arange(8, dtype=torch.int32) + 150).expand(3, 8).contiguous()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        together = kernels.attend_cached(q, keys, values, counts)
+        together = kernels.attend_cached(q, keys, values, counts, isa=isa)
         for r in range(3):
             for i in range(8):
                 alone = kernels.attend_cached(q[r : r + 1, :, i : i + 1].contiguous(), keys[r : r + 1], values[r : r + 1],
-                                              counts[r : r + 1, i : i + 1].contiguous())
+                                              counts[r : r + 1, i : i + 1].contiguous(), isa=isa)
                 assert torch.equal(alone[0, 0], together[r, i]), (r, i)
     finally:
         torch.set_num_threads(before)
@@ -137,9 +144,10 @@ def test_products_add_the_residual(fmt: str, isa: str) -> None:
                                residual + product(x, packed, out_features, isa))
 
 
-def test_a_query_that_sees_nothing_gets_zeros() -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_query_that_sees_nothing_gets_zeros(isa: str) -> None:
     # A padding position whose mask row is empty: zeros, where a softmax over nothing is NaN.
     keys, values = _cache(1, 10, seed=4)
     q = torch.randn(1, HEADS, 2, HEAD_DIM)
-    out = kernels.attend_cached(q, keys, values, torch.tensor([[0, 3]], dtype=torch.int32))
+    out = kernels.attend_cached(q, keys, values, torch.tensor([[0, 3]], dtype=torch.int32), isa=isa)
     assert torch.equal(out[0, 0], torch.zeros(HEADS * HEAD_DIM)) and bool(out[0, 1].abs().sum() > 0)

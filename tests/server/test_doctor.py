@@ -92,8 +92,10 @@ def test_k_too_long_and_drifting(lookup_server: ServerThread) -> None:
     assert "k_too_long" in _causes(long_k), long_k
     assert "acceptance_low" not in _causes(long_k)
 
-    # Drift: a baseline of repetitive traffic, then free text.
-    _chat(lookup_server, "drift", REPEAT, 128)
+    # Drift: a baseline of repetitive traffic (enough requests to fill the baseline window: the
+    # model repeats the line once and stops, a few steps each), then free text.
+    for _ in range(12):
+        _chat(lookup_server, "drift", REPEAT, 128)
     assert "acceptance_drifting" not in _causes(_reports(lookup_server)["drift"])
     # The drift window slides: once the baseline holds free text too, the drop is no drift any
     # more, so the doctor is asked after each request.

@@ -31,15 +31,18 @@ def prompts() -> list[list[dict[str, str]]]:
 
 
 @pytest.mark.real
-@pytest.mark.parametrize(("route", "speculative"), [("fixed", True), ("adaptive", True), ("plain", False)])
-def test_server_greedy_matches_library(default_model: LoadedModel, client: openai.OpenAI, prompts, route: str, speculative: bool) -> None:
+# Whether the route drafts: fixed always, plain never; adaptive k may switch speculation off
+# when its timing says it does not pay (timings on a loaded machine vary), so either.
+@pytest.mark.parametrize(("route", "speculative"), [("fixed", True), ("adaptive", None), ("plain", False)])
+def test_server_greedy_matches_library(default_model: LoadedModel, client: openai.OpenAI, prompts, route: str,
+                                       speculative: bool | None) -> None:
     llm = LLM(loaded=default_model, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    expected = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), speculate=speculative)]
+    expected = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), speculate=speculative is not False)]
 
     def ask(messages: list[dict[str, str]]) -> str:
         response = client.chat.completions.create(model=route, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
         drafted = response.model_extra["speculation"]["drafted_tokens"]
-        assert (drafted > 0) == speculative or response.usage.completion_tokens < 3
+        assert speculative is None or (drafted > 0) == speculative or response.usage.completion_tokens < 3
         return response.choices[0].message.content
 
     alone = [ask(m) for m in prompts[:ALONE]]
