@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.registry import Options, register, require_int
@@ -35,15 +34,29 @@ if TYPE_CHECKING:
 
 def find_match(context: np.ndarray, n_min: int, n_max: int) -> tuple[int, int] | None:
     """(where the continuation starts, n) for the latest earlier occurrence of the longest
-    matching suffix of n = n_max .. n_min tokens; None when nothing matches. context: [length]."""
+    matching suffix of n = n_max .. n_min tokens; None when nothing matches. context: [length].
+
+    Every occurrence of a suffix ends on the context's last token, so the candidates are the
+    earlier places of that token (one pass over the context), narrowed one token back at a time:
+    a step costs about one comparison per token of context, not one per token per n.
+    """
     length = len(context)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = context[length - n :]
-        # Windows starting at 0 .. length - n - 1: every occurrence that ends before the suffix.
-        windows = sliding_window_view(context[: length - 1], n)  # [length - n, n]
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            return int(hits[-1]) + n, n
+    if length < 2:
+        return None
+    # Ends of earlier occurrences: e <= length - 2, so that a continuation follows.
+    ends = np.flatnonzero(context[: length - 1] == context[length - 1])
+    longest = min(n_max, length - 1)
+    # matched[i]: candidates whose i + 1 tokens ending at e match the suffix's last i + 1.
+    matched = [ends]
+    for i in range(1, longest):
+        last = matched[-1]
+        last = last[last >= i]  # the occurrence must start at 0 or later
+        matched.append(last[context[last - i] == context[length - 1 - i]])
+        if not matched[-1].size:
+            break
+    for n in range(longest, n_min - 1, -1):
+        if n <= len(matched) and matched[n - 1].size:
+            return int(matched[n - 1][-1]) + 1, n
     return None
 
 
