@@ -63,17 +63,12 @@ struct Heads {
     const float* values;
     int64_t slot_stride;
     const int32_t* slots;    // the slots seen, or null for 0 .. n - 1
-    int64_t n;
+    int64_t n;               // slots seen, at least 1 (the caller gives a query that sees none zeros)
 };
 
 template <int HG>
 __attribute__((target("avx2,fma")))
 void attend_heads(const Heads<HG>& it, int64_t head_dim, float scale, std::vector<float>& buffer) {
-    if (it.n == 0) {  // a padding query that sees nothing: zeros, not NaN
-        for (int h = 0; h < HG; ++h)
-            for (int64_t d = 0; d < head_dim; ++d) it.out[h][d] = 0.0f;
-        return;
-    }
     const int64_t stride = it.n + 8;  // room for a tail block's copies
     buffer.resize(static_cast<size_t>(HG * stride));
     float* scores[HG];
@@ -173,13 +168,7 @@ inline __m512 lane_sums(const __m512* v) {
 
 template <int HG, int CH>
 __attribute__((target("avx512f,avx2,fma")))
-void attend_heads_avx512(const Heads<HG>& it, std::vector<float>& buffer, float scale) {
-    constexpr int64_t head_dim = 16 * CH;
-    if (it.n == 0) {  // a padding query that sees nothing: zeros, not NaN
-        for (int h = 0; h < HG; ++h)
-            for (int64_t d = 0; d < head_dim; ++d) it.out[h][d] = 0.0f;
-        return;
-    }
+void attend_heads_avx512(const Heads<HG>& it, float scale, std::vector<float>& buffer) {
     const int64_t stride = it.n + 16;  // room for a tail block's copies
     buffer.resize(static_cast<size_t>(HG * stride));
     auto slot = [&](int64_t j) { return it.slots ? it.slots[j] : j; };
@@ -292,9 +281,11 @@ torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, c
                     it.out[h] = obase + (first + h) * head_dim;
                 }
                 it.keys = kb; it.values = vb; it.slot_stride = keys.stride(2); it.slots = sl; it.n = n;
-                if (!wide) attend_heads<HG>(it, head_dim, fscale, buffer);
-                else if (head_dim == 64) attend_heads_avx512<HG, 4>(it, buffer, fscale);
-                else attend_heads_avx512<HG, 8>(it, buffer, fscale);
+                if (n == 0) {  // a padding query that sees nothing: zeros, not NaN
+                    for (int h = 0; h < HG; ++h) std::fill(it.out[h], it.out[h] + head_dim, 0.0f);
+                } else if (!wide) attend_heads<HG>(it, head_dim, fscale, buffer);
+                else if (head_dim == 64) attend_heads_avx512<HG, 4>(it, fscale, buffer);
+                else attend_heads_avx512<HG, 8>(it, fscale, buffer);
             };
             switch (last - first) {
                 case 1: run(std::integral_constant<int, 1>{}); break;
