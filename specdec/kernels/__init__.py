@@ -6,11 +6,12 @@ weights out for them and `reference.py` is the plain PyTorch arithmetic they are
 bit for bit. `attention.cpp` attends a few queries per row over the KV cache in one call a layer;
 `layer_ops.cpp` fuses RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate)
 * up (tested against PyTorch within float32 rounding, the rotary bitwise, and all of them bitwise
-across pass shapes: a row's result never depends on the other rows). `forward.cpp` runs the
-decoder layers of a pass in one call of those same kernels, and holds the module's bindings
-(`ops.h` declares what the sources share). The extension is compiled once per machine, torch
-version and version of its sources with the compiler on the machine (about 1.5 minutes on two cores); where it cannot be built (no compiler, no AVX2),
-:func:`load` says why once and the native backend runs PyTorch's own int4/int8 kernels instead.
+across pass shapes: a row's result never depends on the other rows). `forward.cpp` runs the decoder
+layers of a pass in one call of those same kernels, and holds the module's bindings (`ops.h`
+declares what the sources share). The extension is compiled once per machine, torch version and
+version of its sources with the compiler on the machine (about 1.5 minutes on two cores); where it
+cannot be built (no compiler, no AVX2), :func:`load` says why once and the native backend runs
+PyTorch's own int4/int8 kernels instead.
 """
 
 from __future__ import annotations

@@ -140,7 +140,6 @@ void attend_heads(const Heads<HG>& it, int64_t head_dim, float scale, std::vecto
     }
 }
 
-
 // The AVX-512 path: the same three steps, 16 lanes wide, for head_dim = 16 CH (the query's CH
 // vectors stay in registers). A key's score is 16-lane FMAs over the chunks in order, then a fixed
 // tree over its own lanes (pairs within each 128-bit block, then the blocks), run for 16 keys at
@@ -259,7 +258,7 @@ torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, c
     // group split into balanced sets: 4 -> 2 + 2).
     const int64_t sets = (group + 2) / 3;
     const float fscale = static_cast<float>(scale);
-    const bool wide = resolve_isa(isa) == 2 && (head_dim == 64 || head_dim == 128);
+    const bool wide = resolve_isa(isa) == ISA_AVX512 && (head_dim == 64 || head_dim == 128);
     const int64_t qs = qc.stride(1);  // between heads
     at::parallel_for(0, rows * nq * kv_heads * sets, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buffer;

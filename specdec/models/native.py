@@ -153,6 +153,8 @@ class NativeBackend:
         # specdec's fused layer operations where the kernels are built (see `_norm`).
         self.fused = kernels.available()
         self._ops = kernels.load() if self.fused else None
+        # The kernels' path (products, attention), read once as the products bind theirs.
+        self._isa = kernels.ISAS[kernels.default_isa()] if self.fused else None
         # A short pass runs every layer in one kernel call where it can (see `_fused_layers`);
         # off, the Python loop calls the same kernels one by one (the same bits).
         self.fuse_layers = True
@@ -339,7 +341,7 @@ class NativeBackend:
         outs = self._ops.forward_layers(
             x, *self._layer_weights(ids), keys, values, write_rows, write_slots, cos, sin, visible.counts,
             _NO_SLOTS if visible.slots is None else visible.slots, rows, self.heads, self.kv_heads, self.eps,
-            self.head_dim ** -0.5, kernels.ISAS[kernels.default_isa()], kept)
+            self.head_dim ** -0.5, self._isa, kept)
         for layer in advance or ():
             layer.advance(new)
         states = {ids[n]: state.view(rows, new, -1) for n, state in zip(kept, outs[1:])}
@@ -380,7 +382,7 @@ class NativeBackend:
             # one-token step of that sequence alone would (specdec's kernel: one call a layer).
             slots = _NO_SLOTS if visible.slots is None else visible.slots
             return self._ops.attend_cached(q, keys, values, visible.counts, slots, self.head_dim ** -0.5,
-                                          kernels.ISAS[kernels.default_isa()]).view(rows * new, -1)
+                                          self._isa).view(rows * new, -1)
         gqa = self.heads != self.kv_heads
         if visible is not None:
             # The same with PyTorch's attention, a call per query: its activations are bitwise
