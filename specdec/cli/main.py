@@ -632,6 +632,9 @@ def train_draft(
     init: Annotated[Optional[Path], typer.Option("--init", help="Start from this head's weights and draft vocabulary (a head directory) instead of fresh ones.")] = None,
     answers_from: Annotated[Optional[Path], typer.Option("--answers-from", help="Train on the answers an earlier run wrote (its answers.jsonl) instead of answering.")] = None,
     text: Annotated[int, typer.Option("--text", min=0, help="Also train on the raw text of this many other prompts of --data (fixed text: no answering, every position counts).")] = 0,
+    answer_rows: Annotated[int, typer.Option("--answer-rows", help="Prompts answered at once (rows of the batched engine).")] = 32,
+    batch_tokens: Annotated[int, typer.Option("--batch-tokens", help="Tokens per training step (padding included; at most 16 sequences).")] = 4096,
+    bf16: Annotated[str, typer.Option("--bf16", help="The head's step in bfloat16 autocast: auto (where the CPU multiplies bfloat16 natively), on, off.")] = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out (same settings).")] = False,
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -647,7 +650,8 @@ def train_draft(
     run = TrainRun(out_dir=out_dir, arch=arch, data=data, answers=answers, code_prompts=code_prompts,
                    answer_tokens=answer_tokens, answer_time=answer_time, max_time=max_time, max_tokens=max_tokens,
                    draft_vocab=draft_vocab, ttt_steps=ttt_steps, medusa_heads=medusa_heads, seed=seed, init=init,
-                   answers_from=answers_from, text=text, resume=resume)
+                   answers_from=answers_from, text=text, answer_rows=answer_rows, batch_tokens=batch_tokens,
+                   bf16=bf16, resume=resume)
     run.check()  # before the target loads
     start = time.monotonic()
     with err.status(f"loading {model or 'the default model'}..."):
@@ -658,8 +662,13 @@ def train_draft(
         nonlocal last_print
         if time.monotonic() - last_print >= 10:
             last_print = time.monotonic()
-            err.print(f"training: step {p.steps}, {p.tokens} tokens, epoch {p.epoch}, {int(p.elapsed_s)}s, "
-                      f"loss {p.loss:.3f}, agreement {p.agreement:.3f}", highlight=False)
+            if p.phase == "views":
+                rate = p.view_tokens / p.view_s if p.view_s else 0.0
+                err.print(f"target views: {p.view_tokens} tokens, {rate:.0f} tokens/s, {int(p.elapsed_s)}s", highlight=False)
+            else:
+                rate = p.tokens / p.step_s if p.step_s else 0.0
+                err.print(f"training: step {p.steps}, {p.tokens} tokens, epoch {p.epoch}, {int(p.elapsed_s)}s, "
+                          f"{rate:.0f} tokens/s, loss {p.loss:.3f}, agreement {p.agreement:.3f}", highlight=False)
 
     config, result = run_training(target, run, start=start, progress=prompt_progress,
                                   note=lambda message: err.print(escape(message)), on_progress=report)
@@ -669,7 +678,8 @@ def train_draft(
     else:
         agreement = ", ".join(f"{a:.3f}" for a in result["validation_agreement"])
         measured = f"validation top-1 agreement per draft position (answer tokens): {agreement}"
-    out.print(f"trained on {result['tokens']} tokens ({result['epochs']} epochs, {result['seconds']} s); "
+    out.print(f"trained on {result['tokens']} tokens ({result['distinct_tokens']} distinct, {result['epochs']} epochs, "
+              f"{result['seconds']} s, {result['train_tokens_per_s']} tokens/s); "
               f"{measured}; head {result['head_bytes'] / 1e6:.1f} MB in {out_dir}", soft_wrap=True)
 
 

@@ -207,26 +207,25 @@ class EagleHead(nn.Module):
         return rope(self.inv_freq, positions)
 
     def project(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
-        """features: [n, hidden] (fused target states or the head's own output); tokens: [n],
-        the token after each position; positions: [n]. Returns q [heads, n, head_dim] and
-        k, v [kv_heads, n, head_dim], rotated."""
+        """features: [..., n, hidden] (fused target states or the head's own output); tokens:
+        [..., n], the token after each position; positions: [n]. Returns q [..., heads, n,
+        head_dim] and k, v [..., kv_heads, n, head_dim], rotated. Leading dims are a batch."""
         c, layer = self.config, self.midlayer
-        n = features.shape[0]
+        lead, n = features.shape[:-2], features.shape[-2]
         x = torch.cat([rms_norm(self.embed[tokens], layer.input_layernorm, c.rms_norm_eps),
-                       rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [n, 2 * hidden]
+                       rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [..., n, 2 * hidden]
         attn = layer.self_attn
-        q = attn["q_proj"](x).view(n, c.num_heads, c.head_dim).transpose(0, 1)
-        k = attn["k_proj"](x).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        v = attn["v_proj"](x).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        split = lambda t, heads: t.view(*lead, n, heads, c.head_dim).transpose(-2, -3)  # noqa: E731
+        q = split(attn["q_proj"](x), c.num_heads)
+        k, v = split(attn["k_proj"](x), c.num_kv_heads), split(attn["v_proj"](x), c.num_kv_heads)
         cos, sin = self.rope(positions)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(self, features: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """features: [n, hidden] (the residual stream); attended: [heads, n, head_dim].
-        Returns the head's output state [n, hidden] (before the final norm)."""
+        """features: [..., n, hidden] (the residual stream); attended: [..., heads, n, head_dim].
+        Returns the head's output state [..., n, hidden] (before the final norm)."""
         c, layer = self.config, self.midlayer
-        n = features.shape[0]
-        x = features + layer.self_attn["o_proj"](attended.transpose(0, 1).reshape(n, -1))
+        x = features + layer.self_attn["o_proj"](attended.transpose(-2, -3).flatten(-2))
         mlp = layer.mlp
         y = rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)
         return x + mlp["down_proj"](F.silu(mlp["gate_proj"](y)) * mlp["up_proj"](y))
@@ -282,10 +281,10 @@ class EagleHead(nn.Module):
     def draft_positions(self, depth: int) -> int:
         return depth
 
-    def draft_logits(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[tuple[torch.Tensor, int, int]]:
-        """Training-time test unrolled `depth` draft steps: depth j predicts row t and means
-        something from position j on."""
-        return [(logits, 0, j) for j, logits in enumerate(ttt_forward(self, features, tokens, depth))]
+    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, depth: int):
+        """Training-time test unrolled `depth` draft steps over a batch ([batch, n, ...]): depth j's
+        output states predict row t (shift 0), meaningful from position j on, scored by `logits`."""
+        return [(states, 0, j, self.logits) for j, states in enumerate(ttt_states(self, features, tokens, depth))]
 
     # --- files --------------------------------------------------------------------------------
 
@@ -321,16 +320,17 @@ class EagleHead(nn.Module):
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """Attention at depth j = len(keys) - 1 of training-time test.
 
-    q: [heads, n, head_dim]; keys[i], values[i]: [kv_heads, n, head_dim], depth i's entries at
-    positions 0 .. n - 1. Position t attends to depth 0 at positions <= t - j and to depth i at
-    position t - j + i for i = 1 .. j. Returns [heads, n, head_dim].
+    q: [..., heads, n, head_dim]; keys[i], values[i]: [..., kv_heads, n, head_dim], depth i's
+    entries at positions 0 .. n - 1 (leading dims are a batch). Position t attends to depth 0
+    at positions <= t - j and to depth i at position t - j + i for i = 1 .. j. Returns [...,
+    heads, n, head_dim].
     """
     j = len(keys) - 1
-    heads, n, head_dim = q.shape
-    repeat = heads // keys[0].shape[0]
-    expand = lambda t: t.repeat_interleave(repeat, dim=0)  # noqa: E731  [heads, n, head_dim]
+    n, head_dim = q.shape[-2:]
+    repeat = q.shape[-3] // keys[0].shape[-3]
+    expand = lambda t: t.repeat_interleave(repeat, dim=-3)  # noqa: E731  [..., heads, n, head_dim]
     scale = head_dim ** -0.5
-    scores = [(q @ expand(keys[0]).transpose(1, 2)) * scale]  # [heads, n, n]
+    scores = [(q @ expand(keys[0]).transpose(-1, -2)) * scale]  # [..., heads, n, n]
     visible = torch.ones(n, n, dtype=torch.bool).tril(-j)
     scores[0] = scores[0].masked_fill(~visible, float("-inf"))
     shifted_values = []
@@ -338,38 +338,44 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
         shift = j - i
         k_i, v_i = expand(keys[i]), expand(values[i])
         if shift:
-            pad = torch.zeros(heads, shift, head_dim)
-            k_i, v_i = torch.cat([pad, k_i[:, :-shift]], 1), torch.cat([pad, v_i[:, :-shift]], 1)
-        score = (q * k_i).sum(-1, keepdim=True) * scale  # [heads, n, 1]
-        score[:, :shift] = float("-inf")
+            pad = k_i.new_zeros(*k_i.shape[:-2], shift, head_dim)
+            k_i, v_i = torch.cat([pad, k_i[..., :-shift, :]], -2), torch.cat([pad, v_i[..., :-shift, :]], -2)
+        score = (q * k_i).sum(-1, keepdim=True) * scale  # [..., heads, n, 1]
+        score[..., :shift, :] = float("-inf")
         scores.append(score)
         shifted_values.append(v_i)
-    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # [heads, n, n + j]
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(q.dtype)  # [..., heads, n, n + j]
     out = weights[..., :n] @ expand(values[0])
     for i, v_i in enumerate(shifted_values):
         out = out + weights[..., n + i : n + i + 1] * v_i
     return out
 
 
-def ttt_forward(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
-    """The head unrolled `depth` draft steps over a whole sequence.
+def ttt_states(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """The head unrolled `depth` draft steps over whole sequences.
 
-    features: [n, len(target_layers) * hidden], the target's states at positions 0 .. n - 1;
-    tokens: [n], token t + 1 for each position t. Returns each depth's draft logits
-    [n, draft_vocab]; at depth j positions < j have no meaning.
+    features: [..., n, len(target_layers) * hidden], the target's states at positions 0 .. n - 1;
+    tokens: [..., n], token t + 1 for each position t (leading dims are a batch of sequences of
+    one length; a shorter one padded at its end is exact, since no position reads a later one).
+    Returns each depth's output states [..., n, hidden]; at depth j positions < j have no meaning.
     """
-    n = features.shape[0]
+    n = features.shape[-2]
     positions = torch.arange(n)
-    x = head.fc(features)  # [n, hidden]
-    keys, values, logits = [], [], []
+    x = head.fc(features)  # [..., n, hidden]
+    keys, values, states = [], [], []
     for _ in range(depth):
         q, k, v = head.project(x, tokens, positions)
         keys.append(k)
         values.append(v)
-        state = head.finish(x, ttt_attention(q, keys, values))  # [n, hidden]
-        logits.append(head.logits(state))
-        x = torch.cat([torch.zeros_like(state[:1]), state[:-1]])  # position t reads depth j's state at t - 1
-    return logits
+        state = head.finish(x, ttt_attention(q, keys, values))  # [..., n, hidden]
+        states.append(state)
+        x = torch.cat([torch.zeros_like(state[..., :1, :]), state[..., :-1, :]], dim=-2)  # t reads depth j's state at t - 1
+    return states
+
+
+def ttt_forward(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """Each depth's draft logits [..., n, draft_vocab] of :func:`ttt_states`."""
+    return [head.logits(state) for state in ttt_states(head, features, tokens, depth)]
 
 
 class EagleDrafter(Drafter):

@@ -159,9 +159,13 @@ class MedusaHeads(nn.Module):
     def draft_positions(self, depth: int) -> int:
         return self.config.num_heads
 
-    def draft_logits(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[tuple[torch.Tensor, int, int]]:
-        """Head i at position t predicts row t + i (the target's distribution at t + 1 + i)."""
-        return [(logits, i, 0) for i, logits in enumerate(self(features))]
+    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, depth: int):
+        """Head i's states at position t predict row t + i (the target's distribution at t + 1 + i),
+        scored by that head's LM head. features: [..., n, hidden]."""
+        c = self.config
+        x = features * torch.rsqrt(features.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * self.final_norm
+        tied = lambda y: y @ self.lm_head_rows.t()  # noqa: E731
+        return [(head[0](x), i, 0, tied if c.tied_lm_head else head[1]) for i, head in enumerate(self.medusa_head)]
 
     def save(self, directory: str | Path) -> None:
         head_files.save(directory, self.config.to_json(), self.state_dict())

@@ -135,9 +135,10 @@ def register_head(name: str) -> Callable[[type], type]:
     """Register a trainable head class (an `nn.Module`) under its family's name. The class gives
     `summary` (one line), `fresh(target, d2t_ids, heads=, seed=)` (a new head), `load(directory,
     target)`, `save(directory)`, `draft_ids`, `view_layers(target)` (the target layers it reads),
-    `draft_positions(depth)` (how many draft positions it trains) and `draft_logits(features,
-    tokens, depth)` (per draft position: logits over every position t, the shift s of the target
-    row they predict, t + s, and the first position where they mean something)."""
+    `draft_positions(depth)` (how many draft positions it trains) and `draft_states(features,
+    tokens, depth)` over a batch [batch, n, ...] (per draft position: the states at every
+    position t, the shift s of the target row they predict, t + s, the first position where they
+    mean something, and the function that turns states into draft logits)."""
 
     def wrap(cls: type) -> type:
         if name in _HEADS:

@@ -25,6 +25,7 @@ trained on; its top-1 agreement with the target per draft depth is the measured 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -34,8 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec import drafters
@@ -62,16 +63,19 @@ class TrainConfig:
     ttt_steps: int = 3
     lr: float = 1e-3
     warmup_steps: int = 20
-    batch_sequences: int = 8
+    batch_sequences: int = 16  # at most this many sequences a step ...
+    batch_tokens: int = 4096  # ... and this many tokens, padding included
     max_seq_len: int = 512
     max_tokens: int | None = None
     max_time: float | None = None
     seed: int = 0
     checkpoint_every_s: float = 120.0
+    validate_every_s: float = 900.0  # held-out agreement in the run's log, at a checkpoint this often
     validation_fraction: float = 0.03
     max_validation_sequences: int = 64
     loss_on: str = "answers"  # "answers": positions predicting answer tokens; "all": every position
-    cache_top: int = 64  # keep each sequence's target view for later epochs (0: recompute it)
+    view_top: int = 64  # the target's most likely draft tokens kept per position
+    bf16: str = "auto"  # the step in bfloat16 autocast: "auto" (where the CPU multiplies bfloat16), "on", "off"
 
 
 def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
@@ -89,50 +93,135 @@ def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> 
 
 @dataclass(frozen=True)
 class TargetSample:
-    """What the target says about one sequence, row t for position t:
-    features [n, F] (its states at t), probs [n, draft_vocab] (its distribution of token t + 2
-    over the draft vocabulary) and top [n] (its most likely token t + 2, a target id)."""
+    """What the target says about one sequence of n + 1 tokens, row t for position t < n:
+    features [n, F] (its states at t, bfloat16), index and values [n, top] (its `top` most likely
+    tokens t + 2 as draft indices, and their probabilities; the small tail beyond them counts as
+    0) and top [n] (its most likely token t + 2, a target id)."""
 
     features: torch.Tensor
-    probs: torch.Tensor
+    index: torch.Tensor
+    values: torch.Tensor
     top: torch.Tensor
 
 
-class TargetView:
-    """The target's view of sequences, one prefill pass each.
+class ViewStore:
+    """Target views on disk, appended as they are made, so that later epochs, resumed runs and
+    other machines read them instead of running the target again.
 
-    cache_top > 0 keeps what a sequence's pass gave for the next epochs, compressed: the states
-    in bfloat16 and the `cache_top` most likely draft tokens' probabilities (the rest of the
-    distribution, a small tail on the target's own text, counts as 0). Later epochs then skip
-    the target's pass, which is most of a training step's cost.
+    One directory: `meta.json` (what the views are of: a store made for another target, layers or
+    draft vocabulary is refused), four flat files of rows (features as bfloat16, top indices as
+    int16/int32, their probabilities as bfloat16, the top token as int32) and `rows.jsonl`,
+    one line per sequence written after its rows: a killed run loses at most the sequence it was
+    writing. A sequence is keyed by a hash of its token ids.
     """
 
-    def __init__(self, target: LoadedModel, layers: tuple[int, ...], draft_ids: torch.Tensor, cache_top: int = 0) -> None:
+    def __init__(self, directory: Path, meta: dict[str, Any]) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        meta_path = directory / "meta.json"
+        if meta_path.is_file():
+            found = json.loads(meta_path.read_text(encoding="utf-8"))
+            if found != meta:
+                differ = sorted(k for k in meta.keys() | found.keys() if meta.get(k) != found.get(k))
+                raise ConfigError(f"{directory} holds target views made with other settings ({', '.join(differ)}); "
+                                  f"remove it or train in another directory")
+        else:
+            meta_path.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        width, top = meta["feature_size"], meta["top"]
+        index_dtype = np.int16 if meta["draft_vocab_size"] < 2**15 else np.int32
+        # name -> (numpy dtype, values per row)
+        self.columns = {"features": (np.int16, width), "index": (index_dtype, top), "values": (np.int16, top),
+                        "top": (np.int32, 1)}
+        self.rows: dict[str, tuple[int, int]] = {}
+        self.length = 0
+        rows_path = directory / "rows.jsonl"
+        if rows_path.is_file():
+            lines = rows_path.read_text(encoding="utf-8").split("\n")
+            for line in lines:
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut by a kill, and whatever was written after it
+                self.rows[entry["key"]] = (entry["start"], entry["rows"])
+                self.length = entry["start"] + entry["rows"]
+            rows_path.write_text("".join(json.dumps({"key": k, "start": a, "rows": n}) + "\n"
+                                         for k, (a, n) in self.rows.items()), encoding="utf-8")
+        for name, (dtype, per_row) in self.columns.items():
+            path = directory / f"{name}.bin"
+            with path.open("ab") as handle:  # rows past the last whole sequence: a kill's leftovers
+                handle.truncate(self.length * per_row * np.dtype(dtype).itemsize)
+
+    @staticmethod
+    def key(ids: list[int]) -> str:
+        return hashlib.sha1(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:24]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.rows
+
+    def nbytes(self) -> int:
+        return sum((self.directory / f"{name}.bin").stat().st_size for name in self.columns)
+
+    def put(self, key: str, sample: TargetSample) -> None:
+        n = sample.top.shape[0]
+        arrays = {"features": sample.features.view(torch.int16), "index": sample.index, "values": sample.values.view(torch.int16),
+                  "top": sample.top}
+        for name, (dtype, _) in self.columns.items():
+            with (self.directory / f"{name}.bin").open("ab") as handle:
+                handle.write(arrays[name].contiguous().numpy().astype(dtype, copy=False).tobytes())
+        with (self.directory / "rows.jsonl").open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"key": key, "start": self.length, "rows": n}) + "\n")
+        self.rows[key] = (self.length, n)
+        self.length += n
+
+    def get(self, key: str) -> TargetSample:
+        start, n = self.rows[key]
+        out = {}
+        for name, (dtype, per_row) in self.columns.items():
+            size = np.dtype(dtype).itemsize
+            raw = np.fromfile(self.directory / f"{name}.bin", dtype=dtype, count=n * per_row, offset=start * per_row * size)
+            out[name] = torch.from_numpy(raw).view(n, per_row)
+        return TargetSample(out["features"].view(torch.bfloat16), out["index"].long(), out["values"].view(torch.bfloat16),
+                            out["top"][:, 0].long())
+
+
+class TargetView:
+    """The target's view of sequences: one prefill pass each, kept in `store` when there is one.
+
+    A sample is always the compressed one (states in bfloat16, the `top` most likely draft
+    tokens' probabilities), whether just made or read back, so that a resumed run trains on
+    exactly what an uninterrupted one did.
+    """
+
+    def __init__(self, target: LoadedModel, layers: tuple[int, ...], draft_ids: torch.Tensor, top: int = 64,
+                 store: ViewStore | None = None) -> None:
         self.runner = ModelRunner(target)
         self.layers = layers
         self.draft_ids = draft_ids
-        self.cache_top = cache_top
-        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.top = min(top, len(draft_ids))
+        self.store = store
 
-    def __call__(self, ids: list[int], key: str | None = None) -> TargetSample:
-        """The sample for `ids`; with a key (and cache_top > 0), the compressed one, the same on
-        every epoch (and in a resumed run, which starts with an empty cache)."""
-        if key is not None and key in self._cache:
-            features, index, values, top = self._cache[key]
-            probs = torch.zeros(len(top), len(self.draft_ids)).scatter_(1, index.long(), values.float())
-            return TargetSample(features.float(), probs, top.long())
+    @staticmethod
+    def meta(target: LoadedModel, layers: tuple[int, ...], draft_ids: torch.Tensor, top: int) -> dict[str, Any]:
+        """What a store of these views must agree on."""
+        return {"target": target.name, "weight_format": target.backend.weight_format, "layers": list(layers),
+                "feature_size": len(layers) * target.backend.hidden_size, "draft_vocab_size": len(draft_ids),
+                "draft_vocab": hashlib.sha1(draft_ids.numpy().astype(np.int64).tobytes()).hexdigest()[:16],
+                "top": min(top, len(draft_ids))}
+
+    def __call__(self, ids: list[int]) -> TargetSample:
+        key = ViewStore.key(ids) if self.store is not None else ""
+        if self.store is not None and key in self.store:
+            return self.store.get(key)
         with torch.inference_mode():
             out = self.runner.forward(self.runner.new_cache(len(ids)), ids, hidden_layers=self.layers)
             features = torch.cat([out.layer_states[i] for i in self.layers], dim=-1)[:-1]  # positions 0 .. len - 2
-            logits = out.logits[1:]  # positions 1 .. len - 1: the distribution of the token after next
+            logits = out.logits[1:].float()  # positions 1 .. len - 1: the distribution of the token after next
             probs = torch.softmax(logits, dim=-1)[:, self.draft_ids]
-            top = logits.argmax(-1)
-        if key is not None and self.cache_top > 0:
-            values, index = probs.topk(min(self.cache_top, probs.shape[-1]), dim=-1)
-            self._cache[key] = (features.to(torch.bfloat16), index.to(torch.int16 if len(self.draft_ids) < 2**15 else torch.int32),
-                                values.to(torch.bfloat16), top.to(torch.int32))
-            return self(ids, key)
-        return TargetSample(features.clone(), probs.clone(), top.clone())
+            values, index = probs.topk(self.top, dim=-1)
+            sample = TargetSample(features.to(torch.bfloat16), index, values.to(torch.bfloat16), logits.argmax(-1))
+        if self.store is not None:
+            self.store.put(key, sample)
+        return sample
 
 
 def answer_start(record: dict) -> int:
@@ -141,23 +230,72 @@ def answer_start(record: dict) -> int:
     return max(0, len(record["prompt_ids"]) - 2) if record.get("answer_ids") else 0
 
 
-def sequence_losses(head: nn.Module, sample: TargetSample, ids: list[int], depth: int, start: int = 0):
-    """Per draft position (EAGLE: depth; Medusa: head) (loss, correct count, positions counted)
-    for one sequence, counting positions from `start`."""
-    n = len(ids) - 1
-    pairs = []
-    for logits, shift, first in head.draft_logits(sample.features, torch.tensor(ids[1:]), depth):
-        low, high = max(first, start), n - shift
-        pairs.append((logits[low:high], slice(low + shift, max(low, high) + shift)))
+def batch_losses(head: nn.Module, samples: list[TargetSample], sequences: list[list[int]], starts: list[int],
+                 depth: int) -> list[tuple[torch.Tensor, int, int]]:
+    """Per draft position (EAGLE: depth; Medusa: head) (mean loss, correct count, positions
+    counted) over a batch of sequences, counting sequence b's positions from starts[b].
+
+    The sequences run as one padded batch (a shorter one padded at its end: no position reads a
+    later one), and the draft vocabulary's logits are made only at the positions counted: the
+    soft cross-entropy against the target's top probabilities, from the log-sum-exp and the
+    logits at those top tokens."""
+    lengths = torch.tensor([len(ids) - 1 for ids in sequences])
+    count, width = len(sequences), int(lengths.max())
+    features = torch.zeros(count, width, samples[0].features.shape[-1])
+    tokens = torch.zeros(count, width, dtype=torch.long)
+    index = torch.zeros(count, width, samples[0].index.shape[-1], dtype=torch.long)
+    values = torch.zeros(count, width, samples[0].values.shape[-1])
+    top = torch.full((count, width), -1, dtype=torch.long)
+    for b, (sample, ids) in enumerate(zip(samples, sequences)):
+        n = len(ids) - 1
+        features[b, :n], tokens[b, :n] = sample.features, torch.tensor(ids[1:])
+        index[b, :n], values[b, :n], top[b, :n] = sample.index, sample.values, sample.top
+    begin = torch.tensor(starts)
+    t = torch.arange(width)[None]
     results = []
-    for logits, rows in pairs:
-        if logits.shape[0] == 0:
-            results.append((logits.sum() * 0.0, 0, 0))
+    for states, shift, first, score in head.draft_states(features, tokens, depth):
+        rows, cols = ((t >= begin.clamp(min=first)[:, None]) & (t < (lengths - shift)[:, None])).nonzero(as_tuple=True)
+        if len(rows) == 0:
+            results.append((states.sum() * 0.0, 0, 0))
             continue
-        loss = -(sample.probs[rows] * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-        correct = (head.draft_ids[logits.argmax(-1)] == sample.top[rows]).sum()
-        results.append((loss, int(correct), logits.shape[0]))
+        logits = score(states[rows, cols]).float()  # [counted, draft_vocab]
+        p, at = values[rows, cols + shift], index[rows, cols + shift]
+        loss = (p.sum(-1) * logits.logsumexp(-1) - (p * logits.gather(1, at)).sum(-1)).mean()
+        correct = (head.draft_ids[logits.argmax(-1)] == top[rows, cols + shift]).sum()
+        results.append((loss, int(correct), len(rows)))
     return results
+
+
+def bf16_matmuls() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), which makes the
+    head's training step faster in bfloat16 autocast; without it autocast would be slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def epoch_batches(lengths: list[int], epoch: int, seed: int, max_sequences: int, max_tokens: int) -> list[list[int]]:
+    """The batches of one epoch, the same for a seed and epoch on every run: indices shuffled,
+    sorted by length within windows of a few batches (little padding), cut into batches of at
+    most `max_sequences` sequences and `max_tokens` padded tokens, and the batches shuffled."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = max_sequences * 16
+    batches: list[list[int]] = []
+    for begin in range(0, len(order), window):
+        part = sorted(order[begin : begin + window], key=lambda i: lengths[i])
+        batch: list[int] = []
+        for i in part:
+            if batch and (len(batch) == max_sequences or (len(batch) + 1) * lengths[i] > max_tokens):
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        batches.append(batch)
+    rng.shuffle(batches)
+    return batches
 
 
 def new_head(target: LoadedModel, d2t_ids: torch.Tensor, config: TrainConfig) -> nn.Module:
@@ -169,11 +307,20 @@ def new_head(target: LoadedModel, d2t_ids: torch.Tensor, config: TrainConfig) ->
 class Progress:
     tokens: int = 0
     steps: int = 0
-    cursor: int = 0
+    cursor: int = 0  # the next batch of the epoch
     epoch: int = 0
     elapsed_s: float = 0.0
     loss: float = float("nan")
     agreement: float = float("nan")
+    view_tokens: int = 0  # tokens the target's views were made for (this run and earlier ones)
+    view_s: float = 0.0
+    step_s: float = 0.0
+    phase: str = "views"  # "views", then "train"
+
+
+BF16 = ("auto", "on", "off")
+LOG_FILE = "log.jsonl"
+VIEWS_DIR = "views"
 
 
 def train_head(
@@ -189,21 +336,26 @@ def train_head(
     """Train (or resume training) a head of `config.arch` on `records` ({"id", "prompt_ids",
     "answer_ids"}), write it to `out` and return the report (also written as report.json).
     init: a head directory to start from (its weights and draft vocabulary) instead of fresh
-    weights; a resumed run ignores it (its checkpoint holds the weights)."""
+    weights; a resumed run ignores it (its checkpoint holds the weights).
+
+    First the target's view of every sequence is made (or found) in `out/views`, then the head
+    trains on batches of them; `out/log.jsonl` gets a line at every checkpoint (tokens, loss,
+    training agreement, tokens/s) with the held-out agreement per draft position every
+    `validate_every_s`."""
     family = drafters.head_class(config.arch)  # ConfigError for an unknown one
     if config.loss_on not in LOSS_ON:
         raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {config.loss_on!r}")
+    if config.bf16 not in BF16:
+        raise ConfigError(f"bf16 must be one of {', '.join(BF16)}, got {config.bf16!r}")
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / CHECKPOINT_FILE
     # Fixed-text records only train: the held-out split measures what drafting faces, answers.
     held_out = lambda r: r.get("kind") != "text" and split_of(r["id"], config.validation_fraction) == "validation"  # noqa: E731
     train_ids = [r for r in records if not held_out(r)]
-    validation = [r for r in records if held_out(r)]
+    validation = [r for r in records if held_out(r)][: config.max_validation_sequences]
     if not train_ids:
         raise ConfigError("no training sequences (every record fell in the validation split)")
     sequence = lambda r: (r["prompt_ids"] + r.get("answer_ids", []))[: config.max_seq_len]  # noqa: E731
-    order = list(range(len(train_ids)))
-    random.Random(config.seed).shuffle(order)
     torch.manual_seed(config.seed)
 
     progress = Progress()
@@ -238,7 +390,10 @@ def train_head(
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     if saved is not None:
         optimizer.load_state_dict(saved["optimizer"])
-    view = TargetView(target, head.view_layers(target), head.draft_ids, config.cache_top)
+    layers = head.view_layers(target)
+    store = ViewStore(out / VIEWS_DIR, TargetView.meta(target, layers, head.draft_ids, config.view_top))
+    view = TargetView(target, layers, head.draft_ids, config.view_top, store)
+    autocast = config.bf16 == "on" or (config.bf16 == "auto" and bf16_matmuls())
 
     def checkpoint() -> None:
         state = {"config": asdict(config), "d2t_ids": d2t_ids, "coverage": coverage, "head": head.state_dict(),
@@ -248,7 +403,6 @@ def train_head(
         partial.replace(checkpoint_path)  # a kill mid-write leaves the previous checkpoint whole
 
     start = time.monotonic() - progress.elapsed_s
-    last_checkpoint = time.monotonic()
     positions = head.draft_positions(config.ttt_steps)
     weights = [DEPTH_WEIGHT ** j for j in range(positions)]
 
@@ -257,70 +411,112 @@ def train_head(
         return ((config.max_tokens is not None and progress.tokens >= config.max_tokens)
                 or (config.max_time is not None and progress.elapsed_s >= config.max_time))
 
+    # 1. The target's views, made once (the budget's clock runs: they are most of a first epoch).
+    sequences = [sequence(r) for r in train_ids]
+    for ids in sequences + [sequence(r) for r in validation]:
+        if out_of_budget():
+            break
+        if len(ids) >= 2 and ViewStore.key(ids) not in store:
+            began = time.monotonic()
+            view(ids)
+            progress.view_s += time.monotonic() - began
+            progress.view_tokens += len(ids)
+            on_progress(progress)
+
+    # 2. Steps over batches of views, in the seeded order, epoch after epoch.
+    lengths = [len(ids) for ids in sequences]
+    usable = [i for i, n in enumerate(lengths) if n >= positions + 2]
+    if not usable:
+        raise ConfigError(f"no training sequence is long enough ({positions + 2} tokens) for {positions} draft positions")
+    progress.phase = "train"
+    batches = epoch_batches([lengths[i] for i in usable], progress.epoch, config.seed, config.batch_sequences,
+                            config.batch_tokens)
+    last_checkpoint = last_validation = time.monotonic()
     while not out_of_budget():
-        # One optimizer step over `batch_sequences` sequences, in the seeded order, epoch after epoch.
+        if progress.cursor >= len(batches):
+            progress.cursor, progress.epoch = 0, progress.epoch + 1
+            batches = epoch_batches([lengths[i] for i in usable], progress.epoch, config.seed, config.batch_sequences,
+                                    config.batch_tokens)
+        began = time.monotonic()
+        chosen = [usable[i] for i in batches[progress.cursor]]
+        progress.cursor += 1
+        ids = [sequences[i] for i in chosen]
+        starts = [min(answer_start(train_ids[i]) if config.loss_on == "answers" else 0, len(sequences[i]) - 2)
+                  for i in chosen]
         optimizer.zero_grad(set_to_none=True)
-        total_loss, correct, counted = 0.0, 0, 0
-        for _ in range(config.batch_sequences):
-            if progress.cursor >= len(order):
-                progress.cursor, progress.epoch = 0, progress.epoch + 1
-            index = order[progress.cursor]
-            record = train_ids[index]
-            ids = sequence(record)
-            progress.cursor += 1
-            if len(ids) < positions + 2:
-                continue
-            first = answer_start(record) if config.loss_on == "answers" else 0
-            # Keyed by the record's place in the training list: ids may repeat.
-            results = sequence_losses(head, view(ids, str(index)), ids, config.ttt_steps, min(first, len(ids) - 2))
-            loss = sum(w * r[0] for w, r in zip(weights, results)) / config.batch_sequences
-            loss.backward()
-            total_loss += float(loss.detach())
-            correct, counted = correct + results[0][1], counted + results[0][2]
-            progress.tokens += len(ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            results = batch_losses(head, [view(s) for s in ids], ids, starts, config.ttt_steps)
+            loss = sum(w * r[0] for w, r in zip(weights, results))
+        loss.backward()
         for group in optimizer.param_groups:
             group["lr"] = config.lr * min(1.0, (progress.steps + 1) / config.warmup_steps)
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         progress.steps += 1
-        progress.loss = total_loss
-        progress.agreement = correct / max(counted, 1)
+        progress.tokens += sum(len(s) for s in ids)
+        progress.loss = float(loss.detach())
+        progress.agreement = results[0][1] / max(results[0][2], 1)
+        progress.step_s += time.monotonic() - began
         on_progress(progress)
         if time.monotonic() - last_checkpoint >= config.checkpoint_every_s:
             checkpoint()
+            held = None
+            if validation and time.monotonic() - last_validation >= config.validate_every_s:
+                held = evaluate(head, view, [(sequence(r), answer_start(r)) for r in validation], config.ttt_steps, autocast)
+                head.train()
+                last_validation = time.monotonic()
+            log_line(out, progress, held)
             last_checkpoint = time.monotonic()
 
     checkpoint()
     head.eval()
     # None where nothing is held out (fixed text only, or too few answers): nothing to measure on.
-    agreement = evaluate(head, view, [(sequence(r), answer_start(r)) for r in validation[: config.max_validation_sequences]],
-                         config.ttt_steps) if validation else None
+    agreement = evaluate(head, view, [(sequence(r), answer_start(r)) for r in validation], config.ttt_steps,
+                         autocast) if validation else None
+    log_line(out, progress, agreement)
     head.config.training.update({
         "sequences": len(train_ids), "tokens": progress.tokens, "steps": progress.steps,
-        "epochs": round(progress.epoch + progress.cursor / len(order), 3), "seconds": round(progress.elapsed_s),
-        "arch": config.arch, "ttt_steps": config.ttt_steps, "draft_vocab_coverage": round(coverage, 4), "seed": config.seed,
-        "validation_agreement": agreement,
+        "distinct_tokens": sum(lengths), "epochs": round(progress.epoch + progress.cursor / len(batches), 3),
+        "seconds": round(progress.elapsed_s), "arch": config.arch, "ttt_steps": config.ttt_steps,
+        "draft_vocab_coverage": round(coverage, 4), "seed": config.seed, "validation_agreement": agreement,
     })
     head.save(out)
     report = {"target": target.name, "weight_format": target.backend.weight_format, **head.config.training,
-              "validation_sequences": min(len(validation), config.max_validation_sequences),
-              "head_bytes": (out / "model.safetensors").stat().st_size}
+              "validation_sequences": len(validation), "head_bytes": (out / "model.safetensors").stat().st_size,
+              "bf16": autocast, "view_tokens_per_s": round(progress.view_tokens / progress.view_s) if progress.view_s else None,
+              "train_tokens_per_s": round(progress.tokens / progress.step_s) if progress.step_s else None,
+              "views_bytes": store.nbytes(), "checkpoint_bytes": checkpoint_path.stat().st_size}
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
 
 
+def log_line(out: Path, progress: Progress, validation: list[float] | None) -> None:
+    """One line of the run's log: where it is, and the held-out agreement when measured."""
+    line = {"tokens": progress.tokens, "steps": progress.steps, "epoch": progress.epoch,
+            "elapsed_s": round(progress.elapsed_s, 1), "loss": round(progress.loss, 4),
+            "train_agreement": round(progress.agreement, 4),
+            "train_tokens_per_s": round(progress.tokens / progress.step_s, 1) if progress.step_s else None}
+    if validation is not None:
+        line["validation_agreement"] = validation
+    with (out / LOG_FILE).open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(line) + "\n")
+
+
 @torch.no_grad()
-def evaluate(head: nn.Module, view: TargetView, sequences: list[tuple[list[int], int]],
-             depth: int) -> list[float]:
+def evaluate(head: nn.Module, view: TargetView, sequences: list[tuple[list[int], int]], depth: int,
+             autocast: bool = False, batch: int = 8) -> list[float]:
     """Top-1 agreement with the target per draft position (EAGLE: the (j + 1)-th drafted token,
     the earlier ones right; Medusa: head j), over (sequence, first position counted) pairs: the
     answer positions of held-out records."""
     positions = head.draft_positions(depth)
     correct, counted = [0] * positions, [0] * positions
-    for ids, start in sequences:
-        if len(ids) < positions + 2:
-            continue
-        for j, (_, c, n) in enumerate(sequence_losses(head, view(ids), ids, depth, min(start, len(ids) - 2))):
+    usable = [(ids, min(start, len(ids) - 2)) for ids, start in sequences if len(ids) >= positions + 2]
+    for begin in range(0, len(usable), batch):
+        part = usable[begin : begin + batch]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            results = batch_losses(head, [view(ids) for ids, _ in part], [ids for ids, _ in part],
+                                   [start for _, start in part], depth)
+        for j, (_, c, n) in enumerate(results):
             correct[j] += c
             counted[j] += n
     return [round(c / n, 4) if n else float("nan") for c, n in zip(correct, counted)]

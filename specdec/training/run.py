@@ -19,7 +19,7 @@ from specdec.drafters import head_class
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.training.corpus import generate_answers, read_answers, select_prompts, text_records
-from specdec.training.heads import BUDGET_FIELDS, CHECKPOINT_FILE, Progress, TrainConfig, train_head
+from specdec.training.heads import BF16, BUDGET_FIELDS, CHECKPOINT_FILE, Progress, TrainConfig, train_head
 
 ANSWERS_FILE = "answers.jsonl"
 
@@ -52,6 +52,9 @@ class TrainRun:
     init: Path | None = None
     answers_from: Path | None = None
     text: int = 0
+    answer_rows: int = 32
+    batch_tokens: int = TrainConfig.batch_tokens
+    bf16: str = "auto"
     resume: bool = False
 
     def check(self) -> None:
@@ -65,6 +68,10 @@ class TrainRun:
             raise ConfigError(f"answers file not found: {self.answers_from}")
         if self.text and self.data is None:
             raise ConfigError("--text takes its text from the prompts of --data: give --data")
+        if self.answer_rows < 1 or self.batch_tokens < 64:
+            raise ConfigError("--answer-rows must be at least 1 and --batch-tokens at least 64")
+        if self.bf16 not in BF16:
+            raise ConfigError(f"--bf16 must be one of {', '.join(BF16)}, got {self.bf16!r}")
 
 
 def resumed_config(out_dir: Path, fresh: TrainConfig) -> TrainConfig:
@@ -99,7 +106,8 @@ def train_draft(target: LoadedModel, run: TrainRun, *, start: float | None = Non
             for _ in range(done):
                 advance(None)
             generate_answers(target, prompts, answers_path, max_tokens=run.answer_tokens,
-                             should_stop=lambda: time.monotonic() - start >= answer_time, on_answer=advance)
+                             rows=run.answer_rows, should_stop=lambda: time.monotonic() - start >= answer_time,
+                             on_answer=advance)
     records = read_answers(answers_path)
     note(f"{len(records)} answers ({sum(len(r['answer_ids']) for r in records)} answer tokens) in {answers_path}")
     if run.text:
@@ -110,7 +118,8 @@ def train_draft(target: LoadedModel, run: TrainRun, *, start: float | None = Non
     if run.resume and run.max_time is not None and (run.out_dir / CHECKPOINT_FILE).is_file():
         remaining = run.max_time  # training had started: --max-time is its whole budget, earlier runs included
     config = TrainConfig(arch=run.arch, medusa_heads=run.medusa_heads, draft_vocab_size=run.draft_vocab,
-                         ttt_steps=run.ttt_steps, max_tokens=run.max_tokens, seed=run.seed, max_time=remaining)
+                         ttt_steps=run.ttt_steps, max_tokens=run.max_tokens, seed=run.seed, max_time=remaining,
+                         batch_tokens=run.batch_tokens, bf16=run.bf16)
     if run.resume:  # a resumed run keeps the first run's settings, its training budget included
         config = resumed_config(run.out_dir, config)
     result = train_head(target, records, run.out_dir, config, resume=run.resume, init=run.init, on_progress=on_progress)

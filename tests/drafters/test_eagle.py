@@ -247,34 +247,58 @@ def test_an_oracle_tree_is_accepted_along_its_right_branch(tiny_native: LoadedMo
     assert result.stats.target_steps == 3  # 1 from the prefill, then 4 tokens a step
 
 
-def test_target_view_cache_keeps_the_top_of_each_distribution(tiny_native: LoadedModel) -> None:
+def test_view_store_reads_back_what_it_made_and_survives_a_kill(tiny_native: LoadedModel, tmp_path) -> None:
+    from specdec.training.heads import ViewStore
+
     head = random_head(tiny_native, 512)
-    view = TargetView(tiny_native, head.config.target_layers, head.draft_ids, cache_top=16)
-    ids = list(range(40, 70))
-    first = view(ids, "a")
-    forward = view.runner.forward
-    view.runner.forward = None  # a cached sequence must not run the target again
-    again = view(ids, "a")
-    view.runner.forward = forward
-    torch.testing.assert_close(again.features, first.features, rtol=1e-2, atol=1e-2)  # kept in bfloat16
-    assert torch.equal(again.top, first.top)
-    top16 = first.probs.topk(16, dim=-1)
-    torch.testing.assert_close(again.probs.gather(1, top16.indices), top16.values, rtol=1e-2, atol=1e-3)
-    assert int((again.probs > 0).sum(dim=-1).max()) <= 16
+    layers = head.config.target_layers
+    meta = TargetView.meta(tiny_native, layers, head.draft_ids, 16)
+    view = TargetView(tiny_native, layers, head.draft_ids, 16, ViewStore(tmp_path, meta))
+    first, second = list(range(40, 70)), list(range(80, 95))
+    made = view(first)
+    assert made.index.shape == (29, 16) and made.features.dtype == torch.bfloat16
+    view(second)
+    # The rows of a third sequence cut by a kill: in the data files, not yet in the log.
+    with (tmp_path / "features.bin").open("ab") as handle:
+        handle.write(b"\0" * 1000)
+    with (tmp_path / "rows.jsonl").open("a") as handle:
+        handle.write('{"key": "cut", "sta')
+    reopened = TargetView(tiny_native, layers, head.draft_ids, 16, ViewStore(tmp_path, meta))
+    reopened.runner.forward = None  # a stored sequence must not run the target again
+    again = reopened(first)
+    for name in ("features", "index", "values", "top"):
+        assert torch.equal(getattr(again, name), getattr(made, name)), name
+    assert torch.equal(reopened(second).top, view(second).top)
+    assert (tmp_path / "features.bin").stat().st_size == (29 + 14) * meta["feature_size"] * 2
+    # The kept probabilities are the target's: the top tokens' of its softmax over the draft ids.
+    probs = torch.softmax(view.runner.score(first)[1:].float(), dim=-1)[:, head.draft_ids]
+    torch.testing.assert_close(again.values.float(), probs.topk(16, dim=-1).values, rtol=1e-2, atol=1e-3)
+    with pytest.raises(ConfigError, match="draft_vocab, draft_vocab_size"):
+        ViewStore(tmp_path, TargetView.meta(tiny_native, layers, head.draft_ids[:100], 16))
 
 
 def test_loss_counts_answer_positions_only(tiny_native: LoadedModel) -> None:
-    from specdec.training.heads import answer_start, sequence_losses
+    from specdec.training.heads import answer_start, batch_losses
 
-    record = {"id": "x", "prompt_ids": list(range(10, 22)), "answer_ids": list(range(30, 38))}
-    ids = record["prompt_ids"] + record["answer_ids"]
+    records = [{"id": "x", "prompt_ids": list(range(10, 22)), "answer_ids": list(range(30, 38))},
+               {"id": "y", "prompt_ids": list(range(5, 10)), "answer_ids": list(range(60, 64))}]
+    sequences = [r["prompt_ids"] + r["answer_ids"] for r in records]
     head = random_head(tiny_native, 256)
-    sample = TargetView(tiny_native, head.config.target_layers, head.draft_ids)(ids)
-    start = answer_start(record)
-    assert start == 10  # position 10 predicts token 12, the first answer token
-    counted = [n for _, _, n in sequence_losses(head, sample, ids, 3, start)]
-    assert counted == [len(ids) - 1 - start] * 3
-    assert [n for _, _, n in sequence_losses(head, sample, ids, 3)] == [len(ids) - 1 - j for j in range(3)]
+    view = TargetView(tiny_native, head.config.target_layers, head.draft_ids)
+    samples = [view(ids) for ids in sequences]
+    starts = [answer_start(r) for r in records]
+    assert starts == [10, 3]  # position 10 predicts token 12, the first answer token
+    counted = [n for _, _, n in batch_losses(head, samples, sequences, starts, 3)]
+    assert counted == [sum(len(ids) - 1 - s for ids, s in zip(sequences, starts))] * 3
+    counted = [n for _, _, n in batch_losses(head, samples, sequences, [0, 0], 3)]
+    assert counted == [sum(len(ids) - 1 - j for ids in sequences) for j in range(3)]
+    # Padding the shorter sequence changes nothing: alone, each gives the batch's own terms.
+    together = batch_losses(head, samples, sequences, [0, 0], 3)
+    alone = [batch_losses(head, [s], [ids], [0], 3) for s, ids in zip(samples, sequences)]
+    for j in range(3):
+        n = [a[j][2] for a in alone]
+        torch.testing.assert_close(together[j][0], (alone[0][j][0] * n[0] + alone[1][j][0] * n[1]) / sum(n))
+        assert together[j][1] == alone[0][j][1] + alone[1][j][1]
 
 
 def test_init_starts_from_a_head(tiny_native: LoadedModel, tmp_path) -> None:
@@ -296,7 +320,7 @@ def test_a_time_budget_stops_training_on_time(tiny_native: LoadedModel, tmp_path
 
 
 def test_records_sharing_an_id_train_over_several_epochs(tiny_native: LoadedModel, tmp_path) -> None:
-    # The target-view cache is keyed by place, not id: two records with one id but different
+    # The target's views are keyed by content, not id: two records with one id but different
     # texts must each keep their own view (a shared key fed one record's states to the other).
     records = [{"id": "same", "prompt_ids": list(range(3, 3 + n)), "answer_ids": list(range(50, 60))} for n in (8, 14)]
     config = TrainConfig(draft_vocab_size=64, batch_sequences=2, max_tokens=4 * 42, validation_fraction=0.0)
