@@ -14,6 +14,7 @@ import ast
 import hashlib
 import json
 import random
+import re
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -119,6 +120,90 @@ def text_records(target: LoadedModel, path: str | Path, count: int, exclude: set
         records.append({"id": f"text:{prompt.id}", "category": prompt.category, "kind": "text", "prompt_ids": [],
                         "answer_ids": list(ids)})
     return records
+
+
+# Prompts whose text is an article or a dialogue after a one-line instruction: the sources of
+# summarization-like requests.
+SUMMARY_SOURCES = ("t0_cnn_dailymail", "t0_multi_news", "t0_samsum", "t0_duorc", "t0_quoref", "t0_wiki_hop")
+SUMMARY_TEMPLATES = ("Summarize: {}", "Summarize the following text in a few sentences.\n\n{}",
+                     "Write a short summary of this:\n{}")
+TRANSLATION_TEMPLATES = (("German", "Translate English to German: {}"), ("French", "Translate English to French: {}"),
+                         ("Spanish", "Translate English to Spanish: {}"))
+BACK_TRANSLATION = "Translate {language} to English: {text}"
+TRANSLATION_PREFIX = "translate:"
+SUMMARY_PREFIX = "summarize:"
+_INSTRUCTION = re.compile(r"^[A-Z][^\n:]{15,100}:\s+")  # "Summarize this dialogue: ", not a speaker's "Amy: "
+_LABEL = re.compile(r"^(?:Article|Dialogue|Text|Passage|Movie plot|Summary|Information)\s*:\s*")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+
+
+def task_prompts(path: str | Path, count: int, exclude: set[str], seed: int = 0, max_words: int = 180) -> list[Prompt]:
+    """Summarization- and translation-like requests built from the text of prompts of the file
+    that are not in `exclude` (the answered ones, so that no held-out answer's text trains):
+    half "summarize" requests over the article or dialogue of a prompt (its instruction line
+    dropped, at most `max_words` words), half requests to translate one of a prompt's sentences
+    out of English. A translation's answer, the target's own German, French or Spanish, becomes
+    a request to translate it back (:func:`back_translations`): the direction summarization and
+    translation benchmarks ask for, on text the target wrote."""
+    if count <= 0:
+        return []
+    rng = random.Random(seed + 2)
+    pool = [p for p in file_prompts(path) if p.id not in exclude]
+    rng.shuffle(pool)
+    summaries, translations = [], []
+    for prompt in pool:
+        if prompt.category in SUMMARY_SOURCES and len(summaries) < count // 2:
+            words = article(prompt.text).split(" ")
+            if len(words) >= 60:
+                body = " ".join(words[:max_words])
+                summaries.append(Prompt(f"{SUMMARY_PREFIX}{prompt.id}", "summarization", rng.choice(SUMMARY_TEMPLATES).format(body)))
+        elif len(translations) < count - count // 2:
+            sentences = [s.strip() for s in _SENTENCE.split(prompt.text.replace("\n", " "))
+                         if 6 <= len(s.split()) <= 40 and s.isascii()]
+            if sentences:
+                language, template = rng.choice(TRANSLATION_TEMPLATES)
+                translations.append(Prompt(f"{TRANSLATION_PREFIX}{language}:{prompt.id}", "translation",
+                                           template.format(rng.choice(sentences))))
+        if len(summaries) + len(translations) >= count:
+            break
+    return summaries + translations
+
+
+def article(text: str) -> str:
+    """A prompt's text without its instruction: leading short lines that end in ':' or '?', an
+    instruction before a colon on the first line, and a label such as "Article:"."""
+    text = text.strip()
+    for _ in range(3):
+        first, _, rest = text.partition("\n")
+        if not rest or len(first.split()) >= 20 or not first.rstrip().endswith((":", "?")):
+            break
+        text = rest.strip()
+    return _LABEL.sub("", _INSTRUCTION.sub("", text, count=1), count=1)
+
+
+def source_id(identifier: str) -> str:
+    """The id of the prompt of the file a request of :func:`task_prompts` (or its back
+    translation) was built from; any other id as it is."""
+    if identifier.startswith(SUMMARY_PREFIX):
+        return identifier[len(SUMMARY_PREFIX):]
+    for prefix in (TRANSLATION_PREFIX, "back" + TRANSLATION_PREFIX):
+        if identifier.startswith(prefix):
+            return identifier[len(prefix):].split(":", 1)[-1]
+    return identifier
+
+
+def back_translations(target: LoadedModel, records: list[dict]) -> list[Prompt]:
+    """For each answered translation request, the request to translate the target's answer back
+    into English (the answer's special tokens and surrounding space dropped; empty ones skipped)."""
+    prompts = []
+    for record in records:
+        if not record["id"].startswith(TRANSLATION_PREFIX):
+            continue
+        language = record["id"][len(TRANSLATION_PREFIX):].split(":", 1)[0]
+        text = target.tokenizer.decode(record["answer_ids"], skip_special_tokens=True).strip()
+        if text:
+            prompts.append(Prompt(f"back{record['id']}", "translation", BACK_TRANSLATION.format(language=language, text=text)))
+    return prompts
 
 
 def split_of(identifier: str, validation_fraction: float) -> str:

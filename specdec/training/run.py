@@ -18,7 +18,8 @@ import torch
 from specdec.drafters import head_class
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
-from specdec.training.corpus import generate_answers, read_answers, select_prompts, text_records
+from specdec.training.corpus import (back_translations, generate_answers, read_answers, select_prompts, source_id,
+                                     task_prompts, text_records)
 from specdec.training.heads import BF16, BUDGET_FIELDS, CHECKPOINT_FILE, Progress, TrainConfig, train_head
 
 ANSWERS_FILE = "answers.jsonl"
@@ -52,6 +53,7 @@ class TrainRun:
     init: Path | None = None
     answers_from: Path | None = None
     text: int = 0
+    tasks: int = 0
     answer_rows: int = 32
     batch_tokens: int = TrainConfig.batch_tokens
     bf16: str = "auto"
@@ -68,6 +70,8 @@ class TrainRun:
             raise ConfigError(f"answers file not found: {self.answers_from}")
         if self.text and self.data is None:
             raise ConfigError("--text takes its text from the prompts of --data: give --data")
+        if self.tasks and self.data is None:
+            raise ConfigError("--tasks builds its requests from the prompts of --data: give --data")
         if self.answer_rows < 1 or self.batch_tokens < 64:
             raise ConfigError("--answer-rows must be at least 1 and --batch-tokens at least 64")
         if self.bf16 not in BF16:
@@ -86,6 +90,17 @@ def resumed_config(out_dir: Path, fresh: TrainConfig) -> TrainConfig:
     return dataclasses.replace(fresh, **keep)
 
 
+def answer(target: LoadedModel, prompts: list, path: Path, label: str, run: TrainRun, out_of_time: Callable[[], bool],
+           progress: ProgressFactory) -> None:
+    """The target's answers to the prompts not yet in `path`, appended to it."""
+    done = {r["id"] for r in read_answers(path)}
+    with progress(label, len(prompts)) as advance:
+        for _ in range(sum(p.id in done for p in prompts)):
+            advance(None)
+        generate_answers(target, prompts, path, max_tokens=run.answer_tokens, rows=run.answer_rows,
+                         should_stop=out_of_time, on_answer=advance)
+
+
 def train_draft(target: LoadedModel, run: TrainRun, *, start: float | None = None, progress: ProgressFactory = _silent,
                 note: Callable[[str], None] = lambda message: None,
                 on_progress: Callable[[Progress], None] = lambda p: None) -> tuple[TrainConfig, dict[str, Any]]:
@@ -98,20 +113,21 @@ def train_draft(target: LoadedModel, run: TrainRun, *, start: float | None = Non
         answers_path = run.answers_from
     else:
         prompts = select_prompts(run.data, run.answers, run.code_prompts, run.seed)
-        done = len(read_answers(answers_path))
+        if run.tasks:
+            prompts += task_prompts(run.data, run.tasks, {p.id for p in prompts}, run.seed)
         answer_time = run.answer_time
         if answer_time is None:
             answer_time = run.max_time / 2 if run.max_time is not None else float("inf")
-        with progress("answering", len(prompts)) as advance:
-            for _ in range(done):
-                advance(None)
-            generate_answers(target, prompts, answers_path, max_tokens=run.answer_tokens,
-                             rows=run.answer_rows, should_stop=lambda: time.monotonic() - start >= answer_time,
-                             on_answer=advance)
+        out_of_time = lambda: time.monotonic() - start >= answer_time  # noqa: E731
+        answer(target, prompts, answers_path, "answering", run, out_of_time, progress)
+        if run.tasks and not out_of_time():  # the target's translations, translated back into English
+            answer(target, back_translations(target, read_answers(answers_path)), answers_path, "translating back", run,
+                   out_of_time, progress)
     records = read_answers(answers_path)
     note(f"{len(records)} answers ({sum(len(r['answer_ids']) for r in records)} answer tokens) in {answers_path}")
     if run.text:
-        fixed = text_records(target, run.data, run.text, {r["id"] for r in records}, run.seed)
+        answered = {r["id"] for r in records} | {source_id(r["id"]) for r in records}
+        fixed = text_records(target, run.data, run.text, answered, run.seed)
         records += fixed
         note(f"{len(fixed)} fixed texts ({sum(len(r['answer_ids']) for r in fixed)} tokens) from {run.data}")
     remaining = None if run.max_time is None else max(0.0, run.max_time - (time.monotonic() - start))

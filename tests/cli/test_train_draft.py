@@ -87,3 +87,22 @@ def test_fixed_text_of_prompts_not_answered(run_cli_tiny: CliRun, tiny_model_dir
 def test_fixed_text_needs_data(run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
     code, _, stderr = _train(run_cli_tiny, tiny_model_dir, tmp_path / "out", "--text", "3", "--max-tokens", "10")
     assert code == 2 and "give --data" in stderr, stderr
+
+
+def test_task_requests_are_answered_then_translated_back(run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
+    article = " ".join(["the model"] * 35)  # 70 words, few tokens: a prompt under the answering limit
+    records = [{"id": "news", "category": "t0_cnn_dailymail", "turns": [f"Summarise the article:\n\n{article}"]},
+               {"id": "fact", "category": "t0_sciq", "turns": ["Plants use light from the sun to grow and live."]}]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "head"
+    code, _, stderr = run_cli_tiny("train-draft", "--model", str(tiny_model_dir), "--backend", "native", "--answers", "0",
+                                   "--code-prompts", "0", "--answer-tokens", "6", "--draft-vocab", "256", "--data",
+                                   str(data), "--tasks", "2", "--max-tokens", "60", "--out", str(out))
+    assert code == 0, stderr
+    answers = {r["id"]: r for r in map(json.loads, (out / "answers.jsonl").read_text().splitlines())}
+    (translated,) = [i for i in answers if i.startswith("translate:")]
+    assert sorted(answers) == sorted(["summarize:news", translated, f"back{translated}"])
+    assert all(r["category"] in ("summarization", "translation") and r["answer_ids"] for r in answers.values())
+    code, _, stderr = _train(run_cli_tiny, tiny_model_dir, tmp_path / "out", "--tasks", "3", "--max-tokens", "10")
+    assert code == 2 and "give --data" in stderr, stderr
