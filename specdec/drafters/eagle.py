@@ -331,7 +331,7 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     expand = lambda t: t.repeat_interleave(repeat, dim=-3)  # noqa: E731  [..., heads, n, head_dim]
     scale = head_dim ** -0.5
     scores = [(q @ expand(keys[0]).transpose(-1, -2)) * scale]  # [..., heads, n, n]
-    visible = torch.ones(n, n, dtype=torch.bool).tril(-j)
+    visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-j)
     scores[0] = scores[0].masked_fill(~visible, float("-inf"))
     shifted_values = []
     for i in range(1, j + 1):
@@ -360,7 +360,7 @@ def ttt_states(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, de
     Returns each depth's output states [..., n, hidden]; at depth j positions < j have no meaning.
     """
     n = features.shape[-2]
-    positions = torch.arange(n)
+    positions = torch.arange(n, device=features.device)
     x = head.fc(features)  # [..., n, hidden]
     keys, values, states = [], [], []
     for _ in range(depth):

@@ -48,8 +48,10 @@ from specdec.training.corpus import split_of
 CHECKPOINT_FILE = "checkpoint.pt"
 REPORT_FILE = "report.json"
 DEPTH_WEIGHT = 0.8
-# A resumed run may change its budget (to train longer); every other setting must be the same.
+# A resumed run may change its budget (to train longer) and the machine it runs on; every other
+# setting must be the same.
 BUDGET_FIELDS = ("max_tokens", "max_time", "checkpoint_every_s")
+MACHINE_FIELDS = ("device", "bf16")
 
 
 LOSS_ON = ("answers", "all")
@@ -75,7 +77,8 @@ class TrainConfig:
     max_validation_sequences: int = 64
     loss_on: str = "answers"  # "answers": positions predicting answer tokens; "all": every position
     view_top: int = 64  # the target's most likely draft tokens kept per position
-    bf16: str = "auto"  # the step in bfloat16 autocast: "auto" (where the CPU multiplies bfloat16), "on", "off"
+    bf16: str = "auto"  # the step in bfloat16 autocast: "auto" (a GPU, or a CPU that multiplies bfloat16), "on", "off"
+    device: str = "cpu"  # where the head trains ("cuda": a GPU); the target runs where it was loaded
 
 
 def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
@@ -196,7 +199,7 @@ class TargetView:
                  store: ViewStore | None = None) -> None:
         self.runner = ModelRunner(target)
         self.layers = layers
-        self.draft_ids = draft_ids
+        self.draft_ids = draft_ids.cpu()
         self.top = min(top, len(draft_ids))
         self.store = store
 
@@ -205,7 +208,7 @@ class TargetView:
         """What a store of these views must agree on."""
         return {"target": target.name, "weight_format": target.backend.weight_format, "layers": list(layers),
                 "feature_size": len(layers) * target.backend.hidden_size, "draft_vocab_size": len(draft_ids),
-                "draft_vocab": hashlib.sha1(draft_ids.numpy().astype(np.int64).tobytes()).hexdigest()[:16],
+                "draft_vocab": hashlib.sha1(draft_ids.cpu().numpy().astype(np.int64).tobytes()).hexdigest()[:16],
                 "top": min(top, len(draft_ids))}
 
     def __call__(self, ids: list[int]) -> TargetSample:
@@ -216,9 +219,10 @@ class TargetView:
             out = self.runner.forward(self.runner.new_cache(len(ids)), ids, hidden_layers=self.layers)
             features = torch.cat([out.layer_states[i] for i in self.layers], dim=-1)[:-1]  # positions 0 .. len - 2
             logits = out.logits[1:].float()  # positions 1 .. len - 1: the distribution of the token after next
-            probs = torch.softmax(logits, dim=-1)[:, self.draft_ids]
+            probs = torch.softmax(logits, dim=-1)[:, self.draft_ids.to(logits.device)]
             values, index = probs.topk(self.top, dim=-1)
-            sample = TargetSample(features.to(torch.bfloat16), index, values.to(torch.bfloat16), logits.argmax(-1))
+            sample = TargetSample(features.to(torch.bfloat16).cpu(), index.cpu(), values.to(torch.bfloat16).cpu(),
+                                  logits.argmax(-1).cpu())
         if self.store is not None:
             self.store.put(key, sample)
         return sample
@@ -250,8 +254,10 @@ def batch_losses(head: nn.Module, samples: list[TargetSample], sequences: list[l
         n = len(ids) - 1
         features[b, :n], tokens[b, :n] = sample.features, torch.tensor(ids[1:])
         index[b, :n], values[b, :n], top[b, :n] = sample.index, sample.values, sample.top
-    begin = torch.tensor(starts)
-    t = torch.arange(width)[None]
+    device = head.draft_ids.device
+    features, tokens, index, values, top = (x.to(device) for x in (features, tokens, index, values, top))
+    lengths, begin = lengths.to(device), torch.tensor(starts, device=device)
+    t = torch.arange(width, device=device)[None]
     results = []
     for states, shift, first, score in head.draft_states(features, tokens, depth):
         rows, cols = ((t >= begin.clamp(min=first)[:, None]) & (t < (lengths - shift)[:, None])).nonzero(as_tuple=True)
@@ -264,6 +270,19 @@ def batch_losses(head: nn.Module, samples: list[TargetSample], sequences: list[l
         correct = (head.draft_ids[logits.argmax(-1)] == top[rows, cols + shift]).sum()
         results.append((loss, int(correct), len(rows)))
     return results
+
+
+def training_device(name: str) -> torch.device:
+    """The device a head trains on; ConfigError for one this machine does not have."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name}: train on cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA GPU here (torch.cuda.is_available() is False); train on cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: train on cpu or cuda")
+    return device
 
 
 def bf16_matmuls() -> bool:
@@ -347,6 +366,7 @@ def train_head(
         raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {config.loss_on!r}")
     if config.bf16 not in BF16:
         raise ConfigError(f"bf16 must be one of {', '.join(BF16)}, got {config.bf16!r}")
+    device = training_device(config.device)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / CHECKPOINT_FILE
     # Fixed-text records only train: the held-out split measures what drafting faces, answers.
@@ -360,9 +380,10 @@ def train_head(
 
     progress = Progress()
     if resume and checkpoint_path.is_file():
-        saved = torch.load(checkpoint_path, weights_only=False)
+        saved = torch.load(checkpoint_path, weights_only=False, map_location="cpu")
         ours = asdict(config)
-        differ = {k: v for k, v in saved["config"].items() if k not in BUDGET_FIELDS and ours.get(k) != v}
+        differ = {k: v for k, v in saved["config"].items()
+                  if k not in BUDGET_FIELDS + MACHINE_FIELDS and ours.get(k) != v}
         if differ:
             raise ConfigError(f"{checkpoint_path} was written with other settings: {differ}")
         d2t_ids = saved["d2t_ids"]
@@ -386,14 +407,15 @@ def train_head(
                                              target.backend.vocab_size)
         head = new_head(target, d2t_ids, config)
         saved = None
-    head.train()
+    head.to(device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     if saved is not None:
         optimizer.load_state_dict(saved["optimizer"])
     layers = head.view_layers(target)
     store = ViewStore(out / VIEWS_DIR, TargetView.meta(target, layers, head.draft_ids, config.view_top))
     view = TargetView(target, layers, head.draft_ids, config.view_top, store)
-    autocast = config.bf16 == "on" or (config.bf16 == "auto" and bf16_matmuls())
+    autocast = config.bf16 == "on" or (config.bf16 == "auto" and (
+        torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and bf16_matmuls()))
 
     def checkpoint() -> None:
         state = {"config": asdict(config), "d2t_ids": d2t_ids, "coverage": coverage, "head": head.state_dict(),
@@ -444,7 +466,7 @@ def train_head(
         starts = [min(answer_start(train_ids[i]) if config.loss_on == "answers" else 0, len(sequences[i]) - 2)
                   for i in chosen]
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             results = batch_losses(head, [view(s) for s in ids], ids, starts, config.ttt_steps)
             loss = sum(w * r[0] for w, r in zip(weights, results))
         loss.backward()
@@ -480,7 +502,7 @@ def train_head(
         "seconds": round(progress.elapsed_s), "arch": config.arch, "ttt_steps": config.ttt_steps,
         "draft_vocab_coverage": round(coverage, 4), "seed": config.seed, "validation_agreement": agreement,
     })
-    head.save(out)
+    head.cpu().save(out)
     report = {"target": target.name, "weight_format": target.backend.weight_format, **head.config.training,
               "validation_sequences": len(validation), "head_bytes": (out / "model.safetensors").stat().st_size,
               "bf16": autocast, "view_tokens_per_s": round(progress.view_tokens / progress.view_s) if progress.view_s else None,
@@ -513,7 +535,7 @@ def evaluate(head: nn.Module, view: TargetView, sequences: list[tuple[list[int],
     usable = [(ids, min(start, len(ids) - 2)) for ids, start in sequences if len(ids) >= positions + 2]
     for begin in range(0, len(usable), batch):
         part = usable[begin : begin + batch]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(head.draft_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
             results = batch_losses(head, [view(ids) for ids, _ in part], [ids for ids, _ in part],
                                    [start for _, start in part], depth)
         for j, (_, c, n) in enumerate(results):

@@ -20,7 +20,8 @@ from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.training.corpus import (back_translations, generate_answers, read_answers, select_prompts, source_id,
                                      task_prompts, text_records)
-from specdec.training.heads import BF16, BUDGET_FIELDS, CHECKPOINT_FILE, Progress, TrainConfig, train_head
+from specdec.training.heads import (BF16, BUDGET_FIELDS, CHECKPOINT_FILE, MACHINE_FIELDS, Progress, TrainConfig, train_head,
+                                    training_device)
 
 ANSWERS_FILE = "answers.jsonl"
 
@@ -57,6 +58,7 @@ class TrainRun:
     answer_rows: int = 32
     batch_tokens: int = TrainConfig.batch_tokens
     bf16: str = "auto"
+    device: str = "cpu"
     resume: bool = False
 
     def check(self) -> None:
@@ -76,16 +78,17 @@ class TrainRun:
             raise ConfigError("--answer-rows must be at least 1 and --batch-tokens at least 64")
         if self.bf16 not in BF16:
             raise ConfigError(f"--bf16 must be one of {', '.join(BF16)}, got {self.bf16!r}")
+        training_device(self.device)  # one this machine has
 
 
 def resumed_config(out_dir: Path, fresh: TrainConfig) -> TrainConfig:
     """The settings of the run a --resume continues; its budget too, unless this run gives one
-    (a larger --max-time or --max-tokens trains longer)."""
+    (a larger --max-time or --max-tokens trains longer); this run's device and bfloat16 choice."""
     path = out_dir / CHECKPOINT_FILE
     if not path.is_file():
         return fresh
     saved = torch.load(path, weights_only=False)["config"]
-    keep = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__
+    keep = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__ and k not in MACHINE_FIELDS
             and (k not in BUDGET_FIELDS or getattr(fresh, k) is None)}
     return dataclasses.replace(fresh, **keep)
 
@@ -135,7 +138,7 @@ def train_draft(target: LoadedModel, run: TrainRun, *, start: float | None = Non
         remaining = run.max_time  # training had started: --max-time is its whole budget, earlier runs included
     config = TrainConfig(arch=run.arch, medusa_heads=run.medusa_heads, draft_vocab_size=run.draft_vocab,
                          ttt_steps=run.ttt_steps, max_tokens=run.max_tokens, seed=run.seed, max_time=remaining,
-                         batch_tokens=run.batch_tokens, bf16=run.bf16)
+                         batch_tokens=run.batch_tokens, bf16=run.bf16, device=run.device)
     if run.resume:  # a resumed run keeps the first run's settings, its training budget included
         config = resumed_config(run.out_dir, config)
     result = train_head(target, records, run.out_dir, config, resume=run.resume, init=run.init, on_progress=on_progress)

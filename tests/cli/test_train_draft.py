@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import CliRun
 
@@ -54,6 +55,14 @@ def test_train_then_draft_with_the_head(run_cli_tiny: CliRun, tiny_model_dir: Pa
 def test_refusals(run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path, args: list[str], message: str) -> None:
     code, _, stderr = _train(run_cli_tiny, tiny_model_dir, tmp_path / "out", *args)
     assert code == 2 and message in stderr, stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU to train on")
+def test_a_missing_gpu_is_refused_before_the_target_loads(run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
+    code, _, stderr = _train(run_cli_tiny, tiny_model_dir, tmp_path / "out", "--max-tokens", "10", "--device", "cuda")
+    assert code == 2 and "no CUDA GPU here" in stderr, stderr
+    code, _, stderr = _train(run_cli_tiny, tiny_model_dir, tmp_path / "out", "--max-tokens", "10", "--device", "tpu")
+    assert code == 2 and "train on cpu or cuda" in stderr, stderr
 
 
 def test_fixed_text_of_prompts_not_answered(run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -163,8 +163,9 @@ def test_resume_refuses_other_settings_but_takes_a_larger_budget(tiny_native: Lo
     first = train_head(tiny_native, records, tmp_path, config)
     with pytest.raises(ConfigError, match="other settings"):
         train_head(tiny_native, records, tmp_path, dataclasses.replace(config, lr=0.5), resume=True)
-    longer = train_head(tiny_native, records, tmp_path, dataclasses.replace(config, max_tokens=90), resume=True)
-    assert longer["steps"] > first["steps"] and first["tokens"] < 90 <= longer["tokens"]
+    # Another machine: bfloat16 autocast there (or not) is its own choice, as is the device.
+    longer = train_head(tiny_native, records, tmp_path, dataclasses.replace(config, max_tokens=90, bf16="on"), resume=True)
+    assert longer["steps"] > first["steps"] and first["tokens"] < 90 <= longer["tokens"] and longer["bf16"]
 
 
 def test_training_learns(self_distilled, tmp_path) -> None:
