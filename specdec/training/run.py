@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -116,8 +117,9 @@ def train_draft(target: LoadedModel, run: TrainRun, *, start: float | None = Non
         answers_path = run.answers_from
     else:
         prompts = select_prompts(run.data, run.answers, run.code_prompts, run.seed)
-        if run.tasks:
+        if run.tasks:  # mixed in, so that a run cut short by --answer-time has some of each
             prompts += task_prompts(run.data, run.tasks, {p.id for p in prompts}, run.seed)
+            random.Random(run.seed + 3).shuffle(prompts)
         answer_time = run.answer_time
         if answer_time is None:
             answer_time = run.max_time / 2 if run.max_time is not None else float("inf")
