@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,9 +118,12 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
-def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None, adaptive: bool = True) -> list[Candidate]:
+def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None, adaptive: bool = True,
+                     trees: bool = True) -> list[Candidate]:
     """Every method at every k (its default grid unless `ks`, or its own num_speculative_tokens),
-    and adaptively at its largest k. Raises ConfigError for an invalid method."""
+    adaptively at its largest k, and, for a method that drafts trees and is given neither a k
+    nor a tree, each of its registered trees (`tune_trees`) unless `trees` is off. Raises
+    ConfigError for an invalid method."""
     if not methods:
         raise ConfigError("give at least one method to tune")
     candidates = []
@@ -128,22 +132,35 @@ def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None,
             raise ConfigError(f"a method needs a 'method' name: {json.dumps(method)}")
         if "adaptive" in method:
             raise ConfigError("'adaptive' is not set per method: tune measures each method adaptively too (--no-adaptive turns that off)")
+        registered = drafters.method(method["method"])
         base = {key: value for key, value in method.items() if key != "num_speculative_tokens"}
         if "num_speculative_tokens" in method:
             grid = [method["num_speculative_tokens"]]
         else:
-            grid = list(ks) if ks else list(drafters.method(method["method"]).tune_ks)
+            grid = list(ks) if ks else list(registered.tune_ks)
         configs = [SpeculativeConfig.from_dict({**base, "num_speculative_tokens": k}) for k in grid]
         if adaptive:
             configs.append(SpeculativeConfig.from_dict({**base, "num_speculative_tokens": max(grid), "adaptive": True}))
-        # Names as every specdec table gives them ("draft_model self int8 k=4 adaptive"); the
-        # drafter is the name without k.
-        candidates += [Candidate(c.label, c.label.rsplit(" k=", 1)[0], c) for c in configs]
+        if trees and "num_speculative_tokens" not in method and "tree_width" not in method:
+            configs += [SpeculativeConfig.from_dict({**base, "num_speculative_tokens": k, "tree_width": width,
+                                                     "tree_nodes": nodes}) for k, width, nodes in registered.tune_trees]
+        # Names as every specdec table gives them ("draft_model self int8 k=4 adaptive", "eagle
+        # k=3 tree 2x6"); the drafter is the name without k (a tree's shape kept).
+        candidates += [Candidate(c.label, drafter_label(c.label), c) for c in configs]
     names = [c.name for c in candidates]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ConfigError(f"a method is given twice: {', '.join(repeated)}")
     return candidates
+
+
+def drafter_label(label: str) -> str:
+    """A candidate's name without its k: "eagle k=3 tree 2x6" -> "eagle tree 2x6"."""
+    head, _, tail = label.rpartition(" k=")
+    if not head:
+        return label
+    tree = re.search(r" (tree \d+x\d+)", tail)
+    return f"{head} {tree.group(1)}" if tree else head
 
 
 def pin_candidates(candidates: list[Candidate], target: LoadedModel) -> list[Candidate]:

@@ -358,6 +358,7 @@ def tune(
     methods: Annotated[Optional[list[str]], typer.Option("--methods", help="A drafter to tune (repeatable): a method name, or a JSON speculative config without k (default: ngram, suffix, lookahead, layer_skip, and, for a float32 or bfloat16 target, the int8 self-draft {\"method\": \"draft_model\", \"model\": \"target\", \"quantization\": \"int8\"}; with a head shipped for the target, eagle, hybrid and medusa).")] = None,
     ks: Annotated[Optional[str], typer.Option("--k", help="k values for every method, comma-separated (default: 1,2,3,4,6 for ngram; 4,6,8 for suffix; 2,3 for lookahead; 2..6 for eagle and hybrid; 1,2,3 for medusa; 1,2,3,4 for the others).")] = None,
     adaptive: Annotated[bool, typer.Option("--adaptive/--no-adaptive", help="Also measure each method with adaptive k, at its largest k.")] = True,
+    trees: Annotated[bool, typer.Option("--trees/--no-trees", help="Also measure the token trees of the drafters that draft them (eagle, hybrid, medusa; a method given with its own k or tree is measured as given).")] = True,
     per_category: Annotated[Optional[int], typer.Option("--per-category", help="The first N prompts of each category.")] = None,
     category: Annotated[Optional[list[str]], typer.Option("--category", help="Only these categories (repeatable).")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per turn.")] = 128,
@@ -376,13 +377,13 @@ def tune(
 
     # Every argument is checked before the model loads (a first load converts it: seconds a typo should not cost).
     k_grid = t.parse_ks(ks) if ks is not None else None
-    candidates = t.build_candidates([t.parse_method(m) for m in methods], k_grid, adaptive) if methods else None
+    candidates = t.build_candidates([t.parse_method(m) for m in methods], k_grid, adaptive, trees) if methods else None
     records = select(load_records(data), per_category, category)
     params = SamplingParams(max_tokens=max_tokens)
     with err.status(f"loading {model or 'the default model'}..."):
         target = load_model(model, device=device, backend=backend, dtype=dtype)
     if candidates is None:
-        candidates = t.build_candidates(t.default_methods(target), k_grid, adaptive)
+        candidates = t.build_candidates(t.default_methods(target), k_grid, adaptive, trees)
     candidates = t.pin_candidates(candidates, target)
     turns = sum(len(r.turns) for r in records)
     err.print(f"{len(records)} prompts ({turns} turns) x {len(candidates) + 1} systems (plain decoding and "

@@ -36,7 +36,8 @@ from torch import nn
 
 from specdec.drafters import head_files
 from specdec.drafters.base import Drafter, Proposal, best_subtree
-from specdec.drafters.head_parts import TREE_SLOTS, PackedHead, TreeOptions, rms_norm, rope, rope_inv_freq, rotate
+from specdec.drafters.head_parts import (TREE_SLOTS, TUNE_TREES, PackedHead, TreeOptions, rms_norm, rope, rope_inv_freq,
+                                         rotate)
 from specdec.drafters.registry import register, register_head
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
@@ -557,6 +558,6 @@ def load_head(config: SpeculativeConfig, target: LoadedModel) -> EagleHead:
 
 
 @register("eagle", options=TreeOptions, default_k=1, takes_model=True, summary="a head trained on the target's states",
-          tune_ks=(2, 3, 4, 5, 6), head="eagle")
+          tune_ks=(2, 3, 4, 5, 6), head="eagle", tune_trees=TUNE_TREES)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> EagleDrafter:
     return EagleDrafter(load_head(config, target), tree_width=config.tree_width, tree_nodes=config.tree_nodes)

@@ -59,6 +59,11 @@ class PackedHead:
         return sum(m.nbytes for m in (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm))
 
 
+# The trees `tune` measures for a head's drafter, (k, tree_width, tree_nodes): small ones, where a
+# CPU's verification pass grows with every token it checks, to a few wider ones.
+TUNE_TREES = ((2, 2, 3), (3, 2, 4), (3, 2, 6), (4, 3, 8))
+
+
 @dataclass(frozen=True)
 class TreeOptions(Options):
     """tree_width, tree_nodes: draft a token tree instead of a chain: the head's top `tree_width`

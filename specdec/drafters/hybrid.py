@@ -19,7 +19,7 @@ import torch
 
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.eagle import EagleDrafter, load_head
-from specdec.drafters.head_parts import TreeOptions
+from specdec.drafters.head_parts import TUNE_TREES, TreeOptions
 from specdec.drafters.ngram import NgramDrafter, NgramOptions
 from specdec.drafters.registry import register, require_int
 from specdec.models.loader import LoadedModel
@@ -81,7 +81,7 @@ class HybridOptions(TreeOptions, NgramOptions):
 
 
 @register("hybrid", options=HybridOptions, default_k=4, takes_model=True, summary="prompt lookup, else the EAGLE head",
-          tune_ks=(2, 3, 4, 5, 6), head="eagle")
+          tune_ks=(2, 3, 4, 5, 6), head="eagle", tune_trees=TUNE_TREES)
 def _build(config: SpeculativeConfig, target: LoadedModel) -> HybridDrafter:
     return HybridDrafter(EagleDrafter(load_head(config, target), tree_width=config.tree_width,
                                       tree_nodes=config.tree_nodes),

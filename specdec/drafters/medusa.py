@@ -295,7 +295,8 @@ def load_heads(config: SpeculativeConfig, target: LoadedModel) -> MedusaHeads:
 
 
 @register("medusa", options=TreeOptions, default_k=3, takes_model=True,
-          summary="heads on the target's last state, one per position", tune_ks=(1, 2, 3), head="medusa")
+          summary="heads on the target's last state, one per position", tune_ks=(1, 2, 3), head="medusa",
+          tune_trees=((2, 2, 4), (3, 2, 6), (3, 3, 8)))
 def _build(config: SpeculativeConfig, target: LoadedModel) -> MedusaDrafter:
     return MedusaDrafter(load_heads(config, target), target.num_layers, tree_width=config.tree_width,
                          tree_nodes=config.tree_nodes)

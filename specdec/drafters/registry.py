@@ -72,9 +72,10 @@ DEFAULT_TUNE_KS = (1, 2, 3, 4)
 @dataclass(frozen=True)
 class Method:
     """A registered drafter. `takes_model`: the config's `model` names what drafts (a label shows
-    it); `tune_ks`: the k `tune` measures; `tuned`: the config (beyond the method) `tune` measures
-    when no methods are named, or None to measure it only when named; `head`: the family of
-    trained head the method needs (`tune` includes it when such a head ships for the target)."""
+    it); `tune_ks`: the k `tune` measures; `tune_trees`: the token trees `tune` measures beside
+    them, (k, tree_width, tree_nodes) each; `tuned`: the config (beyond the method) `tune`
+    measures when no methods are named, or None to measure it only when named; `head`: the family
+    of trained head the method needs (`tune` includes it when such a head ships for the target)."""
 
     name: str
     build: DrafterFactory
@@ -85,6 +86,7 @@ class Method:
     tune_ks: tuple[int, ...] = DEFAULT_TUNE_KS
     tuned: dict[str, Any] | None = None
     head: str | None = None
+    tune_trees: tuple[tuple[int, int, int], ...] = ()
 
     def keys(self) -> list[str]:
         return [f.name for f in fields(self.options)]
@@ -107,14 +109,16 @@ _REGISTRY: dict[str, Method] = {}
 
 def register(name: str, *, options: type[Options] = Options, default_k: int = 4, summary: str = "",
              takes_model: bool = False, tune_ks: tuple[int, ...] = DEFAULT_TUNE_KS, tuned: dict[str, Any] | None = None,
-             head: str | None = None) -> Callable[[DrafterFactory], DrafterFactory]:
+             head: str | None = None, tune_trees: tuple[tuple[int, int, int], ...] = ()
+             ) -> Callable[[DrafterFactory], DrafterFactory]:
     """Register a drafter factory under a method name, with what the rest of specdec reads of it
     (see :class:`Method`)."""
 
     def wrap(factory: DrafterFactory) -> DrafterFactory:
         if name in _REGISTRY:
             raise ValueError(f"drafter {name!r} is already registered")
-        _REGISTRY[name] = Method(name, factory, options, default_k, summary, takes_model, tuple(tune_ks), tuned, head)
+        _REGISTRY[name] = Method(name, factory, options, default_k, summary, takes_model, tuple(tune_ks), tuned, head,
+                                 tuple(tune_trees))
         return factory
 
     return wrap

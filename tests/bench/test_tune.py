@@ -55,6 +55,23 @@ def test_k_list_and_a_methods_own_k() -> None:
     assert [(c.config.prompt_lookup_max, c.k) for c in candidates] == [(6, 1), (6, 3), (3, 5)]
 
 
+def test_head_drafters_are_measured_with_their_trees_too() -> None:
+    from specdec.drafters.head_parts import TUNE_TREES
+
+    candidates = tune.build_candidates([{"method": "eagle", "model": "h"}, {"method": "medusa", "model": "h"}], [3],
+                                       adaptive=False)
+    trees = [(c.drafter, c.k, c.config.tree_width, c.config.tree_nodes) for c in candidates if c.config.tree_width > 1]
+    assert trees[: len(TUNE_TREES)] == [(f"eagle h tree {w}x{n}", k, w, n) for k, w, n in TUNE_TREES]
+    assert {d for d, *_ in trees[len(TUNE_TREES):]} == {"medusa h tree 2x4", "medusa h tree 2x6", "medusa h tree 3x8"}
+    assert [(c.drafter, c.k) for c in candidates if c.config.tree_width == 1] == [("eagle h", 3), ("medusa h", 3)]
+    # A method given its own tree or k is measured as given; --no-trees measures chains only.
+    given = tune.build_candidates([{"method": "eagle", "model": "h", "tree_width": 2}], [3], adaptive=False)
+    assert [(c.name, c.drafter) for c in given] == [("eagle h k=3 tree 2x8", "eagle h tree 2x8")]
+    assert all(c.config.tree_width == 1 for c in tune.build_candidates([{"method": "eagle", "model": "h"}], [3],
+                                                                        adaptive=False, trees=False))
+    assert tune.drafter_label("hybrid k=3 tree 2x6 adaptive") == "hybrid tree 2x6" and tune.drafter_label("ngram k=4") == "ngram"
+
+
 @pytest.mark.parametrize(
     ("methods", "ks", "message"),
     [
