@@ -637,6 +637,7 @@ def train_draft(
     answer_rows: Annotated[int, typer.Option("--answer-rows", help="Prompts answered at once (rows of the batched engine).")] = 32,
     batch_tokens: Annotated[int, typer.Option("--batch-tokens", help="Tokens per training step (padding included; at most 16 sequences).")] = 4096,
     bf16: Annotated[str, typer.Option("--bf16", help="The head's step in bfloat16 autocast: auto (where the CPU multiplies bfloat16 natively), on, off.")] = "auto",
+    checkpoint_every: Annotated[float, typer.Option("--checkpoint-every", help="Seconds between checkpoints (each adds a line to OUT/log.jsonl).")] = 120.0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in --out (same settings; the device may change).")] = False,
     device: Annotated[str, typer.Option("--device", help="cpu, or cuda where a GPU exists: the target (on the hf backend there) and the head's training.")] = "cpu",
     backend: BackendOpt = "auto",
@@ -654,7 +655,7 @@ def train_draft(
                    answer_tokens=answer_tokens, answer_time=answer_time, max_time=max_time, max_tokens=max_tokens,
                    draft_vocab=draft_vocab, ttt_steps=ttt_steps, medusa_heads=medusa_heads, seed=seed, init=init,
                    answers_from=answers_from, text=text, tasks=tasks, answer_rows=answer_rows, batch_tokens=batch_tokens,
-                   bf16=bf16, device=device, resume=resume)
+                   bf16=bf16, device=device, checkpoint_every=checkpoint_every, resume=resume)
     run.check()  # before the target loads
     start = time.monotonic()
     with err.status(f"loading {model or 'the default model'}..."):

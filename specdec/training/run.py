@@ -60,6 +60,7 @@ class TrainRun:
     batch_tokens: int = TrainConfig.batch_tokens
     bf16: str = "auto"
     device: str = "cpu"
+    checkpoint_every: float = TrainConfig.checkpoint_every_s
     resume: bool = False
 
     def check(self) -> None:
@@ -75,8 +76,8 @@ class TrainRun:
             raise ConfigError("--text takes its text from the prompts of --data: give --data")
         if self.tasks and self.data is None:
             raise ConfigError("--tasks builds its requests from the prompts of --data: give --data")
-        if self.answer_rows < 1 or self.batch_tokens < 64:
-            raise ConfigError("--answer-rows must be at least 1 and --batch-tokens at least 64")
+        if self.answer_rows < 1 or self.batch_tokens < 64 or self.checkpoint_every < 0:
+            raise ConfigError("--answer-rows must be at least 1, --batch-tokens at least 64 and --checkpoint-every at least 0")
         if self.bf16 not in BF16:
             raise ConfigError(f"--bf16 must be one of {', '.join(BF16)}, got {self.bf16!r}")
         training_device(self.device)  # one this machine has
@@ -140,7 +141,8 @@ def train_draft(target: LoadedModel, run: TrainRun, *, start: float | None = Non
         remaining = run.max_time  # training had started: --max-time is its whole budget, earlier runs included
     config = TrainConfig(arch=run.arch, medusa_heads=run.medusa_heads, draft_vocab_size=run.draft_vocab,
                          ttt_steps=run.ttt_steps, max_tokens=run.max_tokens, seed=run.seed, max_time=remaining,
-                         batch_tokens=run.batch_tokens, bf16=run.bf16, device=run.device)
+                         batch_tokens=run.batch_tokens, bf16=run.bf16, device=run.device,
+                         checkpoint_every_s=run.checkpoint_every)
     if run.resume:  # a resumed run keeps the first run's settings, its training budget included
         config = resumed_config(run.out_dir, config)
     result = train_head(target, records, run.out_dir, config, resume=run.resume, init=run.init, on_progress=on_progress)

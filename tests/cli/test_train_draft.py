@@ -115,3 +115,40 @@ def test_task_requests_are_answered_then_translated_back(run_cli_tiny: CliRun, t
     assert all(r["category"] in ("summarization", "translation") and r["answer_ids"] for r in answers.values())
     code, _, stderr = _train(run_cli_tiny, tiny_model_dir, tmp_path / "out", "--tasks", "3", "--max-tokens", "10")
     assert code == 2 and "give --data" in stderr, stderr
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_result(run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
+    # A real process killed (SIGKILL) mid-training, then --resume: the head, steps and tokens are
+    # exactly an uninterrupted run's. A checkpoint every step, one sequence a step: many steps.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    args = ["train-draft", "--model", str(tiny_model_dir), "--backend", "native", "--answers", "0", "--code-prompts", "6",
+            "--answer-tokens", "12", "--draft-vocab", "256", "--batch-tokens", "64", "--checkpoint-every", "0",
+            "--max-tokens", "4000"]
+    code, _, stderr = run_cli_tiny(*args, "--out", str(tmp_path / "whole"))
+    assert code == 0, stderr
+    split = tmp_path / "split"
+    process = subprocess.Popen([sys.executable, "-m", "specdec.cli.main", *args, "--out", str(split)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})  # this process's threads: the same sums
+    log, deadline = split / "log.jsonl", time.monotonic() + 300
+    while process.poll() is None and time.monotonic() < deadline:
+        if log.is_file() and len(log.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.01)
+    assert process.poll() is None, "the run ended before it could be killed: " + process.stderr.read().decode()[-500:]
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    steps_at_kill = len(log.read_text().splitlines())
+    code, _, stderr = run_cli_tiny(*args, "--out", str(split), "--resume")
+    assert code == 0, stderr
+    whole, resumed = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("whole", "split"))
+    assert whole["steps"] > steps_at_kill and (resumed["steps"], resumed["tokens"]) == (whole["steps"], whole["tokens"])
+    a, b = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(str(split / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
