@@ -19,8 +19,8 @@ import torch
 from specdec.drafters import head_class
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
-from specdec.training.corpus import (back_translations, generate_answers, read_answers, select_prompts, source_id,
-                                     task_prompts, text_records)
+from specdec.training.corpus import (Prompt, back_translations, generate_answers, read_answers, select_prompts,
+                                     source_id, task_prompts, text_records)
 from specdec.training.heads import (BF16, BUDGET_FIELDS, CHECKPOINT_FILE, MACHINE_FIELDS, Progress, TrainConfig, train_head,
                                     training_device)
 
@@ -89,13 +89,13 @@ def resumed_config(out_dir: Path, fresh: TrainConfig) -> TrainConfig:
     path = out_dir / CHECKPOINT_FILE
     if not path.is_file():
         return fresh
-    saved = torch.load(path, weights_only=False)["config"]
+    saved = torch.load(path, weights_only=False, map_location="cpu")["config"]  # written on any device
     keep = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__ and k not in MACHINE_FIELDS
             and (k not in BUDGET_FIELDS or getattr(fresh, k) is None)}
     return dataclasses.replace(fresh, **keep)
 
 
-def answer(target: LoadedModel, prompts: list, path: Path, label: str, run: TrainRun, out_of_time: Callable[[], bool],
+def answer(target: LoadedModel, prompts: list[Prompt], path: Path, label: str, run: TrainRun, out_of_time: Callable[[], bool],
            progress: ProgressFactory) -> None:
     """The target's answers to the prompts not yet in `path`, appended to it."""
     done = {r["id"] for r in read_answers(path)}
