@@ -8,7 +8,7 @@ bit for bit. `attention.cpp` attends a few queries per row over the KV cache in 
 * up (tested against PyTorch within float32 rounding, the rotary bitwise, and all of them bitwise
 across pass shapes: a row's result never depends on the other rows). `forward.cpp` runs the decoder
 layers of a pass in one call of those same kernels, and holds the module's bindings (`ops.h`
-declares what the sources share). The extension is compiled once per machine, torch version and
+declares what the sources share). The extension is compiled once per machine, torch installation and
 version of its sources with the compiler on the machine (about 1.5 minutes on two cores); where it
 cannot be built (no compiler, no AVX2), :func:`load` says why once and the native backend runs
 PyTorch's own int4/int8 kernels instead.
@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+import time
 from pathlib import Path
 from collections.abc import Callable
 from types import ModuleType
@@ -54,9 +55,28 @@ def _sources_digest() -> str:
 
 
 def build_dir() -> Path:
-    """One directory per torch version, machine and version of the sources: checkouts with the
-    same sources share a build, and different ones do not rebuild each other's."""
-    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{platform.machine()}-{_sources_digest()}"
+    """One directory per torch installation, machine and version of the sources: checkouts with
+    the same sources and environment share a build, and different ones do not rebuild each
+    other's (the build's commands name the installation's headers, so two environments in one
+    directory would each rebuild what the other built)."""
+    installation = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
+    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{platform.machine()}-{_sources_digest()}-{installation}"
+
+
+# A build takes minutes; a lock older than this was left by a build that was killed, and would
+# make every later process wait on it forever (torch's lock has no owner to check).
+STALE_LOCK_S = 900.0
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f minutes ago by a kernel build that did not finish", lock, age / 60)
+        lock.unlink(missing_ok=True)
 
 
 def _staged_sources(directory: Path) -> list[str]:
@@ -83,6 +103,7 @@ def _build() -> ModuleType | str:
 
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(directory)
         module = cpp_extension.load(
             name="specdec_kernels", sources=_staged_sources(directory), build_directory=str(directory),
             # Baseline x86-64 code; the AVX2 and AVX-512 functions carry their own target
