@@ -207,20 +207,23 @@ class EagleHead(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope(self.inv_freq, positions)
 
-    def project(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+    def project(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, query: bool = True):
         """features: [..., n, hidden] (fused target states or the head's own output); tokens:
-        [..., n], the token after each position; positions: [n]. Returns q [..., heads, n,
-        head_dim] and k, v [..., kv_heads, n, head_dim], rotated. Leading dims are a batch."""
+        [..., n], the token after each position; positions: [n], or [..., n] per sequence.
+        Returns q [..., heads, n, head_dim] (None without `query`) and k, v [..., kv_heads, n,
+        head_dim], rotated. Leading dims are a batch."""
         c, layer = self.config, self.midlayer
         lead, n = features.shape[:-2], features.shape[-2]
         x = torch.cat([rms_norm(self.embed[tokens], layer.input_layernorm, c.rms_norm_eps),
                        rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [..., n, 2 * hidden]
         attn = layer.self_attn
         split = lambda t, heads: t.view(*lead, n, heads, c.head_dim).transpose(-2, -3)  # noqa: E731
-        q = split(attn["q_proj"](x), c.num_heads)
         k, v = split(attn["k_proj"](x), c.num_kv_heads), split(attn["v_proj"](x), c.num_kv_heads)
         cos, sin = self.rope(positions)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        if positions.dim() > 1:  # [..., n, head_dim] -> [..., 1, n, head_dim], over the heads
+            cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+        q = rotate(split(attn["q_proj"](x), c.num_heads), cos, sin) if query else None
+        return q, rotate(k, cos, sin), v
 
     def finish(self, features: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """features: [..., n, hidden] (the residual stream); attended: [..., heads, n, head_dim].
@@ -282,10 +285,12 @@ class EagleHead(nn.Module):
     def draft_positions(self, depth: int) -> int:
         return depth
 
-    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, depth: int):
-        """Training-time test unrolled `depth` draft steps over a batch ([batch, n, ...]): depth j's
-        output states predict row t (shift 0), meaningful from position j on, scored by `logits`."""
-        return [(states, 0, j, self.logits) for j, states in enumerate(ttt_states(self, features, tokens, depth))]
+    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, begin: torch.Tensor):
+        """Training-time test unrolled `depth` draft steps over a batch ([batch, n, ...]), from the
+        positions `begin` [batch] on: the window offsets, and per depth j its output states, which
+        predict row t (shift 0), meaningful from position j on, scored by `logits`."""
+        offset, states = ttt_states(self, features, tokens, depth, begin)
+        return offset, [(state, 0, j, self.logits) for j, state in enumerate(states)]
 
     # --- files --------------------------------------------------------------------------------
 
@@ -318,22 +323,23 @@ class EagleHead(nn.Module):
 # --- training-time test ---------------------------------------------------------------------
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  visible: torch.Tensor) -> torch.Tensor:
     """Attention at depth j = len(keys) - 1 of training-time test.
 
-    q: [..., heads, n, head_dim]; keys[i], values[i]: [..., kv_heads, n, head_dim], depth i's
-    entries at positions 0 .. n - 1 (leading dims are a batch). Position t attends to depth 0
-    at positions <= t - j and to depth i at position t - j + i for i = 1 .. j. Returns [...,
-    heads, n, head_dim].
+    q: [..., heads, m, head_dim], the queries at m positions; keys[0], values[0]: [..., kv_heads,
+    n, head_dim], depth 0's entries at every position, seen where `visible` [..., 1, m, n] is
+    true (position t sees positions <= t - j); keys[i], values[i] for i >= 1: [..., kv_heads, m,
+    head_dim], depth i's entries at the queries' positions, of which position t reads the one at
+    t - j + i. Leading dims are a batch. Returns [..., heads, m, head_dim].
     """
     j = len(keys) - 1
-    n, head_dim = q.shape[-2:]
+    m, head_dim = q.shape[-2:]
     repeat = q.shape[-3] // keys[0].shape[-3]
-    expand = lambda t: t.repeat_interleave(repeat, dim=-3)  # noqa: E731  [..., heads, n, head_dim]
+    expand = lambda t: t.repeat_interleave(repeat, dim=-3)  # noqa: E731  [..., heads, ·, head_dim]
     scale = head_dim ** -0.5
-    scores = [(q @ expand(keys[0]).transpose(-1, -2)) * scale]  # [..., heads, n, n]
-    visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-j)
-    scores[0] = scores[0].masked_fill(~visible, float("-inf"))
+    scores = [(q @ expand(keys[0]).transpose(-1, -2)).mul(scale).masked_fill(~visible, float("-inf"))]  # [..., heads, m, n]
+    n = scores[0].shape[-1]
     shifted_values = []
     for i in range(1, j + 1):
         shift = j - i
@@ -341,42 +347,60 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
         if shift:
             pad = k_i.new_zeros(*k_i.shape[:-2], shift, head_dim)
             k_i, v_i = torch.cat([pad, k_i[..., :-shift, :]], -2), torch.cat([pad, v_i[..., :-shift, :]], -2)
-        score = (q * k_i).sum(-1, keepdim=True) * scale  # [..., heads, n, 1]
+        score = (q * k_i).sum(-1, keepdim=True) * scale  # [..., heads, m, 1]
         score[..., :shift, :] = float("-inf")
         scores.append(score)
         shifted_values.append(v_i)
-    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(q.dtype)  # [..., heads, n, n + j]
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(q.dtype)  # [..., heads, m, n + j]
     out = weights[..., :n] @ expand(values[0])
     for i, v_i in enumerate(shifted_values):
         out = out + weights[..., n + i : n + i + 1] * v_i
     return out
 
 
-def ttt_states(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+def ttt_states(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int,
+               begin: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The head unrolled `depth` draft steps over whole sequences.
 
-    features: [..., n, len(target_layers) * hidden], the target's states at positions 0 .. n - 1;
-    tokens: [..., n], token t + 1 for each position t (leading dims are a batch of sequences of
-    one length; a shorter one padded at its end is exact, since no position reads a later one).
-    Returns each depth's output states [..., n, hidden]; at depth j positions < j have no meaning.
+    features: [batch, n, len(target_layers) * hidden], the target's states at positions 0 .. n - 1;
+    tokens: [batch, n], token t + 1 for each position t (a shorter sequence padded at its end is
+    exact, since no position reads a later one). begin: [batch], the first position each
+    sequence needs the last depth's states at (default 0).
+
+    Positions before begin - (depth - 1) feed nothing but depth 0's keys and values, so each
+    sequence runs its layer from there on only: a window of m positions from offset[b] = begin[b]
+    - (depth - 1) (at least 0). Returns the offsets and each depth's output states [batch, m,
+    hidden], column c for position offset[b] + c; at depth j a column c < j means nothing (nor
+    does a position < j).
     """
-    n = features.shape[-2]
-    positions = torch.arange(n, device=features.device)
-    x = head.fc(features)  # [..., n, hidden]
-    keys, values, states = [], [], []
-    for _ in range(depth):
-        q, k, v = head.project(x, tokens, positions)
-        keys.append(k)
-        values.append(v)
-        state = head.finish(x, ttt_attention(q, keys, values))  # [..., n, hidden]
+    batch, n = features.shape[:2]
+    device = features.device
+    offset = (begin - (depth - 1)).clamp(min=0) if begin is not None else torch.zeros(batch, dtype=torch.long, device=device)
+    m = int((n - offset).max())
+    columns = torch.arange(m, device=device)
+    where = (offset[:, None] + columns[None]).clamp(max=n - 1)  # [batch, m] positions (past the end: padding)
+    fused = head.fc(features)  # [batch, n, hidden]
+    _, k0, v0 = head.project(fused, tokens, torch.arange(n, device=device), query=False)
+    x = fused.gather(1, where[..., None].expand(-1, -1, fused.shape[-1]))  # [batch, m, hidden]
+    window_tokens = tokens.gather(1, where)
+    keys, values, states = [k0], [v0], []
+    for j in range(depth):
+        q, k, v = head.project(x, window_tokens, where, query=True)
+        if j:
+            keys.append(k)
+            values.append(v)
+        visible = (torch.arange(n, device=device)[None, None] <= (where - j)[..., None])[:, None]  # [batch, 1, m, n]
+        state = head.finish(x, ttt_attention(q, keys, values, visible))  # [batch, m, hidden]
         states.append(state)
-        x = torch.cat([torch.zeros_like(state[..., :1, :]), state[..., :-1, :]], dim=-2)  # t reads depth j's state at t - 1
-    return states
+        x = torch.cat([torch.zeros_like(state[:, :1]), state[:, :-1]], dim=1)  # t reads depth j's state at t - 1
+    return offset, states
 
 
 def ttt_forward(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
-    """Each depth's draft logits [..., n, draft_vocab] of :func:`ttt_states`."""
-    return [head.logits(state) for state in ttt_states(head, features, tokens, depth)]
+    """Each depth's draft logits [n, draft_vocab] of :func:`ttt_states` over one whole sequence
+    (features [n, ·], tokens [n])."""
+    _, states = ttt_states(head, features[None], tokens[None], depth)
+    return [head.logits(state[0]) for state in states]
 
 
 class EagleDrafter(Drafter):

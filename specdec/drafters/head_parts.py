@@ -30,8 +30,8 @@ def rope_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
 
 
 def rope(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [n, head_dim] of the rotary embedding at these positions."""
-    angles = positions.float()[:, None] * inv_freq[None]  # [n, head_dim / 2]
+    """cos, sin [..., n, head_dim] of the rotary embedding at these positions [..., n]."""
+    angles = positions.float()[..., None] * inv_freq  # [..., n, head_dim / 2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 

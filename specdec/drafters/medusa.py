@@ -159,13 +159,14 @@ class MedusaHeads(nn.Module):
     def draft_positions(self, depth: int) -> int:
         return self.config.num_heads
 
-    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, depth: int):
+    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, begin: torch.Tensor):
         """Head i's states at position t predict row t + i (the target's distribution at t + 1 + i),
-        scored by that head's LM head. features: [..., n, hidden]."""
+        scored by that head's LM head. features: [batch, n, hidden]; every position (offsets 0)."""
         c = self.config
         x = features * torch.rsqrt(features.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * self.final_norm
         tied = lambda y: y @ self.lm_head_rows.t()  # noqa: E731
-        return [(head[0](x), i, 0, tied if c.tied_lm_head else head[1]) for i, head in enumerate(self.medusa_head)]
+        offset = torch.zeros(features.shape[0], dtype=torch.long, device=features.device)
+        return offset, [(head[0](x), i, 0, tied if c.tied_lm_head else head[1]) for i, head in enumerate(self.medusa_head)]
 
     def save(self, directory: str | Path) -> None:
         head_files.save(directory, self.config.to_json(), self.state_dict())

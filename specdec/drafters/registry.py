@@ -140,9 +140,11 @@ def register_head(name: str) -> Callable[[type], type]:
     `summary` (one line), `fresh(target, d2t_ids, heads=, seed=)` (a new head), `load(directory,
     target)`, `save(directory)`, `draft_ids`, `view_layers(target)` (the target layers it reads),
     `draft_positions(depth)` (how many draft positions it trains) and `draft_states(features,
-    tokens, depth)` over a batch [batch, n, ...] (per draft position: the states at every
-    position t, the shift s of the target row they predict, t + s, the first position where they
-    mean something, and the function that turns states into draft logits)."""
+    tokens, depth, begin)` over a batch [batch, n, ...] whose positions from begin [batch] on are
+    counted: the offsets [batch] of the states' windows (column c is position offset + c), and
+    per draft position the states, the shift s of the target row position t's state predicts,
+    t + s, the first position where they mean something, and the function that turns states
+    into draft logits."""
 
     def wrap(cls: type) -> type:
         if name in _HEADS:

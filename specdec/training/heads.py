@@ -259,12 +259,13 @@ def batch_losses(head: nn.Module, samples: list[TargetSample], sequences: list[l
     lengths, begin = lengths.to(device), torch.tensor(starts, device=device)
     t = torch.arange(width, device=device)[None]
     results = []
-    for states, shift, first, score in head.draft_states(features, tokens, depth):
+    offset, entries = head.draft_states(features, tokens, depth, begin)
+    for states, shift, first, score in entries:
         rows, cols = ((t >= begin.clamp(min=first)[:, None]) & (t < (lengths - shift)[:, None])).nonzero(as_tuple=True)
         if len(rows) == 0:
             results.append((states.sum() * 0.0, 0, 0))
             continue
-        logits = score(states[rows, cols]).float()  # [counted, draft_vocab]
+        logits = score(states[rows, cols - offset[rows]]).float()  # [counted, draft_vocab]
         p, at = values[rows, cols + shift], index[rows, cols + shift]
         loss = (p.sum(-1) * logits.logsumexp(-1) - (p * logits.gather(1, at)).sum(-1)).mean()
         correct = (head.draft_ids[logits.argmax(-1)] == top[rows, cols + shift]).sum()

@@ -64,6 +64,26 @@ def test_drafting_is_what_training_unrolls(tiny_native: LoadedModel) -> None:
         assert int(head.draft_ids[expected.argmax()]) == proposal.tokens[depth]
 
 
+def test_training_windows_give_the_whole_unroll_at_every_counted_position(tiny_native: LoadedModel) -> None:
+    # Training runs each sequence's layer only from begin - (depth - 1) on (earlier positions give
+    # depth 0's keys and values alone): from begin on, every depth's states must be the whole
+    # unroll's.
+    from specdec.drafters.eagle import ttt_states
+
+    head = random_head(tiny_native, 512, seed=4)
+    torch.manual_seed(1)
+    features = torch.randn(3, 14, len(head.config.target_layers) * head.config.hidden_size)
+    tokens = torch.randint(0, 512, (3, 14))
+    _, whole = ttt_states(head, features, tokens, 3)
+    begin = torch.tensor([9, 3, 1])
+    offset, windowed = ttt_states(head, features, tokens, 3, begin)
+    assert offset.tolist() == [7, 1, 0] and windowed[0].shape[1] == 14
+    for j in range(3):
+        for b in range(3):
+            for t in range(max(int(begin[b]), j), 14):
+                torch.testing.assert_close(windowed[j][b, t - offset[b]], whole[j][b, t], rtol=1e-4, atol=1e-5)
+
+
 def test_features_out_of_step_with_the_context_are_refused(tiny_native: LoadedModel) -> None:
     drafter = EagleDrafter(random_head(tiny_native, 64))
     drafter.begin([1, 2, 3], 16)
