@@ -120,7 +120,9 @@ def test_sigterm_past_the_grace_aborts_every_request_cleanly(wide_model_dir: Pat
         for client in clients:
             client.start()
             time.sleep(0.2)
-        health = httpx.get(f"{url}/health").json()
+        deadline = time.monotonic() + 20  # a loaded machine may take a while to take the requests in
+        while (health := httpx.get(f"{url}/health").json())["waiting"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert health["running"] == 1 and health["waiting"] == 2, health
         process.send_signal(signal.SIGTERM)
         for client in clients:
