@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import CliRun
+from tests.server.test_cli_serve import cli_env
 
 
 def _train(run_cli_tiny: CliRun, model_dir: Path, out: Path, *extra: str) -> tuple[int, str, str]:
@@ -120,7 +121,6 @@ def test_task_requests_are_answered_then_translated_back(run_cli_tiny: CliRun, t
 def test_a_killed_run_resumes_to_the_uninterrupted_result(run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
     # A real process killed (SIGKILL) mid-training, then --resume: the head, steps and tokens are
     # exactly an uninterrupted run's. A checkpoint every step, one sequence a step: many steps.
-    import os
     import signal
     import subprocess
     import sys
@@ -136,7 +136,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(run_cli_tiny: CliRun, 
     split = tmp_path / "split"
     process = subprocess.Popen([sys.executable, "-m", "specdec.cli.main", *args, "--out", str(split)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})  # this process's threads: the same sums
+                               env=cli_env(OMP_NUM_THREADS=str(torch.get_num_threads())))  # this process's threads: the same sums
     log, deadline = split / "log.jsonl", time.monotonic() + 300
     while process.poll() is None and time.monotonic() < deadline:
         if log.is_file() and len(log.read_text().splitlines()) >= 3:
