@@ -315,9 +315,10 @@ def random_mtp_dir(default_model: LoadedModel, mtp_checkpoint, tmp_path_factory:
 
 
 # On the other backends and formats, one configuration per kind of verification pass: a chain
-# (prompt lookup), a tree (an EAGLE head's), and a draft model's catch-up (the target itself).
-# Every drafter runs on the default backend; the synthetic drafters above on every backend.
-BACKEND_DRAFTERS = ["ngram-k3", "eagle-random-tree", "self-k2"]
+# (prompt lookup: test_adjusted_logits_and_logprobs_on_backend, with penalties and logprobs), a
+# tree (an EAGLE head's), and a draft model's catch-up (the target itself). Every drafter runs on
+# the default backend; the synthetic drafters above on every backend.
+BACKEND_DRAFTERS = ["eagle-random-tree", "self-k2"]
 
 
 @pytest.fixture(scope="module")
@@ -476,6 +477,9 @@ def test_adjusted_logits_and_logprobs_on_backend(target, plain_llm, plain) -> No
     got = LLM(loaded=target, speculative_config={"method": "ngram", "num_speculative_tokens": 3}).generate(PROMPTS, params)
     assert_same_as_plain(got, want)
     assert_same_logprobs(got, want, exact=target.backend.weight_format != "float32")
+    assert sum(o.stats.drafted_tokens for o in got) > 0  # chains were verified
+    for output in got:
+        assert output.stats.committed_tokens == output.stats.accepted_tokens + output.stats.target_steps
 
 
 # --- structured outputs -----------------------------------------------------------------------

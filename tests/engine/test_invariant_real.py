@@ -3,7 +3,12 @@ k in {1, 4}, adaptive on and off, temperature 0.7 and 1.0, alone and in a batch 
 outputs are token for token plain seeded sampling's (issue 13). (Adaptive k starts at 1, so
 adaptive runs with a cap of 4 cover k = 1 .. 4.) The settings are paired, not crossed: every
 drafter meets each k setting once and both temperatures (the rule's noise does not depend on
-the temperature and k together); the tiny models' distribution tests cross them all."""
+the temperature and k together): alone at k = 1 and 0.7 and adaptively up to 4 at 0.7, in a
+batch at k = 4 and 1.0. The tiny models' distribution tests cross them all.
+
+The prompts are the 13 Spec-Bench categories' (`specdec verify`'s), each cut to its first
+PROMPT_CHARS characters: the prefill of their full 2,092 tokens was most of each run's time on
+a two-core machine, and what is checked here happens at the drafted positions after it."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from specdec.engine.batch import BatchEngine, Sequence
 from specdec.models import LoadedModel
 
 MAX_TOKENS = 8
+PROMPT_CHARS = 400
 # "TINY": a separate draft model, the tests' random 2-layer Llama with the default model's vocabulary.
 DRAFTERS = [{"method": "ngram"}, {"method": "layer_skip"}, {"method": "eagle"}, {"method": "hybrid"},
             {"method": "medusa"}, {"method": "suffix"}, {"method": "lookahead"}, {"method": "draft_model", "model": "TINY"}]
@@ -30,7 +36,7 @@ def prompts(default_model: LoadedModel) -> list[list[int]]:
     llm = LLM(loaded=default_model)
     records = builtin_prompts()
     assert len(records) == 13
-    return [llm.encode([{"role": "user", "content": r.turns[0]}]) for r in records]
+    return [llm.encode([{"role": "user", "content": r.turns[0][:PROMPT_CHARS]}]) for r in records]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,7 @@ def _params(temperature: float, index: int) -> SamplingParams:
 
 
 @pytest.mark.real
-@pytest.mark.parametrize(("k", "adaptive", "temperature"), [(1, False, 0.7), (4, False, 1.0), (4, True, 0.7)])
+@pytest.mark.parametrize(("k", "adaptive", "temperature"), [(1, False, 0.7), (4, True, 0.7)])
 @pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: d["method"])
 def test_alone(default_model: LoadedModel, tiny_draft_dir, prompts, plain, drafter: dict, k: int, adaptive: bool,
                temperature: float) -> None:
@@ -65,7 +71,7 @@ def test_in_a_batch_of_8(default_model: LoadedModel, tiny_draft_dir, prompts, pl
     llm = LLM(loaded=default_model, speculative_config=_config(drafter, tiny_draft_dir) | {"num_speculative_tokens": 4})
     engine = BatchEngine(default_model, max_rows=8, max_model_len=1024, max_draft=8)
     seqs = [Sequence(ids, _params(temperature, i), llm.engine.drafter.fork(), k=4) for i, ids in enumerate(prompts)]
-    waiting, done = list(seqs), []
+    waiting = list(seqs)
     while waiting or engine.running:
         while waiting and engine.running < 8:
             seq = waiting.pop(0)
