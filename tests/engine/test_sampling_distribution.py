@@ -24,6 +24,7 @@ from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.mtp import MtpDrafter, load_mtp
+from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine import Engine
@@ -42,19 +43,24 @@ ROWS = 32  # requests sampled at once
 
 
 # The suite runs on every backend and format: the target on hf, and on native in each format
-# (its own exact distribution is the reference each time). Every drafter runs on hf and on the
-# default path (native q4 on specdec's kernels); on the other formats, one drafter per kind of
-# proposal: a draft model's chain with its q, prompt lookup's deterministic chain, a head's tree.
+# (its own exact distribution is the reference each time). Every drafter runs on the default path
+# (native q4 on specdec's kernels); on hf, every drafter whose drafting goes through the
+# backend's own code (a layer subset, an int8 copy, the target's states a head reads); on the
+# other formats, one drafter per kind of proposal: a draft model's chain with its q, prompt
+# lookup's deterministic chain, a head's tree. The rest (adaptive k, a resumed draft, the hybrid,
+# suffix, lookahead, Medusa's tree) draft the same way over any backend.
 BACKENDS = ["hf", "native-float32", "native-bfloat16", "native-int8", "native-int4", "native-q4"]
-EVERY_DRAFTER_ON = ("hf", "native-q4")
+EVERY_DRAFTER_ON = "native-q4"
+DRAFTERS_ON_HF = ("layer_skip", "int8", "eagle", "medusa", "mtp")
 DRAFTERS_ON_EVERY_BACKEND = ("draft_model", "ngram", "eagle-tree")
 
 
 def backend_matrix(drafters: list[str], on_every_backend=DRAFTERS_ON_EVERY_BACKEND) -> list:
-    """(target backend, drafter) pairs: every drafter on EVERY_DRAFTER_ON, the others on the
-    rest; for `parametrize(("target", "drafter"), ..., indirect=["target"])`."""
+    """(target backend, drafter) pairs: every drafter on EVERY_DRAFTER_ON, DRAFTERS_ON_HF on hf
+    too, on_every_backend everywhere; for `parametrize(("target", "drafter"), ..., indirect=["target"])`."""
     return [pytest.param(backend, drafter, id=f"{backend}-{drafter}") for backend in BACKENDS for drafter in drafters
-            if backend in EVERY_DRAFTER_ON or drafter in on_every_backend]
+            if backend == EVERY_DRAFTER_ON or drafter in on_every_backend
+            or (backend == "hf" and drafter in DRAFTERS_ON_HF)]
 
 
 def on_backend(loaded: LoadedModel, variant: str) -> LoadedModel:
@@ -68,7 +74,9 @@ def target(small_model_factory, request: pytest.FixtureRequest) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def draft(small_model_factory) -> LoadedModel:
-    return small_model_factory(seed=2, vocab_size=VOCAB)
+    """The separate draft model, on the native backend in float32 as a draft model loads by
+    default (and at less than half hf's cost a call: thousands of drafts per test)."""
+    return small_model_factory(seed=2, vocab_size=VOCAB).native("float32")
 
 
 def exact_sequence_probs(loaded: LoadedModel, params: SamplingParams) -> torch.Tensor:
@@ -85,34 +93,45 @@ def exact_sequence_probs(loaded: LoadedModel, params: SamplingParams) -> torch.T
     return joint.reshape(-1)
 
 
-def sample_sequences(engine: Engine, params: SamplingParams, n: int, first_seed: int = 0, rows: int = ROWS) -> torch.Tensor:
-    """[n] indices of the first 3 generated tokens, one seeded generation each: `engine`'s
-    drafter, k, adaptive policy and rules, run `rows` requests at a time in one batch engine
-    (a seeded request samples the same tokens in any batch: tests/engine/test_batch.py)."""
-    size = max(engine.k, engine.drafter.proposal_size if engine.drafter else 0)
-    batch = BatchEngine(engine.target, max_rows=rows, max_model_len=len(PROMPT) + params.max_tokens,
+def sample_outputs(engine: Engine, prompt: list[int], params: SamplingParams, n: int, first_seed: int = 0,
+                   rows: int = ROWS) -> list[list[int]]:
+    """The tokens of n seeded generations (seeds first_seed, first_seed + 1, ...), in seed order:
+    `engine`'s drafter, k, adaptive policy and rules (or a request's own prediction, as
+    Engine.generate drafts it), run `rows` requests at a time in one batch engine (a seeded
+    request samples the same tokens in any batch: tests/engine/test_batch.py)."""
+    size = max(engine.k, engine.drafter.proposal_size if engine.drafter else 0, PREDICTION_K)
+    batch = BatchEngine(engine.target, max_rows=rows, max_model_len=len(prompt) + params.max_tokens,
                         max_draft=max(size, 1), sampling_rule=engine.sampling_rule, tree_rule=engine.tree_rule)
     seeds = list(range(first_seed, first_seed + n))
-    indices = []
+    outputs: dict[int, list[int]] = {}
 
     def finish(seq: Sequence) -> None:
-        tokens = seq.result.token_ids
-        assert len(tokens) == params.max_tokens
-        indices.append(tokens[0] * VOCAB**2 + tokens[1] * VOCAB + tokens[2])
+        outputs[seq.params.seed] = seq.result.token_ids
         batch.remove(seq)
 
     while seeds or batch.sequences:
         while seeds and batch.running < rows:
-            drafter = engine.drafter.fork() if engine.drafter is not None else None
-            assert type(drafter) is type(engine.drafter), "a test's drafter class must fork into its own class"
-            seq = Sequence(list(PROMPT), dataclasses.replace(params, seed=seeds.pop(0)), drafter, k=engine.k,
-                           policy=engine.new_policy())
+            seeded = dataclasses.replace(params, seed=seeds.pop(0))
+            if params.prediction:
+                seq = Sequence(list(prompt), seeded, PredictionDrafter(list(params.prediction)), k=PREDICTION_K)
+            else:
+                drafter = engine.drafter.fork() if engine.drafter is not None else None
+                assert type(drafter) is type(engine.drafter), "a test's drafter class must fork into its own class"
+                seq = Sequence(list(prompt), seeded, drafter, k=engine.k, policy=engine.new_policy())
             if batch.add(seq).finished:
                 finish(seq)
         for out in batch.step() if batch.sequences else []:
             if out.finished:
                 finish(out.sequence)
-    assert len(indices) == n
+    return [outputs[seed] for seed in range(first_seed, first_seed + n)]
+
+
+def sample_sequences(engine: Engine, params: SamplingParams, n: int, first_seed: int = 0, rows: int = ROWS) -> torch.Tensor:
+    """[n] indices of the first 3 generated tokens of PROMPT's seeded generations (sample_outputs)."""
+    indices = []
+    for tokens in sample_outputs(engine, PROMPT, params, n, first_seed, rows):
+        assert len(tokens) == params.max_tokens
+        indices.append(tokens[0] * VOCAB**2 + tokens[1] * VOCAB + tokens[2])
     return torch.tensor(indices)
 
 
@@ -143,11 +162,11 @@ def marginal_tv(samples: torch.Tensor, probs: torch.Tensor, position: int, vocab
 
 def assert_first_tokens_follow(engine: Engine, prompt: list[int], params: SamplingParams, exact: torch.Tensor,
                                vocab: int, draws: int = 2000, end: int = -1, tv: float = 0.06) -> None:
-    """Seeded generations' first 3 tokens follow `exact` ([vocab ** 3]) by chi-square and by each
-    position's marginal; an output that ends before 3 tokens (a grammar's EOS) counts `end` there."""
+    """Seeded generations' (sample_outputs) first 3 tokens follow `exact` ([vocab ** 3]) by
+    chi-square and by each position's marginal; an output that ends before 3 tokens (a grammar's
+    EOS) counts `end` there."""
     samples = []
-    for seed in range(draws):
-        tokens = engine.generate(prompt, dataclasses.replace(params, seed=seed)).token_ids
+    for tokens in sample_outputs(engine, prompt, params, draws):
         tokens = tokens + [end] * (LENGTH - len(tokens))
         samples.append(tokens[0] * vocab**2 + tokens[1] * vocab + tokens[2])
     samples_t = torch.tensor(samples)
@@ -433,9 +452,10 @@ class MinPMismatchDrafter(DraftModelDrafter):
     def propose(self, context, k, params, generator):
         unfiltered = dataclasses.replace(params, min_p=0.0)
         proposal = super().propose(context, k, unfiltered, generator)
-        logits = torch.stack([ModelRunner(self.runner.loaded).score(context + proposal.tokens[:i])[-1]
-                              for i in range(len(proposal.tokens))])
-        return dataclasses.replace(proposal, probs=logits_to_probs(logits, params))
+        # The distributions it sampled from, min_p-filtered as logits_to_probs filters last.
+        probs = proposal.probs
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        return dataclasses.replace(proposal, probs=probs / probs.sum(-1, keepdim=True))
 
     def fork(self) -> MinPMismatchDrafter:
         return MinPMismatchDrafter(self.runner.loaded)

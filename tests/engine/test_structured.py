@@ -25,7 +25,7 @@ from specdec.engine import Engine
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel, ModelRunner
 from specdec.sampling.grammar import compiler_for
-from tests.engine.test_engine_penalties import Oracle, engine_with, exact_first_three
+from tests.engine.test_engine_penalties import Oracle, draft_model, engine_with, exact_first_three
 from tests.engine.test_sampling_distribution import assert_first_tokens_follow
 
 VOCAB = 16  # t0 .. t15; t15 is EOS
@@ -132,6 +132,6 @@ def exact_masked_probs(target: LoadedModel, params: SamplingParams) -> torch.Ten
 def test_sampling_constrained_follows_the_masked_target(target, small_model_factory, drafter: str) -> None:
     # This draft puts much of its mass on forbidden tokens and the rest off the target's: cutting
     # its forbidden drafts instead of rejecting them moves the second token's marginal by ~0.2 TV.
-    engine = engine_with(drafter, target, small_model_factory(seed=44, vocab_size=VOCAB, logit_scale=6.0))
+    engine = engine_with(drafter, target, draft_model(small_model_factory, seed=44))
     # After a whole pair the grammar is complete and EOS (the last word) may end the output.
     assert_first_tokens_follow(engine, PROMPT, SAMPLED, exact_masked_probs(target, SAMPLED), VOCAB, end=VOCAB - 1)
