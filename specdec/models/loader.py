@@ -12,9 +12,12 @@ with the weights in the format asked for (`auto`: a GGUF file's own quantization
 transformers' modeling code, for everything (and as the reference). `backend="auto"` picks
 native where it runs the model.
 
-transformers dequantizes GGUF weights at every load (about 20 s for the default model on two
-cores), so the converted model is saved once as safetensors under the cache directory
-(`$SPECDEC_CACHE_DIR`, default `~/.cache/specdec`) and read from there afterwards.
+transformers reads a GGUF file's config and tokenizer by parsing all of its metadata (seconds for
+the default model, tens of seconds for a 262k-token vocabulary), so they are converted once into a
+Hugging Face directory under the cache (`$SPECDEC_CACHE_DIR`, default `~/.cache/specdec`) and read
+from there afterwards. The native backend reads the weights from the GGUF file itself; only the hf
+backend needs them dequantized, so the float32 safetensors (4 bytes a parameter) are written
+there the first time the hf backend loads the model, not before.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import importlib.metadata
 import logging
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,14 +99,7 @@ class LoadedModel:
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        config_eos = getattr(self.generation_config, "eos_token_id", None)
-        for value in (config_eos, self.tokenizer.eos_token_id):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(value)
-        return frozenset(ids)
+        return eos_ids(self.generation_config, self.tokenizer)
 
     def weight_bytes(self) -> int:
         return self.backend.weight_bytes()
@@ -109,6 +107,17 @@ class LoadedModel:
     def describe(self) -> str:
         """Backend and weight format, e.g. `native int4 (LM head int8)`."""
         return f"{self.backend.name} {self.backend.weight_format}"
+
+
+def eos_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The ids that end a generation: the generation config's and the tokenizer's."""
+    ids: set[int] = set()
+    for value in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(value)
+    return frozenset(ids)
 
 
 def default_model_path() -> Path:
@@ -132,40 +141,63 @@ def _converted_dir(gguf_path: Path) -> Path:
     return cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
 
 
-def _convert_gguf(gguf_path: Path) -> Path:
-    """The GGUF model converted once to a Hugging Face directory (config, tokenizer, float32
-    safetensors) under the cache; returns it. The native backend reads its config and tokenizer
-    from there and its weights from the GGUF file itself."""
+CONVERTED_WEIGHTS = "model.safetensors"
+
+
+def _convert_gguf(gguf_path: Path, weights: bool = False) -> Path:
+    """The GGUF model's config, generation config and tokenizer, converted once to a Hugging Face
+    directory under the cache; returns it. With `weights`, the directory also holds the model's
+    float32 safetensors (converted once, the first time they are asked for)."""
     converted = _converted_dir(gguf_path)
-    if (converted / "config.json").exists():
-        return converted
-    log.info("converting %s to safetensors (once) under %s", gguf_path.name, converted)
-    kwargs = {"gguf_file": gguf_path.name}
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-    # Each process writes its own partial directory: two processes converting at once (server
-    # replicas, parallel test workers) must not write into one; the first rename wins.
-    partial = converted.with_name(f"{converted.name}.partial-{os.getpid()}")
+    if not (converted / "config.json").exists():
+        log.info("converting %s's config and tokenizer (once) under %s", gguf_path.name, converted)
+        kwargs = {"gguf_file": gguf_path.name}
+        config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        with _write_errors():
+            # Each process writes its own partial directory: two processes converting at once (server
+            # replicas, parallel test workers) must not write into one; the first rename wins.
+            partial = converted.with_name(f"{converted.name}.partial-{os.getpid()}")
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            _save_metadata(config, tokenizer, partial)
+            try:
+                partial.replace(converted)
+            except OSError:
+                if not (converted / "config.json").exists():
+                    raise
+                shutil.rmtree(partial, ignore_errors=True)  # another process finished first: use its copy
+    if weights and not (converted / CONVERTED_WEIGHTS).exists():
+        log.info("converting %s's weights to float32 safetensors (once) under %s", gguf_path.name, converted)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        with _write_errors():
+            # save_model writes the plain float32 tensors (save_pretrained refuses a model loaded
+            # from GGUF), into a process's own partial file renamed into place whole.
+            partial_file = converted / f"{CONVERTED_WEIGHTS}.partial-{os.getpid()}"
+            save_model(model, str(partial_file))
+            partial_file.replace(converted / CONVERTED_WEIGHTS)
+    return converted
+
+
+def _save_metadata(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    """A GGUF file's config (without its quantization), generation config and tokenizer, saved
+    into `directory` as a Hugging Face model directory holds them."""
+    values = config.to_dict()
+    values.pop("quantization_config", None)
+    config = type(config).from_dict(values)
+    config.save_pretrained(directory)
+    GenerationConfig.from_model_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+@contextmanager
+def _write_errors() -> Iterator[None]:
+    """A failure to write into the cache, as a ModelLoadError that says how to move it."""
     try:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        # save_pretrained refuses a model loaded from GGUF; the weights are plain float32 by now.
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        type(model.config).from_dict(config).save_pretrained(partial)
-        model.generation_config.save_pretrained(partial)
-        save_model(model, str(partial / "model.safetensors"))
-        tokenizer.save_pretrained(partial)
-        try:
-            partial.replace(converted)
-        except OSError:
-            if not (converted / "config.json").exists():
-                raise
-            shutil.rmtree(partial, ignore_errors=True)  # another process finished first: use its copy
+        yield
     except OSError as exc:
         raise ModelLoadError(f"could not write the converted model under {cache_dir()}: {exc} "
                              "(set SPECDEC_CACHE_DIR to a writable directory)") from exc
-    return converted
 
 
 def _hf_backend(path: Path, dtype: str, device: str | torch.device) -> HFBackend:
@@ -216,40 +248,78 @@ def load_model(
         dtype = str(dtype).removeprefix("torch.")
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
-    if name in (None, "", "default"):
-        path = default_model_path()
-        display = DEFAULT_MODEL_NAME
-    else:
-        path = Path(name).expanduser()
-        display = path.name
-        if not path.exists():
-            raise ModelLoadError(f"model path does not exist: {name}")
-    try:
-        if path.is_file():
-            if path.suffix != ".gguf":
-                raise ModelLoadError(f"model file must be a .gguf file: {path}")
-            directory, weights_path = _convert_gguf(path), path
-        elif (path / "config.json").exists():
-            directory = weights_path = path
-        else:
-            raise ModelLoadError(f"not a model: {path} is neither a .gguf file nor a directory with config.json")
-        config = AutoConfig.from_pretrained(directory)
+    path, display = _locate(name)
+    with _load_errors(path):
+        directory, config, tokenizer, generation_config = _metadata(path)
         chosen = resolve_backend(backend, config, device)
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-        try:
-            generation_config = GenerationConfig.from_pretrained(directory)
-        except OSError:
-            generation_config = None
         if chosen == "native":
-            runtime: Backend = _native_backend(config, weights_path, dtype, device)
+            runtime: Backend = _native_backend(config, path if path.is_file() else directory, dtype, device)
         else:
-            runtime = _hf_backend(directory, dtype, device)
+            runtime = _hf_backend(_convert_gguf(path, weights=True) if path.is_file() else directory, dtype, device)
             if fast_kernels:
                 use_thin_linear(runtime.model)
+    return LoadedModel(backend=runtime, tokenizer=tokenizer, name=display, source=str(path), config=config,
+                       generation_config=generation_config)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A model's tokens as pairing a draft with a target compares them (:mod:`specdec.models.vocab`),
+    read without loading its weights."""
+
+    name: str
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+def load_vocabulary(name: str | None = None) -> Vocabulary:
+    """The tokenizer, logit size and end-of-sequence ids of the model `name` (as load_model names
+    it), from its config and tokenizer alone: a draft that cannot pair with its target is refused
+    before its weights load."""
+    path, display = _locate(name)
+    with _load_errors(path):
+        _, config, tokenizer, generation_config = _metadata(path)
+        return Vocabulary(display, tokenizer, int(config.vocab_size), eos_ids(generation_config, tokenizer))
+
+
+def _locate(name: str | None) -> tuple[Path, str]:
+    """The model's file or directory and its display name."""
+    if name in (None, "", "default"):
+        return default_model_path(), DEFAULT_MODEL_NAME
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {name}")
+    return path, path.name
+
+
+def _metadata(path: Path) -> tuple[Path, PretrainedConfig, PreTrainedTokenizerBase, GenerationConfig | None]:
+    """The directory holding the model's config and tokenizer (a GGUF file's converted one), and
+    the config, tokenizer and generation config read from it."""
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file must be a .gguf file: {path}")
+        directory = _convert_gguf(path)
+    elif (path / "config.json").exists():
+        directory = path
+    else:
+        raise ModelLoadError(f"not a model: {path} is neither a .gguf file nor a directory with config.json")
+    config = AutoConfig.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    try:
+        generation_config = GenerationConfig.from_pretrained(directory)
+    except OSError:
+        generation_config = None
+    return directory, config, tokenizer, generation_config
+
+
+@contextmanager
+def _load_errors(path: Path) -> Iterator[None]:
+    """A library's error while reading the model at `path`, as a one-line ModelLoadError."""
+    try:
+        yield
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"could not load model {path}: {first_line}") from exc
-    return LoadedModel(backend=runtime, tokenizer=tokenizer, name=display, source=str(path), config=config,
-                       generation_config=generation_config)

