@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# Structured outputs' grammar engine, without the GPU compiler (triton, ~1 GB) its wheel asks
 	# for: the CPU path never uses it.
 	$(PIP) install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-	# specdec's CPU kernels, compiled once into the cache (about 1.5 minutes; without a compiler the
+	# specdec's CPU kernels, compiled once into the cache (about 30 s; without a compiler the
 	# native backend uses PyTorch's kernels and says so).
 	$(PY) -c "from specdec import kernels; print('specdec kernels:', ', '.join(kernels.instruction_sets()) or 'not built')"
 	touch $@

@@ -7,9 +7,10 @@ bit for bit. `attention.cpp` attends a few queries per row over the KV cache in 
 `layer_ops.cpp` fuses RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate)
 * up (tested against PyTorch within float32 rounding, the rotary bitwise, and all of them bitwise
 across pass shapes: a row's result never depends on the other rows). `forward.cpp` runs the decoder
-layers of a pass in one call of those same kernels, and holds the module's bindings (`ops.h`
-declares what the sources share). The extension is compiled once per machine, torch installation and
-version of its sources with the compiler on the machine (about 1.5 minutes on two cores); where it
+layers of a pass in one call of those same kernels; `bindings.cpp` holds the module's Python
+functions (`ops.h` declares what the sources share; only the bindings include pybind11). The
+extension is compiled once per machine, torch installation and version of its sources with the
+compiler on the machine (about 30 s on two cores); where it
 cannot be built (no compiler, no AVX2), :func:`load` says why once and the native backend runs
 PyTorch's own int4/int8 kernels instead.
 """
@@ -33,7 +34,7 @@ from specdec.paths import cache_dir
 
 log = logging.getLogger("specdec.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "bindings.cpp")]
 # The instruction sets a product may be asked to run on: auto picks the best this CPU has.
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2}
 # Set to `avx2` to run the AVX2 path on an AVX-512 machine (tests and comparisons), or `off`.

@@ -8,8 +8,8 @@
 // AVX2 + FMA path (every supported CPU has it) and an AVX-512 one, chosen as the products' path is;
 // the exponential is simd.h's polynomial, not the C library's.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <immintrin.h>
 
 #include "ops.h"
@@ -219,27 +219,27 @@ void attend_heads_avx512(const Heads<HG>& it, float scale, std::vector<float>& b
 
 }  // namespace
 
-torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                            const torch::Tensor& counts, const torch::Tensor& slots, double scale, int64_t isa) {
+at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& counts, const at::Tensor& slots, double scale, int64_t isa) {
     // q [rows, heads, new, head_dim]; keys, values [rows, kv_heads, S, head_dim] (any strides but
     // the last); counts [rows, new] int32; slots [rows, new, L] int32 or empty -> [rows, new, heads * head_dim];
     // isa as the products take it (the AVX-512 path for head_dim 64 or 128, else AVX2)
     TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
-    TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32, "q must be [rows, heads, new, head_dim] float32");
-    TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.scalar_type() == torch::kFloat32 &&
-                    values.scalar_type() == torch::kFloat32, "keys and values must be one [rows, kv_heads, S, head_dim] float32 shape");
+    TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q must be [rows, heads, new, head_dim] float32");
+    TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
+                    values.scalar_type() == at::kFloat, "keys and values must be one [rows, kv_heads, S, head_dim] float32 shape");
     TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(),
                 "keys and values must share strides, with contiguous head dimensions");
     const int64_t rows = q.size(0), heads = q.size(1), nq = q.size(2), head_dim = q.size(3);
     const int64_t kv_heads = keys.size(1), span = keys.size(2);
     TORCH_CHECK(keys.size(0) == rows && keys.size(3) == head_dim && heads % kv_heads == 0, "q and keys do not match");
     TORCH_CHECK(head_dim % 8 == 0, "head_dim must be a multiple of 8");
-    TORCH_CHECK(counts.scalar_type() == torch::kInt32 && counts.sizes() == torch::IntArrayRef({rows, nq}),
+    TORCH_CHECK(counts.scalar_type() == at::kInt && counts.sizes() == at::IntArrayRef({rows, nq}),
                 "counts must be [rows, new] int32");
     const bool listed = slots.numel() > 0;
-    TORCH_CHECK(!listed || (slots.scalar_type() == torch::kInt32 && slots.dim() == 3 && slots.size(0) == rows &&
+    TORCH_CHECK(!listed || (slots.scalar_type() == at::kInt && slots.dim() == 3 && slots.size(0) == rows &&
                             slots.size(1) == nq), "slots must be [rows, new, L] int32");
-    const torch::Tensor qc = q.contiguous(), cc = counts.contiguous(), sc = listed ? slots.contiguous() : slots;
+    const at::Tensor qc = q.contiguous(), cc = counts.contiguous(), sc = listed ? slots.contiguous() : slots;
     const int32_t* count = cc.data_ptr<int32_t>();
     for (int64_t i = 0; i < rows * nq; ++i) {
         TORCH_CHECK(count[i] >= 0 && count[i] <= (listed ? sc.size(2) : span), "a query sees past the cache");
@@ -248,7 +248,7 @@ torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, c
         const int32_t* s = sc.data_ptr<int32_t>();
         for (int64_t i = 0; i < sc.numel(); ++i) TORCH_CHECK(s[i] >= 0 && s[i] < span, "a slot index is past the cache");
     }
-    auto out = torch::empty({rows, nq, heads * head_dim}, torch::kFloat32);
+    auto out = at::empty({rows, nq, heads * head_dim}, at::kFloat);
     const float* qp = qc.data_ptr<float>();
     const float* kp = keys.data_ptr<float>();
     const float* vp = values.data_ptr<float>();

@@ -6,22 +6,21 @@
 
 #include "ops.h"
 
-#include <torch/extension.h>
 
 #include <cstring>
 #include <vector>
 
 namespace {
 
-torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa,
-                      const c10::optional<torch::Tensor>& residual = c10::nullopt) {
+at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t isa,
+                      const c10::optional<at::Tensor>& residual = c10::nullopt) {
     TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == Q4_RECORD || packed.size(2) == Q8_RECORD),
                 "a layer's matrices must be packed q4 or q8");
     return quantized_matmul(x, packed, out_features, isa, packed.size(2) == Q4_RECORD, residual);
 }
 
 // k or v [rows, kv_heads, new, head_dim] into buf [R, kv_heads, S, head_dim] at (row, slot) per token.
-void write_cache(const torch::Tensor& states, torch::Tensor& buf, const int64_t* row_of, const int64_t* slot_of) {
+void write_cache(const at::Tensor& states, at::Tensor& buf, const int64_t* row_of, const int64_t* slot_of) {
     const int64_t rows = states.size(0), kv_heads = states.size(1), nq = states.size(2), head_dim = states.size(3);
     TORCH_CHECK(buf.size(1) == kv_heads && buf.size(3) == head_dim && buf.stride(3) == 1, "a cache buffer does not match");
     const float* src = states.data_ptr<float>();
@@ -44,60 +43,41 @@ void write_cache(const torch::Tensor& states, torch::Tensor& buf, const int64_t*
 // attends as `attend_cached` does (counts, slots) over the first `rows` buffer rows. widths: the
 // outputs of qkv, o, gate_up and down. Returns x after the last layer, then x after each layer
 // listed in `keep` (positions in the given list).
-std::vector<torch::Tensor> forward_layers(
-    torch::Tensor x, const std::vector<torch::Tensor>& attn_norm, const std::vector<torch::Tensor>& qkv,
-    const std::vector<torch::Tensor>& o, const std::vector<torch::Tensor>& mlp_norm,
-    const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
-    std::vector<int64_t> widths, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
-    const torch::Tensor& write_rows, const torch::Tensor& write_slots, const torch::Tensor& cos,
-    const torch::Tensor& sin, const torch::Tensor& counts, const torch::Tensor& slots, int64_t rows,
+std::vector<at::Tensor> forward_layers(
+    at::Tensor x, const std::vector<at::Tensor>& attn_norm, const std::vector<at::Tensor>& qkv,
+    const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
+    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
+    std::vector<int64_t> widths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+    const at::Tensor& write_rows, const at::Tensor& write_slots, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& counts, const at::Tensor& slots, int64_t rows,
     int64_t heads, int64_t kv_heads, double eps, double scale, int64_t isa, const std::vector<int64_t>& keep) {
     const size_t layers = attn_norm.size();
     TORCH_CHECK(qkv.size() == layers && o.size() == layers && mlp_norm.size() == layers && gate_up.size() == layers &&
                     down.size() == layers && keys.size() == layers && values.size() == layers,
                 "one entry per layer in every list");
     TORCH_CHECK(widths.size() == 4, "widths: qkv, o, gate_up, down");
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(0) % rows == 0, "x must be [rows * new, hidden] float32");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) % rows == 0, "x must be [rows * new, hidden] float32");
     const int64_t tokens = x.size(0);
-    const torch::Tensor wr = write_rows.to(torch::kInt64).contiguous(), ws = write_slots.to(torch::kInt64).contiguous();
+    const at::Tensor wr = write_rows.to(at::kLong).contiguous(), ws = write_slots.to(at::kLong).contiguous();
     TORCH_CHECK(wr.numel() == tokens && ws.numel() == tokens, "one cache write per token");
     std::vector<bool> kept(layers, false);
     for (int64_t i : keep) {
         TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < layers, "keep names a layer not run");
         kept[i] = true;
     }
-    std::vector<torch::Tensor> out{torch::Tensor()};
+    std::vector<at::Tensor> out{at::Tensor()};
     for (size_t i = 0; i < layers; ++i) {
-        const torch::Tensor h = product(rms_norm(x, attn_norm[i], eps), qkv[i], widths[0], isa);
-        const std::vector<torch::Tensor> qkv_rotated = rotary_split(h, cos, sin, rows, heads, kv_heads);
+        const at::Tensor h = product(rms_norm(x, attn_norm[i], eps), qkv[i], widths[0], isa);
+        const std::vector<at::Tensor> qkv_rotated = rotary_split(h, cos, sin, rows, heads, kv_heads);
         write_cache(qkv_rotated[1], keys[i], wr.data_ptr<int64_t>(), ws.data_ptr<int64_t>());
         write_cache(qkv_rotated[2], values[i], wr.data_ptr<int64_t>(), ws.data_ptr<int64_t>());
-        const torch::Tensor attended = attend_cached(qkv_rotated[0], keys[i].narrow(0, 0, rows),
+        const at::Tensor attended = attend_cached(qkv_rotated[0], keys[i].narrow(0, 0, rows),
                                                      values[i].narrow(0, 0, rows), counts, slots, scale, isa);
         x = product(attended.view({tokens, -1}), o[i], widths[1], isa, x);
-        const torch::Tensor g = product(rms_norm(x, mlp_norm[i], eps), gate_up[i], widths[2], isa);
+        const at::Tensor g = product(rms_norm(x, mlp_norm[i], eps), gate_up[i], widths[2], isa);
         x = product(silu_mul(g), down[i], widths[3], isa, x);
         if (kept[i]) out.push_back(x);
     }
     out[0] = x;
     return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("q4_matmul", [](const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa,
-                          const c10::optional<torch::Tensor>& residual) {
-              return quantized_matmul(x, packed, out_features, isa, true, residual);
-          }, "x [rows, in] float32 times packed q4 weights (+ residual) -> [rows, out] float32",
-          py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("isa"), py::arg("residual") = py::none());
-    m.def("q8_matmul", [](const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t isa,
-                          const c10::optional<torch::Tensor>& residual) {
-              return quantized_matmul(x, packed, out_features, isa, false, residual);
-          }, "x [rows, in] float32 times packed q8 weights (+ residual) -> [rows, out] float32",
-          py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("isa"), py::arg("residual") = py::none());
-    m.def("attend_cached", &attend_cached, "a few queries per row over the KV cache -> [rows, new, heads * head_dim]");
-    m.def("rms_norm", &rms_norm, "x [..., dim] float32 -> RMSNorm(x) * weight");
-    m.def("rotary_split", &rotary_split, "qkv [tokens, width] -> rotated q, k and v [rows, heads, new, head_dim]");
-    m.def("silu_mul", &silu_mul, "h [rows, 2 * inter] -> silu(gate) * up [rows, inter]");
-    m.def("forward_layers", &forward_layers, "decoder layers of a short pass in one call (see forward.cpp)");
-    m.def("instruction_sets", &instruction_sets, "the kernel paths this CPU can run");
 }

@@ -2,8 +2,9 @@
 // RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate) * up. Each row
 // (token) is computed alone in a fixed order, so a row's bits never depend on the rest of the pass.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 
 #include "ops.h"
@@ -43,13 +44,13 @@ void rms_norm_range(const float* x, const float* w, float* out, int64_t begin, i
 
 }  // namespace
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32 only");
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
     const int64_t dim = x.size(-1);
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim, "weight must be [dim]");
     TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
-    const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
-    auto out = torch::empty_like(xc);
+    const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+    auto out = at::empty_like(xc);
     const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const float e = static_cast<float>(eps);
@@ -59,22 +60,22 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
     return out;
 }
 
-std::vector<torch::Tensor> rotary_split(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                         int64_t rows, int64_t heads, int64_t kv_heads) {
     // qkv [rows * new, (heads + 2 kv_heads) * head_dim]; cos, sin [rows * new, head_dim] (halves
     // repeated) -> q [rows, heads, new, head_dim] and k [rows, kv_heads, new, head_dim] rotated
     // (x cos - x_other sin on the first half, x cos + x_other sin on the second: the same float
     // operations as rotating by concatenation), v [rows, kv_heads, new, head_dim] copied.
-    TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32, "qkv must be [tokens, width] float32");
+    TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat, "qkv must be [tokens, width] float32");
     const int64_t tokens = qkv.size(0), width = qkv.size(1), all = heads + 2 * kv_heads;
     TORCH_CHECK(width % all == 0 && tokens % rows == 0, "qkv does not split into heads and rows");
     const int64_t head_dim = width / all, half = head_dim / 2, nq = tokens / rows;
-    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({tokens, head_dim}) && sin.sizes() == cos.sizes(),
+    TORCH_CHECK(cos.sizes() == at::IntArrayRef({tokens, head_dim}) && sin.sizes() == cos.sizes(),
                 "cos and sin must be [tokens, head_dim]");
-    const torch::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous();
-    auto q = torch::empty({rows, heads, nq, head_dim}, torch::kFloat32);
-    auto k = torch::empty({rows, kv_heads, nq, head_dim}, torch::kFloat32);
-    auto v = torch::empty({rows, kv_heads, nq, head_dim}, torch::kFloat32);
+    const at::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+    auto q = at::empty({rows, heads, nq, head_dim}, at::kFloat);
+    auto k = at::empty({rows, kv_heads, nq, head_dim}, at::kFloat);
+    auto v = at::empty({rows, kv_heads, nq, head_dim}, at::kFloat);
     const float *xp = x.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
     float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
@@ -119,13 +120,13 @@ void silu_mul_range(const float* h, float* out, int64_t begin, int64_t end, int6
 
 }  // namespace
 
-torch::Tensor silu_mul(const torch::Tensor& h) {
+at::Tensor silu_mul(const at::Tensor& h) {
     // h [rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]
-    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat32 && h.size(1) % 2 == 0, "h must be [rows, 2 * inter] float32");
+    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.size(1) % 2 == 0, "h must be [rows, 2 * inter] float32");
     TORCH_CHECK(h.size(1) % 16 == 0, "inter must be a multiple of 8");
     TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
-    const torch::Tensor hc = h.contiguous();
-    auto out = torch::empty({h.size(0), h.size(1) / 2}, torch::kFloat32);
+    const at::Tensor hc = h.contiguous();
+    auto out = at::empty({h.size(0), h.size(1) / 2}, at::kFloat);
     const float* hp = hc.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t inter = h.size(1) / 2;

@@ -1,7 +1,10 @@
 // The kernels' functions as the other sources call them (each defined in the file named).
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor alone, not <torch/extension.h> (pybind11 and the whole C++ API): the
+// sources that include only this compile in a fraction of the time; bindings.cpp has the rest.
+#include <ATen/core/Tensor.h>
+
 
 #include <string>
 #include <vector>
@@ -15,18 +18,27 @@ enum Isa : int64_t { ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 // quant.cpp: x [rows, in] float32 times packed q4 (Q4_0/Q4_1) or q8 (Q8_0) weights, plus the
 // residual where given -> [rows, out] float32; isa: an Isa.
-torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                               int64_t isa, bool q4, const c10::optional<torch::Tensor>& residual);
+at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                               int64_t isa, bool q4, const c10::optional<at::Tensor>& residual);
 std::vector<std::string> instruction_sets();
 // The path a kernel takes: ISA_AUTO -> the best this CPU has (AVX-512 with VNNI, else AVX2).
 int64_t resolve_isa(int64_t isa);
 
 // attention.cpp
-torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                            const torch::Tensor& counts, const torch::Tensor& slots, double scale, int64_t isa);
+at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& counts, const at::Tensor& slots, double scale, int64_t isa);
 
 // layer_ops.cpp
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-std::vector<torch::Tensor> rotary_split(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                         int64_t rows, int64_t heads, int64_t kv_heads);
-torch::Tensor silu_mul(const torch::Tensor& h);
+at::Tensor silu_mul(const at::Tensor& h);
+// forward.cpp
+std::vector<at::Tensor> forward_layers(
+    at::Tensor x, const std::vector<at::Tensor>& attn_norm, const std::vector<at::Tensor>& qkv,
+    const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
+    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
+    std::vector<int64_t> widths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+    const at::Tensor& write_rows, const at::Tensor& write_slots, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& counts, const at::Tensor& slots, int64_t rows,
+    int64_t heads, int64_t kv_heads, double eps, double scale, int64_t isa, const std::vector<int64_t>& keep);

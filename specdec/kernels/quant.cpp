@@ -22,8 +22,8 @@
 
 #include "ops.h"
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -344,10 +344,10 @@ int64_t resolve_isa(int64_t isa) {
     return isa;
 }
 
-torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                               int64_t isa, bool q4, const c10::optional<torch::Tensor>& residual) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
-    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                               int64_t isa, bool q4, const c10::optional<at::Tensor>& residual) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, in] float32");
+    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
                 "packed weights must be a contiguous [units, blocks, bytes] uint8 tensor");
     const int record = q4 ? Q4_RECORD : Q8_RECORD;
     const int64_t units = packed.size(0), G = packed.size(1), K = G * QK;
@@ -356,7 +356,7 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
     TORCH_CHECK(out_features > (units - 1) * NC && out_features <= units * NC, "out_features does not match units");
     isa = resolve_isa(isa);
 
-    const torch::Tensor xc = x.contiguous();
+    const at::Tensor xc = x.contiguous();
     const int64_t rows = xc.size(0);
     // The quantized activations live in a per-thread scratch buffer, reused from call to call.
     thread_local std::vector<int8_t> q_buf;
@@ -367,10 +367,10 @@ torch::Tensor quantized_matmul(const torch::Tensor& x, const torch::Tensor& pack
     sf_buf.resize(rows * G);
     s_buf.resize(rows * G);
     quantize_rows(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data());
-    auto out = torch::empty({rows, out_features}, torch::kFloat32);
-    torch::Tensor res_c;  // the residual stream, added in the tiles' stores
+    auto out = at::empty({rows, out_features}, at::kFloat);
+    at::Tensor res_c;  // the residual stream, added in the tiles' stores
     if (residual) {
-        TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->numel() == rows * out_features,
+        TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == rows * out_features,
                     "the residual must be [rows, out] float32");
         res_c = residual->contiguous();
     }
