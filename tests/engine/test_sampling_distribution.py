@@ -45,21 +45,30 @@ ROWS = 32  # requests sampled at once
 # The suite runs on every backend and format: the target on hf, and on native in each format
 # (its own exact distribution is the reference each time). Every drafter runs on the default path
 # (native q4 on specdec's kernels); on hf, every drafter whose drafting goes through the
-# backend's own code (a layer subset, an int8 copy, the target's states a head reads); on the
-# other formats, one drafter per kind of proposal: a draft model's chain with its q, prompt
-# lookup's deterministic chain, a head's tree. The rest (adaptive k, a resumed draft, the hybrid,
-# suffix, lookahead, Medusa's tree) draft the same way over any backend.
+# backend's own code (a layer subset, an int8 copy, the target's states a head reads); on native
+# float32, whose products are not row-invariant, one drafter per kind of proposal: a draft
+# model's chain with its q, prompt lookup's deterministic chain, a head's tree. bfloat16, int8 and
+# int4 products are row-invariant (tests/models/test_native.py), so a verification pass gives
+# bitwise the logits of the plain steps it replaces: there one drafter, the draft model's chain,
+# checks the format end to end. The rest (adaptive k, a resumed draft, the hybrid, suffix,
+# lookahead, Medusa's tree) draft the same way over any backend. What does not depend on the
+# backend at all (the filters, the drafter-invariant rule, a wrong rule's failure) runs on hf and
+# the default path (SAMPLING_LOGIC_ON).
 BACKENDS = ["hf", "native-float32", "native-bfloat16", "native-int8", "native-int4", "native-q4"]
 EVERY_DRAFTER_ON = "native-q4"
 DRAFTERS_ON_HF = ("layer_skip", "int8", "eagle", "medusa", "mtp")
-DRAFTERS_ON_EVERY_BACKEND = ("draft_model", "ngram", "eagle-tree")
+DRAFTERS_ON_FLOAT32 = ("draft_model", "ngram", "eagle-tree")
+DRAFTERS_ON_EVERY_BACKEND = ("draft_model",)
+SAMPLING_LOGIC_ON = pytest.mark.parametrize("target", ["hf", EVERY_DRAFTER_ON], indirect=True)
 
 
 def backend_matrix(drafters: list[str], on_every_backend=DRAFTERS_ON_EVERY_BACKEND) -> list:
-    """(target backend, drafter) pairs: every drafter on EVERY_DRAFTER_ON, DRAFTERS_ON_HF on hf
-    too, on_every_backend everywhere; for `parametrize(("target", "drafter"), ..., indirect=["target"])`."""
+    """(target backend, drafter) pairs: every drafter on EVERY_DRAFTER_ON, DRAFTERS_ON_HF on hf,
+    DRAFTERS_ON_FLOAT32 on native float32 and hf, on_every_backend everywhere; for
+    `parametrize(("target", "drafter"), ..., indirect=["target"])`."""
     return [pytest.param(backend, drafter, id=f"{backend}-{drafter}") for backend in BACKENDS for drafter in drafters
             if backend == EVERY_DRAFTER_ON or drafter in on_every_backend
+            or (backend in ("hf", "native-float32") and drafter in DRAFTERS_ON_FLOAT32)
             or (backend == "hf" and drafter in DRAFTERS_ON_HF)]
 
 
@@ -338,8 +347,9 @@ def test_speculative_sampling_follows_target(
 
 
 @pytest.mark.parametrize("rule", [accept_all, recover_from_target])
-@pytest.mark.parametrize(("target", "drafter"), backend_matrix(["draft_model", "ngram", "eagle"], ("draft_model",)),
-                         indirect=["target"])
+@pytest.mark.parametrize(("target", "drafter"), [
+    *(pytest.param(EVERY_DRAFTER_ON, d, id=f"{EVERY_DRAFTER_ON}-{d}") for d in ("draft_model", "ngram", "eagle")),
+    pytest.param("hf", "draft_model", id="hf-draft_model")], indirect=["target"])
 def test_wrong_rules_fail_the_same_test(
     target: LoadedModel, draft: LoadedModel, drafter: str, rule, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -354,6 +364,7 @@ def test_wrong_rules_fail_the_same_test(
     assert chi2_pvalue(samples, exact) < 1e-6
 
 
+@SAMPLING_LOGIC_ON
 def test_filtered_sampling_follows_filtered_target_in_both_modes(target: LoadedModel, draft: LoadedModel) -> None:
     params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.02, max_tokens=4, ignore_eos=True)
     exact = exact_sequence_probs(target, params)
@@ -399,6 +410,7 @@ def test_drafter_invariant_tokens_do_not_depend_on_the_drafter(target: LoadedMod
         assert engine.generate(PROMPT, seeded).token_ids == plain.generate(PROMPT, seeded).token_ids, seed
 
 
+@SAMPLING_LOGIC_ON
 def test_drafter_invariant_sampling_follows_target(target: LoadedModel, draft: LoadedModel) -> None:
     samples = sample_sequences(make_engine("draft_model", target, draft), INVARIANT, 2500)
     exact = exact_sequence_probs(target, SAMPLED)
