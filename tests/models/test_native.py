@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quantize
 
 from specdec import LLM, SamplingParams
@@ -14,7 +14,7 @@ from specdec.models import LoadedModel, ModelRunner
 from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import default_model_path
 from specdec.models.qlinear import Int4Groups, PackedLinear, unpack_q4_blocks, unpack_q8_blocks
-from specdec.models.weights import GGUFWeights
+from specdec.models.weights import GGUFWeights, TensorReader
 
 PROMPTS = [
     [{"role": "user", "content": "Explain in detail how a bicycle works."}],
@@ -158,3 +158,27 @@ def test_native_weights_are_smaller(default_model: LoadedModel, default_model_na
     # Q4_1 blocks (5 bits a weight with two float16s per 32) and a Q8_0 head, against float32.
     assert default_model.backend.matrix_bytes() < 0.2 * default_model_native_f32.backend.matrix_bytes()
     assert default_model.describe() == "native q4 (LM head q8)"
+
+
+@pytest.mark.real  # the default model's GGUF file
+def test_tensor_reader_reads_what_the_gguf_reader_reads() -> None:
+    # The fast reader steps over metadata arrays (the tokenizer's): every tensor and every other
+    # field must read exactly as the gguf package's own reader reads them.
+    path = str(default_model_path())
+    fast, plain = TensorReader(path), GGUFReader(path)
+    assert (fast.data_offset, fast.alignment) == (plain.data_offset, plain.alignment)
+    assert [t.name for t in fast.tensors] == [t.name for t in plain.tensors]
+    for a, b in zip(fast.tensors, plain.tensors):
+        assert (int(a.tensor_type), list(a.shape), a.data_offset, a.n_bytes) == (int(b.tensor_type), list(b.shape), b.data_offset, b.n_bytes)
+        assert np.array_equal(a.data, b.data), a.name
+    assert list(fast.fields) == list(plain.fields)
+    arrays = 0
+    for name, field in fast.fields.items():
+        other = plain.fields[name]
+        assert field.types == other.types, name
+        if field.types[0] == GGUFValueType.ARRAY:  # its item type and length, not its items
+            arrays += 1
+            assert int(field.parts[-1][0]) == len(other.data), name
+        else:
+            assert [bytes(p) for p in field.parts] == [bytes(p) for p in other.parts] and field.data == other.data, name
+    assert arrays >= 3  # the tokenizer's tokens, types and merges at least
