@@ -33,10 +33,10 @@ from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.registry import Options, register
 from specdec.errors import ConfigError
 from specdec.models.cache import PreallocatedCache
-from specdec.models.loader import LoadedModel, default_model_path, load_model, load_vocabulary
+from specdec.models.loader import LoadedModel, default_model_path, load_model
 from specdec.models.quantize import quantize_int8, quantized_bytes
 from specdec.models.runner import ModelRunner
-from specdec.models.vocab import check_vocabulary_compatible
+from specdec.models.vocab import check_draft_vocabulary, check_vocabulary_compatible
 from specdec.sampling.invariant import invariant_tokens
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.penalties import History
@@ -196,8 +196,8 @@ def _build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
     assert config.model is not None  # the config checks this
     # A target drafting for itself shares its weights instead of loading them again.
     shared = _same_model(config.model, target)
-    if not shared:  # refused before its weights load (a 262k-token model's take tens of seconds)
-        check_vocabulary_compatible(target, load_vocabulary(config.model))
+    if not shared:  # a draft that cannot pair is refused before its weights load
+        check_draft_vocabulary(target, config.model)
     draft = target if shared else load_model(config.model, device=target.device)
     check_vocabulary_compatible(target, draft)
     added = 0 if shared else draft.weight_bytes()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from specdec.errors import VocabularyMismatchError
-from specdec.models.loader import LoadedModel, Vocabulary
+from specdec.models.loader import LoadedModel, Vocabulary, load_vocabulary
+from specdec.models.weights import gguf_logit_size
 
 
 def vocabulary_differences(target: LoadedModel | Vocabulary, draft: LoadedModel | Vocabulary, limit: int = 3) -> list[str]:
@@ -35,3 +38,16 @@ def check_vocabulary_compatible(target: LoadedModel | Vocabulary, draft: LoadedM
         raise VocabularyMismatchError(
             f"draft model {draft.name} cannot draft for {target.name}: " + "; ".join(problems)
         )
+
+
+def check_draft_vocabulary(target: LoadedModel, draft_name: str) -> None:
+    """check_vocabulary_compatible for the model `draft_name` names, before its weights load: a
+    GGUF file whose logit size differs is refused from its tensor table alone (converting a
+    262k-token tokenizer takes tens of seconds); any other draft by its config and tokenizer."""
+    path = Path(draft_name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        size = gguf_logit_size(path)
+        if size != target.vocab_size:
+            raise VocabularyMismatchError(f"draft model {path.name} cannot draft for {target.name}: "
+                                          f"logit sizes differ: target {target.vocab_size}, draft {size}")
+    check_vocabulary_compatible(target, load_vocabulary(draft_name))

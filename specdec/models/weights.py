@@ -79,6 +79,16 @@ class TensorReader(GGUFReader):
         return offs - orig_offs, [item_type, length], [], [GGUFValueType.ARRAY] + ([item] if count else [])
 
 
+def gguf_logit_size(path: str | Path) -> int:
+    """The number of logits a GGUF model gives (its output matrix's rows, or its embedding's when
+    tied), from the file's tensor table alone."""
+    tensors = {t.name: t for t in TensorReader(str(path)).tensors}
+    matrix = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if matrix is None:
+        raise ModelLoadError(f"{Path(path).name} has neither output.weight nor token_embd.weight")
+    return int(matrix.shape[-1])  # GGUF lists the innermost dimension first
+
+
 class GGUFWeights:
     """Tensors of a GGUF file by Hugging Face name (a native backend's `WeightSource`)."""
 

