@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -95,3 +96,13 @@ def causal_mask(cached: int, new: int, device: torch.device) -> torch.Tensor:
     query = torch.arange(new, device=device)[:, None] + cached  # [new, 1]
     key = torch.arange(cached + new, device=device)[None, :]  # [1, cached + new]
     return (key <= query)[None, None]
+
+
+def cpu_multiplies_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX). Without it PyTorch
+    emulates bfloat16 products, slower than float32 ones."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags

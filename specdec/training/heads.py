@@ -41,6 +41,7 @@ from torch import nn
 
 from specdec import drafters
 from specdec.errors import ConfigError
+from specdec.models.backend import cpu_multiplies_bfloat16
 from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
 from specdec.training.corpus import split_of
@@ -286,16 +287,6 @@ def training_device(name: str) -> torch.device:
     return device
 
 
-def bf16_matmuls() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), which makes the
-    head's training step faster in bfloat16 autocast; without it autocast would be slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
 def epoch_batches(lengths: list[int], epoch: int, seed: int, max_sequences: int, max_tokens: int) -> list[list[int]]:
     """The batches of one epoch, the same for a seed and epoch on every run: indices shuffled,
     sorted by length within windows of a few batches (little padding), cut into batches of at
@@ -430,7 +421,7 @@ def train_head(
     store = ViewStore(out / VIEWS_DIR, TargetView.meta(target, layers, head.draft_ids, config.view_top))
     view = TargetView(target, layers, head.draft_ids, config.view_top, store)
     autocast = config.bf16 == "on" or (config.bf16 == "auto" and (
-        torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and bf16_matmuls()))
+        torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_multiplies_bfloat16()))
 
     def checkpoint() -> None:
         state = {"config": asdict(config), "d2t_ids": d2t_ids, "coverage": coverage, "head": head.state_dict(),

@@ -4,6 +4,7 @@ for bad names, and the vocabulary check that pairs a draft model with a target."
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,19 @@ def test_hugging_face_directory_loads(tiny_model_dir: Path, tiny_model: LoadedMo
 def test_hugging_face_directory_loads_in_another_dtype(tiny_model_dir: Path) -> None:
     loaded = load_model(str(tiny_model_dir), backend="hf", dtype=torch.bfloat16)
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("native_bfloat16", [False, True])
+def test_bfloat16_without_its_arithmetic_is_warned(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture, native_bfloat16: bool) -> None:
+    import specdec.models.loader as loader
+
+    monkeypatch.setattr(loader, "cpu_multiplies_bfloat16", lambda: native_bfloat16)
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        load_model(str(tiny_model_dir), backend="native", dtype="bfloat16")
+        load_model(str(tiny_model_dir), backend="native", dtype="float32")
+    warned = [r.getMessage() for r in caplog.records if "without bfloat16 arithmetic" in r.getMessage()]
+    assert len(warned) == (0 if native_bfloat16 else 1)
 
 
 def test_default_model(default_model: LoadedModel) -> None:
