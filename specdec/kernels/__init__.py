@@ -10,9 +10,8 @@ across pass shapes: a row's result never depends on the other rows). `forward.cp
 layers of a pass in one call of those same kernels; `bindings.cpp` holds the module's Python
 functions (`ops.h` declares what the sources share; only the bindings include pybind11). The
 extension is compiled once per machine, torch installation and version of its sources with the
-compiler on the machine (about 30 s on two cores); where it
-cannot be built (no compiler, no AVX2), :func:`load` says why once and the native backend runs
-PyTorch's own int4/int8 kernels instead.
+compiler on the machine; where it cannot be built (no compiler, no AVX2), :func:`load` says why
+once and the native backend runs PyTorch's own int4/int8 kernels instead.
 """
 
 from __future__ import annotations

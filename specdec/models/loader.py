@@ -251,8 +251,8 @@ def load_model(
     path, display = _locate(name)
     if dtype == "bfloat16" and torch.device(device).type == "cpu" and not cpu_multiplies_bfloat16():
         log.warning("bfloat16 weights on a CPU without bfloat16 arithmetic (AVX-512 BF16 or AMX): PyTorch emulates "
-                    "the products, slower than float32 (12 against 27 tokens/s for the default model on an AVX2 "
-                    "EPYC); --dtype auto runs a GGUF file in its own format, the fastest")
+                    "the products, slower than float32 ones; --dtype auto runs a GGUF file in its own format, "
+                    "the fastest")
     with _load_errors(path):
         directory, config, tokenizer, generation_config = _metadata(path)
         chosen = resolve_backend(backend, config, device)

@@ -58,8 +58,8 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 
 class TensorReader(GGUFReader):
     """The `gguf` package's reader, told to step over the contents of metadata arrays instead of
-    keeping a view of every element: a tokenizer's 49k-262k strings (and their scores and types)
-    made the plain reader take 4 s for the default model, most of a load, and 13 s for Gemma 3.
+    keeping a view of every element: a view per string of a tokenizer's 49k-262k tokens (and per
+    score and type) made the plain reader's parse most of a model's load.
     The tensors and every scalar and string field read exactly as the plain reader reads them; an
     array field keeps its item type and length, not its items (the native backend reads none)."""
 
