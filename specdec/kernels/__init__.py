@@ -33,7 +33,8 @@ from specdec.paths import cache_dir
 
 log = logging.getLogger("specdec.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "bindings.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("quant.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "bindings.cpp")]
 # The instruction sets a product may be asked to run on: auto picks the best this CPU has.
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2}
 # Set to `avx2` to run the AVX2 path on an AVX-512 machine (tests and comparisons), or `off`.

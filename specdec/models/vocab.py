@@ -9,7 +9,8 @@ from specdec.models.loader import LoadedModel, Vocabulary, load_vocabulary
 from specdec.models.weights import gguf_logit_size
 
 
-def vocabulary_differences(target: LoadedModel | Vocabulary, draft: LoadedModel | Vocabulary, limit: int = 3) -> list[str]:
+def vocabulary_differences(target: LoadedModel | Vocabulary, draft: LoadedModel | Vocabulary,
+                           limit: int = 3) -> list[str]:
     """What differs between the two vocabularies, most telling first; empty when compatible."""
     problems: list[str] = []
     if target.vocab_size != draft.vocab_size:
