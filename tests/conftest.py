@@ -101,8 +101,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import decoders, pre_tokenizers, trainers
     from tokenizers.models import BPE
 
-    docs = Path(__file__).resolve().parents[1]
-    corpus = [p.read_text(encoding="utf-8") for p in sorted([docs / "README.md", *(docs / "docs").glob("*.md")])]
+    # A fixed corpus (the project's README and docs as they stood when it was frozen): trained on
+    # the live docs, every edit of them changed the tiny model's vocabulary and so its text.
+    corpus = json.loads((Path(__file__).parent / "data" / "tiny_corpus.json").read_text(encoding="utf-8"))
     backend = Tokenizer(BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
