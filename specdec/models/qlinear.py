@@ -6,8 +6,8 @@ of its weights; packed integer weights are the cheapest way to read them. Each f
 want them:
 
 - `float32`: the matrix as is, multiplied as `weight @ x.T` (:func:`~specdec.models.linear.thin_linear`);
-- `bfloat16`: the matrix in bfloat16, activations cast to it, at least four rows a product
-  (padded) so that every row goes through oneDNN's one row-invariant path;
+- `bfloat16`: the matrix in bfloat16, activations cast to it, 4 to 32 rows a product (padded
+  up, split down) so that every row goes through oneDNN's one row-invariant path;
 - `int8`: weight-only int8, one scale per output channel (`aten._weight_int8pack_mm`, bfloat16
   activations: its float32 path is many times slower);
 - `int4`: weight-only int4 in groups of 32 along the input, a bfloat16 scale and zero per group,
@@ -51,6 +51,8 @@ INT4_OUT_MULTIPLE = 16  # the int4 kernel's packing needs out_features divisible
 # rows differently (on AVX-512, K = 1536); from it on, a row's result no longer depends on how
 # many rows share the product (tests/models/test_native.py checks 1 to 40 rows, 1 and 2 threads).
 BFLOAT16_MIN_ROWS = 4
+# ... and another above this many (on AMX CPUs, from 33 rows): longer products run in parts.
+BFLOAT16_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,8 @@ class PackedLinear:
             return thin_linear(x, t["weight"])
         if self.fmt == "bfloat16":
             rows = x.shape[0]
+            if rows > BFLOAT16_MAX_ROWS:
+                return torch.cat([self(part) for part in x.split(BFLOAT16_MAX_ROWS)])
             if rows >= BFLOAT16_MIN_ROWS:
                 return x @ t["weight"].t()
             padded = torch.cat([x, x.new_zeros(BFLOAT16_MIN_ROWS - rows, x.shape[1])])
