@@ -34,10 +34,14 @@ from specdec.paths import cache_dir
 log = logging.getLogger("specdec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("quant.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "bindings.cpp")]
+           for name in ("quant.cpp", "amx.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "bindings.cpp")]
 # The instruction sets a product may be asked to run on: auto picks the best this CPU has.
-ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2}
-# Set to `avx2` to run the AVX2 path on an AVX-512 machine (tests and comparisons), or `off`.
+ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3}
+# The paths, slowest first: AVX2 (every supported CPU), AVX-512 VNNI, and AMX tiles for products
+# of 16 rows or more (fewer rows, attention and the rest run the AVX-512 path under it).
+PATHS = ("avx2", "avx512_vnni", "amx")
+# Set to a path this CPU has (`avx2`, `avx512_vnni`, `amx`) to force it, e.g. the AVX2 path on an
+# AVX-512 machine for tests and comparisons, or to `off`.
 ENV_ISA = "SPECDEC_KERNELS"
 
 
@@ -45,7 +49,7 @@ class KernelsUnavailable(RuntimeError):
     """The extension cannot be built or run on this machine."""
 
 
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "quant.h")]
 
 
 def _sources_digest() -> str:
@@ -140,7 +144,7 @@ def available() -> bool:
 
 
 def instruction_sets() -> list[str]:
-    """The kernel paths this CPU runs (`avx2`, `avx512_vnni`); empty without the extension."""
+    """The kernel paths this CPU runs (`avx2`, `avx512_vnni`, `amx`); empty without the extension."""
     return list(load().instruction_sets()) if available() else []
 
 
@@ -151,9 +155,23 @@ def default_isa() -> str:
     wanted = os.environ.get(ENV_ISA, "auto")
     if wanted not in ISAS:
         raise KernelsUnavailable(f"{ENV_ISA}={wanted!r}: choose one of {', '.join(ISAS)} or off")
+    have = instruction_sets()
     if wanted == "auto":
-        return "avx512_vnni" if "avx512_vnni" in instruction_sets() else "avx2"
+        return next((isa for isa in ("amx", "avx512_vnni") if isa in have), "avx2")
+    if wanted not in have:
+        raise KernelsUnavailable(f"{ENV_ISA}={wanted}: {missing_reason(wanted)}")
     return wanted
+
+
+def missing_reason(isa: str) -> str:
+    """Why this machine has no `isa` path (empty where it has one)."""
+    if isa in instruction_sets():
+        return ""
+    if not available():
+        return f"specdec kernels unavailable: {_build()}"
+    if isa == "amx":
+        return load().amx_unavailable_reason()
+    return f"this CPU has no {isa.upper().replace('_', ' ')}"
 
 
 def product(fmt: str, isa: str | None = None) -> Callable[..., torch.Tensor]:

@@ -258,7 +258,7 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
     // group split into balanced sets: 4 -> 2 + 2).
     const int64_t sets = (group + 2) / 3;
     const float fscale = static_cast<float>(scale);
-    const bool wide = resolve_isa(isa) == ISA_AVX512 && (head_dim == 64 || head_dim == 128);
+    const bool wide = resolve_isa(isa) != ISA_AVX2 && (head_dim == 64 || head_dim == 128);
     const int64_t qs = qc.stride(1);  // between heads
     at::parallel_for(0, rows * nq * kv_heads * sets, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buffer;

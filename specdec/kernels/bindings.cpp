@@ -3,6 +3,7 @@
 // header also pulls in the whole C++ API, which made this the slowest source to compile.
 
 #include "ops.h"
+#include "quant.h"
 
 #include <torch/csrc/utils/pybind.h>
 
@@ -23,4 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_mul", &silu_mul, "h [rows, 2 * inter] -> silu(gate) * up [rows, inter]");
     m.def("forward_layers", &forward_layers, "decoder layers of a short pass in one call (see forward.cpp)");
     m.def("instruction_sets", &instruction_sets, "the kernel paths this CPU can run");
+    m.def("amx_unavailable_reason", []() { return specdec::amx_unavailable_reason(); },
+          "why this process has no AMX path (empty where it has one)");
 }

@@ -14,14 +14,15 @@ constexpr int Q4_RECORD = 256 + 64;  // nibbles, then 16 float16 d and 16 float1
 constexpr int Q8_RECORD = 512 + 32;  // int8, then 16 float16 d
 
 // The kernel paths, as the `isa` arguments name them (specdec.kernels.ISAS on the Python side).
-enum Isa : int64_t { ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+// ISA_AMX: AMX tiles for products of several rows, the AVX-512 VNNI path for the rest and for attention.
+enum Isa : int64_t { ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
 
 // quant.cpp: x [rows, in] float32 times packed q4 (Q4_0/Q4_1) or q8 (Q8_0) weights, plus the
 // residual where given -> [rows, out] float32; isa: an Isa.
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                                int64_t isa, bool q4, const c10::optional<at::Tensor>& residual);
 std::vector<std::string> instruction_sets();
-// The path a kernel takes: ISA_AUTO -> the best this CPU has (AVX-512 with VNNI, else AVX2).
+// The path a kernel takes: ISA_AUTO -> the best this CPU has (AMX, else AVX-512 with VNNI, else AVX2).
 int64_t resolve_isa(int64_t isa);
 
 // attention.cpp

@@ -21,6 +21,7 @@
 //       byte 64 j + 4 c + i: input 4 j + i, column c
 
 #include "ops.h"
+#include "quant.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -33,13 +34,20 @@
 
 namespace {
 
-constexpr int QK = 32;                 // inputs per block
-constexpr int NC = 16;                 // output columns per unit
+using specdec::NC;
+using specdec::QK;
+using specdec::Rows;
+using specdec::TileFn;
 // Q4_RECORD and Q8_RECORD, the bytes per (unit, block): ops.h.
 // Weights stream from memory (a model's matrices do not fit in the caches): each tile asks for
 // the record this many blocks ahead, which the hardware prefetcher alone does not fetch early
 // enough once the loop does several rows' arithmetic per record. Prefetching changes no bits.
 constexpr int PREFETCH_AHEAD = 8;
+
+// Under the AMX path, rows run on AMX tiles 16 at a time, and a remainder of fewer than this many
+// rows on the VNNI tiles (the same bits): an AMX tile's loads, product and stores cost about the
+// same for 1 row as for 16, so the VNNI tiles are cheaper for a few rows.
+constexpr int64_t AMX_MIN_ROWS = 8;
 
 template <int RECORD>
 inline void prefetch_ahead(const uint8_t* rec) {
@@ -109,14 +117,6 @@ void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d,
         }
     });
 }
-
-struct Rows {
-    const int8_t* q;    // [G, rows, 32]
-    const float* d;     // [G, rows]
-    const int32_t* s;   // [G, rows]
-    const float* sf;    // [G, rows] the sums as floats
-    int64_t rows, G;
-};
 
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI: a tile of T rows times one unit of 16 columns.
@@ -314,8 +314,6 @@ void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
 // ---------------------------------------------------------------------------------------------
 // Dispatch: rows in tiles of the largest size the instruction set keeps in registers.
 
-using TileFn = void (*)(const uint8_t*, const Rows&, int64_t, float*, const float*, int64_t, int);
-
 #define SPECDEC_TILES(NAME)                                                                              \
     TileFn NAME##_tile(int rows) {                                                                       \
         static const TileFn table[] = {nullptr, NAME<1>, NAME<2>, NAME<3>, NAME<4>, NAME<5>, NAME<6>, NAME<7>, NAME<8>}; \
@@ -337,8 +335,9 @@ TileFn q8_tile_avx2_n(int rows) {
 }  // namespace
 
 int64_t resolve_isa(int64_t isa) {
-    if (isa == ISA_AUTO) return has_avx512() ? ISA_AVX512 : ISA_AVX2;
-    TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512, "unknown instruction set ", isa);
+    if (isa == ISA_AUTO) return specdec::amx_usable() ? ISA_AMX : has_avx512() ? ISA_AVX512 : ISA_AVX2;
+    TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512 || isa == ISA_AMX, "unknown instruction set ", isa);
+    TORCH_CHECK(isa != ISA_AMX || specdec::amx_usable(), "no AMX path: ", specdec::amx_unavailable_reason());
     TORCH_CHECK(isa != ISA_AVX512 || has_avx512(), "this CPU has no AVX-512 VNNI");
     TORCH_CHECK(has_avx2(), "this CPU has no AVX2");
     return isa;
@@ -362,7 +361,9 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     thread_local std::vector<int8_t> q_buf;
     thread_local std::vector<float> d_buf, sf_buf;
     thread_local std::vector<int32_t> s_buf;
-    q_buf.resize(rows * K);
+    // On AMX a tile loads 16 rows of a block whatever its own size: room for the last block's.
+    const bool amx = isa == ISA_AMX && rows >= specdec::AMX_ROWS;
+    q_buf.resize(rows * K + (amx ? specdec::AMX_PAD_BYTES : 0));
     d_buf.resize(rows * G);
     sf_buf.resize(rows * G);
     s_buf.resize(rows * G);
@@ -378,22 +379,34 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     const Rows xr{q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data(), rows, G};
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
-    const int max_tile = isa == ISA_AVX512 ? 8 : 4;
-    auto tile = [&](int n) {
-        if (isa == ISA_AVX512) return q4 ? q4_tile_avx512_tile(n) : q8_tile_avx512_tile(n);
-        return q4 ? q4_tile_avx2_n(n) : q8_tile_avx2_n(n);
+    auto vnni_tile = [&](int n) {
+        if (isa == ISA_AVX2) return q4 ? q4_tile_avx2_n(n) : q8_tile_avx2_n(n);
+        return q4 ? q4_tile_avx512_tile(n) : q8_tile_avx512_tile(n);
     };
-    // Tiles: as few as the registers allow, of balanced sizes (7 rows: 4 + 3, not 6 + 1, whose
-    // lone row would be latency-bound). A row's bits never depend on the tile it lands in.
-    const int64_t tiles = (rows + max_tile - 1) / max_tile;
     std::vector<std::pair<int64_t, TileFn>> plan;  // (first row, tile function)
-    for (int64_t t = 0, row = 0; t < tiles; ++t) {
+    int64_t row = 0;
+    if (amx) {
+        for (; rows - row >= specdec::AMX_ROWS; row += specdec::AMX_ROWS)
+            plan.emplace_back(row, q4 ? specdec::q4_tile_amx(specdec::AMX_ROWS) : specdec::q8_tile_amx(specdec::AMX_ROWS));
+        if (rows - row >= AMX_MIN_ROWS) {
+            const int rest = static_cast<int>(rows - row);
+            plan.emplace_back(row, q4 ? specdec::q4_tile_amx(rest) : specdec::q8_tile_amx(rest));
+            row = rows;
+        }
+    }
+    // The rest in VNNI or AVX2 tiles: as few as the registers allow, of balanced sizes (7 rows:
+    // 4 + 3, not 6 + 1, whose lone row would be latency-bound). A row's bits never depend on the
+    // tile it lands in.
+    const int max_tile = isa == ISA_AVX2 ? 4 : 8;
+    const int64_t tiles = (rows - row + max_tile - 1) / max_tile;
+    for (int64_t t = 0; t < tiles; ++t) {
         const int size = static_cast<int>((rows - row) / (tiles - t) + ((rows - row) % (tiles - t) ? 1 : 0));
-        plan.emplace_back(row, tile(size));
+        plan.emplace_back(row, vnni_tile(size));
         row += size;
     }
     const int64_t grain = std::max<int64_t>(1, units / (4 * at::get_num_threads()));
     at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+        if (amx) specdec::amx_begin();
         for (int64_t u = begin; u < end; ++u) {
             const uint8_t* unit = w + u * G * record;
             const int ncols = static_cast<int>(std::min<int64_t>(NC, out_features - u * NC));
@@ -401,6 +414,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
             const float* res_col = res ? res + u * NC : nullptr;
             for (const auto& [row, fn] : plan) fn(unit, xr, row, col, res_col, out_features, ncols);
         }
+        if (amx) specdec::amx_end();
     });
     return out;
 }
@@ -409,6 +423,7 @@ std::vector<std::string> instruction_sets() {
     std::vector<std::string> found;
     if (has_avx2()) found.emplace_back("avx2");
     if (has_avx512()) found.emplace_back("avx512_vnni");
+    if (specdec::amx_usable()) found.emplace_back("amx");
     return found;
 }
 

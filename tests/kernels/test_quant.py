@@ -16,7 +16,6 @@ from specdec.kernels import packing, reference
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built on this machine")
 
-ISAS = [isa for isa in ("avx2", "avx512_vnni") if isa in (kernels.instruction_sets() if kernels.available() else [])]
 # The default model's shapes (query/key/value, output, gate/up, down, LM head) and odd ones:
 # out_features not a multiple of 16, a single block.
 SHAPES = [(960, 576), (576, 1536), (37, 96), (16, 32)]
@@ -40,7 +39,6 @@ def _activations(rows: int, in_features: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_q4_product_is_its_reference(isa: str, shape: tuple[int, int]) -> None:
     q, d, m, packed = _q4(*shape, seed=0)
@@ -48,7 +46,6 @@ def test_q4_product_is_its_reference(isa: str, shape: tuple[int, int]) -> None:
     assert torch.equal(kernels.q4_matmul(x, packed, shape[0], isa), reference.q4_matmul(x, q, d, m))
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_q8_product_is_its_reference(isa: str, shape: tuple[int, int]) -> None:
     q, d, packed = _q8(*shape, seed=2)
@@ -70,9 +67,9 @@ def test_reference_is_close_to_the_float_product() -> None:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
-@pytest.mark.parametrize("isa", ISAS)
 def test_products_are_row_invariant(isa: str, fmt: str, threads: int) -> None:
-    # 1..32 rows: every tile size and remainder of both paths.
+    # 1..32 rows: every tile size and remainder of every path (AMX: a 16-row tile, then the rest
+    # in one AMX tile from 8 rows or in VNNI tiles below).
     out_features, in_features = 576, 1536
     if fmt == "q4":
         *_, packed = _q4(out_features, in_features, seed=5)
@@ -91,11 +88,19 @@ def test_products_are_row_invariant(isa: str, fmt: str, threads: int) -> None:
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(len(ISAS) < 2, reason="this CPU has only one kernel path")
-def test_both_paths_give_the_same_bits() -> None:
-    q, d, m, packed = _q4(80, 192, seed=7)
-    x = _activations(9, 192, seed=8)
-    assert torch.equal(kernels.q4_matmul(x, packed, 80, "avx2"), kernels.q4_matmul(x, packed, 80, "avx512_vnni"))
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_every_path_gives_the_same_bits(isa: str, fmt: str) -> None:
+    # Against the AVX2 path, which every supported CPU has: rows that fill AMX tiles (16, 32),
+    # leave an AMX remainder (25 = 16 + 9) or a VNNI one (37 = 32 + 5); a last unit of 8 columns.
+    if fmt == "q4":
+        *_, packed = _q4(88, 192, seed=7)
+        product = kernels.q4_matmul
+    else:
+        *_, packed = _q8(88, 192, seed=7)
+        product = kernels.q8_matmul
+    for rows in (1, 9, 16, 25, 32, 37):
+        x = _activations(rows, 192, seed=8)
+        assert torch.equal(product(x, packed, 88, isa), product(x, packed, 88, "avx2")), rows
 
 
 def test_packing_round_trips() -> None:
@@ -129,3 +134,31 @@ def test_without_a_compiler_the_backend_falls_back_and_says_so(tmp_path) -> None
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "int4", "int8"]
     assert done.stderr.count("specdec kernels unavailable: the extension did not build") == 1
+
+
+def test_a_forced_path_this_machine_lacks_is_refused_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "instruction_sets", lambda: ["avx2"])
+    monkeypatch.setenv(kernels.ENV_ISA, "amx")
+    kernels.default_isa.cache_clear()
+    try:
+        with pytest.raises(kernels.KernelsUnavailable, match="SPECDEC_KERNELS=amx: "):
+            kernels.default_isa()
+        monkeypatch.setenv(kernels.ENV_ISA, "avx512_vnni")
+        kernels.default_isa.cache_clear()
+        with pytest.raises(kernels.KernelsUnavailable, match="no AVX512 VNNI"):
+            kernels.default_isa()
+    finally:
+        monkeypatch.undo()
+        kernels.default_isa.cache_clear()
+
+
+def test_the_amx_path_is_offered_exactly_where_the_cpu_has_amx() -> None:
+    # /proc/cpuinfo's flags against the extension's detection: a CPU with AMX-INT8 gets the path
+    # unless Linux refused the tile state, which the reason then says; one without it never does.
+    flags = open("/proc/cpuinfo", encoding="utf-8").read().split()
+    if "amx_int8" in flags and "amx_tile" in flags and "avx512_vnni" in flags:
+        assert "amx" in kernels.instruction_sets() or "Linux did not grant" in kernels.missing_reason("amx")
+        if "amx" in kernels.instruction_sets():
+            assert kernels.default_isa() == "amx" or os.environ.get(kernels.ENV_ISA, "auto") != "auto"
+    else:
+        assert "amx" not in kernels.instruction_sets() and kernels.missing_reason("amx")

@@ -1,0 +1,43 @@
+// What the products' sources share (quant.cpp: quantization, the AVX2 and AVX-512 VNNI tiles and
+// the dispatch; amx.cpp: the AMX tiles): the quantized activations and a tile's signature.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace specdec {
+
+constexpr int QK = 32;  // inputs per block
+constexpr int NC = 16;  // output columns per unit
+
+// Quantized activation rows, block-major: block g of row r at q + (g * rows + r) * QK.
+struct Rows {
+    const int8_t* q;    // [G, rows, 32]
+    const float* d;     // [G, rows]
+    const int32_t* s;   // [G, rows]
+    const float* sf;    // [G, rows] the sums as floats
+    int64_t rows, G;
+};
+
+// Rows row0 .. row0 + T - 1 times one unit (16 columns) of packed weights into out (row stride
+// ldo), plus the residual's same elements where res is given; ncols < 16 for a matrix's last unit.
+using TileFn = void (*)(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res,
+                        int64_t ldo, int ncols);
+
+// amx.cpp. Whether this process can run tile instructions (the CPU has AMX-INT8 and Linux granted
+// the tile state), asked once; if not, why.
+bool amx_usable();
+const std::string& amx_unavailable_reason();
+// The largest tile: an AMX tile holds 16 rows.
+constexpr int AMX_ROWS = 16;
+// Tiles of 1 .. 16 rows. A thread runs them between amx_begin() (its tile configuration) and
+// amx_end() (the tile state released).
+TileFn q4_tile_amx(int rows);
+TileFn q8_tile_amx(int rows);
+void amx_begin();
+void amx_end();
+// The bytes a tile may read past the last row of the activations' last block (a 16-row tile
+// loads 16 rows whatever its size; the rows past its own only reach accumulator rows it ignores).
+constexpr int64_t AMX_PAD_BYTES = AMX_ROWS * QK;
+
+}  // namespace specdec
