@@ -230,7 +230,8 @@ def generate(
         label = "plain decoding" if spec is None else spec.label
         memory = llm.memory()
         err.print(f"[dim]{label}; finish: {result.finish_reason}; weights: target "
-                  f"{memory['target_weight_bytes'] / 2**20:.0f} MiB ({escape(llm.target.describe())}), draft adds {memory['draft_added_bytes'] / 2**20:.0f} MiB[/dim]")
+                  f"{memory['target_weight_bytes'] / 2**20:.0f} MiB ({escape(llm.target.describe())}, products on "
+                  f"{llm.target.kernel_path}), draft adds {memory['draft_added_bytes'] / 2**20:.0f} MiB[/dim]")
         err.print_json(data=result.stats.to_dict())
 
 
@@ -540,19 +541,24 @@ def costs(
     from rich.table import Table
 
     from specdec.bench.cost import step_costs
+    from specdec.models.backend import cpu_model
     from specdec.models.loader import load_model
 
     if max_verified < 1 or context < 1 or repeats < 1:
         raise ConfigError("--max-verified, --context and --repeats must be >= 1")
     wanted = [tuple(f.partition(":")[::2]) for f in formats] if formats else [(backend, dtype)]
     curves: dict[str, dict[int, float]] = {}
+    paths: dict[str, str] = {}  # per curve, what ran its products
     for name, fmt in wanted:
         with err.status(f"loading the model ({name} {fmt or 'auto'})..."):
             loaded = load_model(model, device=device, backend=name, dtype=fmt or "auto")
         with err.status(f"measuring {loaded.describe()}: passes over 1..{max_verified} tokens..."):
             curves[loaded.describe()] = step_costs(loaded, list(range(1, max_verified + 1)), context=context, repeats=repeats)
+        paths[loaded.describe()] = loaded.kernel_path
         del loaded
-    table = Table(title=f"target pass cost after {context} cached tokens ({device}): ms, and cost / plain step")
+    kernel_note = "; ".join(f"{label}: {path}" for label, path in paths.items())
+    table = Table(title=f"target pass cost after {context} cached tokens ({device}): ms, and cost / plain step",
+                  caption=f"products on {kernel_note} ({escape(cpu_model())})")
     table.add_column("tokens verified", justify="right")
     table.add_column("drafted (k)", justify="right")
     for label in curves:
@@ -562,8 +568,8 @@ def costs(
     out.print(table)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"context": context, "repeats": repeats, "device": device,
-                "curves": {label: {"seconds": {str(n): s for n, s in c.items()},
+        data = {"context": context, "repeats": repeats, "device": device, "cpu": cpu_model(),
+                "curves": {label: {"kernel_path": paths[label], "seconds": {str(n): s for n, s in c.items()},
                                    "cost_over_plain_step": {str(n): s / c[1] for n, s in c.items()}}
                            for label, c in curves.items()}}
         json_path.write_text(json.dumps(data, indent=2))
@@ -775,7 +781,8 @@ def doctor(
         metrics_text, health = fetch(base)
         reports = diagnose(metrics_text, health, curve_costs)
         name = f"replica {replica} ({base})" if replica is not None else url
-        table = Table(title=f"{escape(name)}: {health.get('running', 0)} running, {health.get('waiting', 0)} waiting")
+        table = Table(title=f"{escape(name)}: {health.get('running', 0)} running, {health.get('waiting', 0)} waiting, "
+                            f"products on {escape(str(health.get('kernel_path', '?')))}")
         for column in ("route", "drafter", "k now", "acceptance", "per position", "verdict"):
             table.add_column(column)
         for r in reports:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+import platform
 from pathlib import Path
 from typing import Protocol
 
@@ -40,6 +41,7 @@ class ForwardOutput:
 class Backend(Protocol):
     name: str  # "hf" or "native"
     weight_format: str  # what the weights run in: "float32", "bfloat16", "int8", "int4", or "mixed: ..."
+    kernel_path: str  # what runs the products: specdec's "amx", "avx512_vnni" or "avx2" path, or "pytorch"
     num_layers: int
     hidden_size: int
     kv_heads: int
@@ -96,6 +98,17 @@ def causal_mask(cached: int, new: int, device: torch.device) -> torch.Tensor:
     query = torch.arange(new, device=device)[:, None] + cached  # [new, 1]
     key = torch.arange(cached + new, device=device)[None, :]  # [1, cached + new]
     return (key <= query)[None, None]
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it (results and costs name the machine they ran on)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpu_multiplies_bfloat16() -> bool:

@@ -36,6 +36,7 @@ class HFBackend:
         self.kv_dtype = param.dtype
         self.device = param.device
         self.weight_format = str(param.dtype).removeprefix("torch.")
+        self.kernel_path = "pytorch"
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -108,6 +108,11 @@ class LoadedModel:
         """Backend and weight format, e.g. `native int4 (LM head int8)`."""
         return f"{self.backend.name} {self.backend.weight_format}"
 
+    @property
+    def kernel_path(self) -> str:
+        """What runs the products: specdec's `amx`, `avx512_vnni` or `avx2` path, or `pytorch`."""
+        return self.backend.kernel_path
+
 
 def eos_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """The ids that end a generation: the generation config's and the tokenizer's."""

@@ -170,6 +170,7 @@ class NativeBackend:
         self.weight_format = "+".join(decoder)
         if self.lm_head.fmt != self.weight_format:
             self.weight_format += f" (LM head {self.lm_head.fmt})"
+        self.kernel_path = self._products_path()
         del self._weights
 
         # Rotary tables for every position, computed once (HF's inverse frequencies and scaling).
@@ -218,7 +219,14 @@ class NativeBackend:
         ]
         copy.lm_head = repack(self.lm_head)
         copy.weight_format = fmt
+        copy.kernel_path = copy._products_path()
         return copy
+
+    def _products_path(self) -> str:
+        """The kernels' path where any matrix runs on them (q4, q8), else `pytorch`."""
+        formats = {lin.fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+        on_kernels = (formats | {self.lm_head.fmt}) & set(KERNEL_FORMATS)
+        return kernels.default_isa() if self.fused and on_kernels else "pytorch"
 
     def matrix_bytes(self) -> int:
         """Bytes of the packed matrices alone (what a requantized copy adds)."""

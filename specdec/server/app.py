@@ -398,6 +398,7 @@ def create_app(state: ServerState) -> FastAPI:
             "running": state.scheduler.running,
             "waiting": state.scheduler.waiting,
             "threads": state.scheduler.torch_threads,
+            "kernel_path": state.encoder.target.kernel_path,
             "replica": state.replica,
             "pid": os.getpid(),
             "memory": memory_plan() | {"suffix_cache_bytes": {route: cache.nbytes for route, cache in shared_caches()}},

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from specdec import kernels
 from tests.conftest import CliRun, _tiny_llama, small_vocab_tokenizer
 
 SPECDEC = [sys.executable, "-m", "specdec.cli.main"]
@@ -113,6 +114,11 @@ def test_costs_prints_a_ratio_per_size_and_format(run_cli: CliRun, tmp_path) -> 
     assert len(rows) == 3
     cells = rows[0].split("│")
     assert cells[3].strip().endswith("(1.00)") and cells[4].strip().endswith("(1.00)")  # a plain step costs itself
-    curves = json.loads(path.read_text())["curves"]
+    data = json.loads(path.read_text())
+    curves = data["curves"]
     assert list(curves) == ["native q4 (LM head q8)", "hf float32"]
+    # What ran the products, and on which CPU: the kernels' path on native, PyTorch on hf.
+    native = kernels.default_isa() if kernels.available() else "pytorch"
+    assert [c["kernel_path"] for c in curves.values()] == [native, "pytorch"]
+    assert data["cpu"] and f"native q4 (LM head q8): {native}" in " ".join(stdout.split())
     assert all(c["cost_over_plain_step"]["1"] == 1.0 and len(c["seconds"]) == 3 for c in curves.values())

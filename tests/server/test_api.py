@@ -9,6 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdec import kernels
 from specdec.engine.stats import RequestStats
 from specdec.server.runtime import ServerThread
 
@@ -121,6 +122,7 @@ def test_health_reports_memory_plan(server: ServerThread) -> None:
     assert health["status"] == "ok" and health["max_num_seqs"] == 8
     memory = health["memory"]
     assert memory["target_format"] == "native q4 (LM head q8)"  # the default backend and the GGUF's own format
+    assert health["kernel_path"] == (kernels.default_isa() if kernels.available() else "pytorch")  # the path this CPU runs the products on
     assert memory["bytes_per_sequence"] == 256 * memory["target_kv_bytes_per_token"]
     assert memory["max_sequences"] == memory["cache_budget_bytes"] // memory["bytes_per_sequence"]
 
