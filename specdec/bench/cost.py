@@ -41,3 +41,20 @@ def step_costs(
             times[n].append(time.perf_counter() - start)
             cache.rollback(context)
     return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def prefill_rates(loaded: LoadedModel, lengths: list[int], repeats: int = 3) -> dict[int, float]:
+    """Prompt tokens per second of a prefill of n tokens into an empty cache, per n (the median of
+    `repeats`, measured round-robin): what a long prompt waits before its first token."""
+    runner = ModelRunner(loaded)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, loaded.vocab_size, (max(lengths),), generator=generator).tolist()
+    caches = {n: runner.new_cache(n + 1) for n in lengths}
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for _ in range(repeats):
+        for n in lengths:
+            start = time.perf_counter()
+            runner.forward(caches[n], tokens[:n], last_only=True)
+            times[n].append(time.perf_counter() - start)
+            caches[n].rollback(0)
+    return {n: n / statistics.median(ts) for n, ts in times.items()}

@@ -528,6 +528,7 @@ def costs(
     context: Annotated[int, typer.Option(help="Tokens already in the cache.")] = 256,
     repeats: Annotated[int, typer.Option(help="Measurements per size (the median is reported).")] = 15,
     formats: Annotated[Optional[list[str]], typer.Option("--format", help="BACKEND:DTYPE to measure (repeatable), e.g. hf:float32, native:int8, native:auto. [default: --backend and --dtype]")] = None,
+    prefill: Annotated[Optional[list[int]], typer.Option("--prefill", help="Prompt lengths whose prefill to time (repeatable; 0: none). [default: 64 and 1024]")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the costs as JSON here.")] = None,
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
@@ -540,14 +541,18 @@ def costs(
     commits outweigh that pass's cost relative to a plain step (1 token)."""
     from rich.table import Table
 
-    from specdec.bench.cost import step_costs
+    from specdec.bench.cost import prefill_rates, step_costs
     from specdec.models.backend import cpu_model
     from specdec.models.loader import load_model
 
     if max_verified < 1 or context < 1 or repeats < 1:
         raise ConfigError("--max-verified, --context and --repeats must be >= 1")
+    lengths = sorted({n for n in (prefill if prefill is not None else [64, 1024]) if n != 0})
+    if any(n < 0 for n in lengths):
+        raise ConfigError("--prefill takes prompt lengths >= 1 (0 for none)")
     wanted = [tuple(f.partition(":")[::2]) for f in formats] if formats else [(backend, dtype)]
     curves: dict[str, dict[int, float]] = {}
+    rates: dict[str, dict[int, float]] = {}  # per curve, prefill tokens/s by prompt length
     paths: dict[str, str] = {}  # per curve, what ran its products
     for name, fmt in wanted:
         with err.status(f"loading the model ({name} {fmt or 'auto'})..."):
@@ -555,6 +560,11 @@ def costs(
         with err.status(f"measuring {loaded.describe()}: passes over 1..{max_verified} tokens..."):
             curves[loaded.describe()] = step_costs(loaded, list(range(1, max_verified + 1)), context=context, repeats=repeats)
         paths[loaded.describe()] = loaded.kernel_path
+        if lengths:
+            if max(lengths) > loaded.max_positions:
+                raise ConfigError(f"--prefill {max(lengths)} is longer than the model's {loaded.max_positions} positions")
+            with err.status(f"measuring {loaded.describe()}: prefill of {', '.join(map(str, lengths))} tokens..."):
+                rates[loaded.describe()] = prefill_rates(loaded, lengths, repeats=min(repeats, 3))
         del loaded
     kernel_note = "; ".join(f"{label}: {path}" for label, path in paths.items())
     table = Table(title=f"target pass cost after {context} cached tokens ({device}): ms, and cost / plain step",
@@ -566,10 +576,19 @@ def costs(
     for n in range(1, max_verified + 1):
         table.add_row(str(n), str(n - 1), *(f"{c[n] * 1e3:.1f} ({c[n] / c[1]:.2f})" for c in curves.values()))
     out.print(table)
+    if rates:
+        fill = Table(title="prefill into an empty cache: tokens/s (ms)")
+        fill.add_column("prompt tokens", justify="right")
+        for label in rates:
+            fill.add_column(label, justify="right")
+        for n in lengths:
+            fill.add_row(str(n), *(f"{r[n]:.0f} ({n / r[n] * 1e3:.0f})" for r in rates.values()))
+        out.print(fill)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         data = {"context": context, "repeats": repeats, "device": device, "cpu": cpu_model(),
                 "curves": {label: {"kernel_path": paths[label], "seconds": {str(n): s for n, s in c.items()},
+                                   "prefill_tokens_per_s": {str(n): r for n, r in rates.get(label, {}).items()},
                                    "cost_over_plain_step": {str(n): s / c[1] for n, s in c.items()}}
                            for label, c in curves.items()}}
         json_path.write_text(json.dumps(data, indent=2))

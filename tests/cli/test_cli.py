@@ -107,11 +107,11 @@ def test_generate_at_a_tiny_temperature_is_greedy(run_cli: CliRun) -> None:
 
 def test_costs_prints_a_ratio_per_size_and_format(run_cli: CliRun, tmp_path) -> None:
     path = tmp_path / "costs.json"
-    code, stdout, stderr = run_cli("costs", "--max-verified", "3", "--repeats", "2", "--context", "16",
+    code, stdout, stderr = run_cli("costs", "--max-verified", "3", "--repeats", "2", "--context", "16", "--prefill", "24",
                                    "--format", "native:auto", "--format", "hf:float32", "--json", str(path))
     assert code == 0, stderr
     rows = [line for line in stdout.splitlines() if line.strip().startswith("│")]
-    assert len(rows) == 3
+    assert len(rows) == 3 + 1  # three pass sizes, then the prefill table's one length
     cells = rows[0].split("│")
     assert cells[3].strip().endswith("(1.00)") and cells[4].strip().endswith("(1.00)")  # a plain step costs itself
     data = json.loads(path.read_text())
@@ -122,3 +122,4 @@ def test_costs_prints_a_ratio_per_size_and_format(run_cli: CliRun, tmp_path) -> 
     assert [c["kernel_path"] for c in curves.values()] == [native, "pytorch"]
     assert data["cpu"] and f"native q4 (LM head q8): {native}" in " ".join(stdout.split())
     assert all(c["cost_over_plain_step"]["1"] == 1.0 and len(c["seconds"]) == 3 for c in curves.values())
+    assert all(list(c["prefill_tokens_per_s"]) == ["24"] and c["prefill_tokens_per_s"]["24"] > 0 for c in curves.values())
