@@ -16,15 +16,18 @@ once and the native backend runs PyTorch's own int4/int8 kernels instead.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import sys
 import time
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
@@ -68,20 +71,19 @@ def build_dir() -> Path:
     return cache_dir() / "kernels" / f"torch-{torch.__version__}-{platform.machine()}-{_sources_digest()}-{installation}"
 
 
-# A build takes minutes; a lock older than this was left by a build that was killed, and would
-# make every later process wait on it forever (torch's lock has no owner to check).
-STALE_LOCK_S = 900.0
-
-
-def _clear_stale_lock(directory: Path) -> None:
-    lock = directory / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing %s, left %.0f minutes ago by a kernel build that did not finish", lock, age / 60)
-        lock.unlink(missing_ok=True)
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """The build directory's own lock, held while a process builds or loads the extension: an OS
+    lock (flock) that dies with its process. Under it, torch's build lock (a plain file, which a
+    killed build leaves behind and every later build would wait on) can only be a dead build's,
+    and is removed."""
+    with open(directory / "specdec.lock", "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _staged_sources(directory: Path) -> list[str]:
@@ -104,25 +106,35 @@ def _build() -> ModuleType | str:
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the kernels are written for x86-64, this is {platform.machine()}"
     try:
-        from torch.utils import cpp_extension
-
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
-        _clear_stale_lock(directory)
-        module = cpp_extension.load(
-            name="specdec_kernels", sources=_staged_sources(directory), build_directory=str(directory),
-            # Baseline x86-64 code; the AVX2 and AVX-512 functions carry their own target
-            # attributes and are chosen at run time. No FMA contraction: the reference's float
-            # operations are separate multiplies and adds, and the kernels must round alike.
-            # OpenMP: at::parallel_for is a pragma in torch's headers; the library it links
-            # (libgomp.so.1) resolves to the one torch has loaded, so both share one thread pool.
-            extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
-            extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_lock(directory):
+            if not (directory / "specdec_kernels.so").exists():
+                # A silent minute would look like a hang, and a killed build costs the next start
+                # the whole build again: say what is happening, once.
+                print("specdec: compiling its CPU kernels for this machine and torch (once; about 30 s to "
+                      "2 minutes on two cores)...", file=sys.stderr, flush=True)
+            module = _compile(directory)
     except Exception as exc:  # noqa: BLE001 - any build failure means: run without the kernels
         return f"the extension did not build ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]})"
     if "avx2" not in module.instruction_sets():
         return "this CPU has no AVX2"
     return module
+
+
+def _compile(directory: Path) -> ModuleType:
+    """torch's build of the extension into `directory` (or its load, where the build is current)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name="specdec_kernels", sources=_staged_sources(directory), build_directory=str(directory),
+        # Baseline x86-64 code; the AVX2, AVX-512 and AMX functions carry their own target
+        # attributes and are chosen at run time. No FMA contraction: the reference's float
+        # operations are separate multiplies and adds, and the kernels must round alike.
+        # OpenMP: at::parallel_for is a pragma in torch's headers; the library it links
+        # (libgomp.so.1) resolves to the one torch has loaded, so both share one thread pool.
+        extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
+        extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def load() -> ModuleType:
