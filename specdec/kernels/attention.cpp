@@ -260,36 +260,43 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
     const float fscale = static_cast<float>(scale);
     const bool wide = resolve_isa(isa) != ISA_AVX2 && (head_dim == 64 || head_dim == 128);
     const int64_t qs = qc.stride(1);  // between heads
-    at::parallel_for(0, rows * nq * kv_heads * sets, 1, [&](int64_t begin, int64_t end) {
+    // Tasks differ in length (a prompt's later queries see more keys, rows of a batch hold
+    // prefixes of their own): each thread takes every threads-th task, so that each gets its share
+    // of long and short ones, where contiguous ranges left one thread a prompt's longest queries.
+    const int64_t tasks = rows * nq * kv_heads * sets;
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+    at::parallel_for(0, threads, 1, [&](int64_t first_lane, int64_t last_lane) {
         std::vector<float> buffer;
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t set = task % sets, kvh = (task / sets) % kv_heads;
-            const int64_t i = (task / (sets * kv_heads)) % nq, r = task / (sets * kv_heads * nq);
-            const int64_t first = kvh * group + set * group / sets, last = kvh * group + (set + 1) * group / sets;
-            const float* qbase = qp + ((r * heads) * nq + i) * head_dim;
-            float* obase = op + (r * nq + i) * heads * head_dim;
-            const float* kb = kp + r * keys.stride(0) + kvh * keys.stride(1);
-            const float* vb = vp + r * values.stride(0) + kvh * values.stride(1);
-            const int32_t* sl = listed ? sc.data_ptr<int32_t>() + (r * nq + i) * sc.size(2) : nullptr;
-            const int64_t n = count[r * nq + i];
-            auto run = [&](auto heads_tag) {
-                constexpr int HG = decltype(heads_tag)::value;
-                Heads<HG> it{};
-                for (int h = 0; h < HG; ++h) {
-                    it.q[h] = qbase + (first + h) * qs;
-                    it.out[h] = obase + (first + h) * head_dim;
+        for (int64_t lane = first_lane; lane < last_lane; ++lane) {
+            for (int64_t task = lane; task < tasks; task += threads) {
+                const int64_t set = task % sets, kvh = (task / sets) % kv_heads;
+                const int64_t i = (task / (sets * kv_heads)) % nq, r = task / (sets * kv_heads * nq);
+                const int64_t first = kvh * group + set * group / sets, last = kvh * group + (set + 1) * group / sets;
+                const float* qbase = qp + ((r * heads) * nq + i) * head_dim;
+                float* obase = op + (r * nq + i) * heads * head_dim;
+                const float* kb = kp + r * keys.stride(0) + kvh * keys.stride(1);
+                const float* vb = vp + r * values.stride(0) + kvh * values.stride(1);
+                const int32_t* sl = listed ? sc.data_ptr<int32_t>() + (r * nq + i) * sc.size(2) : nullptr;
+                const int64_t n = count[r * nq + i];
+                auto run = [&](auto heads_tag) {
+                    constexpr int HG = decltype(heads_tag)::value;
+                    Heads<HG> it{};
+                    for (int h = 0; h < HG; ++h) {
+                        it.q[h] = qbase + (first + h) * qs;
+                        it.out[h] = obase + (first + h) * head_dim;
+                    }
+                    it.keys = kb; it.values = vb; it.slot_stride = keys.stride(2); it.slots = sl; it.n = n;
+                    if (n == 0) {  // a padding query that sees nothing: zeros, not NaN
+                        for (int h = 0; h < HG; ++h) std::fill(it.out[h], it.out[h] + head_dim, 0.0f);
+                    } else if (!wide) attend_heads<HG>(it, head_dim, fscale, buffer);
+                    else if (head_dim == 64) attend_heads_avx512<HG, 4>(it, fscale, buffer);
+                    else attend_heads_avx512<HG, 8>(it, fscale, buffer);
+                };
+                switch (last - first) {
+                    case 1: run(std::integral_constant<int, 1>{}); break;
+                    case 2: run(std::integral_constant<int, 2>{}); break;
+                    default: run(std::integral_constant<int, 3>{}); break;
                 }
-                it.keys = kb; it.values = vb; it.slot_stride = keys.stride(2); it.slots = sl; it.n = n;
-                if (n == 0) {  // a padding query that sees nothing: zeros, not NaN
-                    for (int h = 0; h < HG; ++h) std::fill(it.out[h], it.out[h] + head_dim, 0.0f);
-                } else if (!wide) attend_heads<HG>(it, head_dim, fscale, buffer);
-                else if (head_dim == 64) attend_heads_avx512<HG, 4>(it, fscale, buffer);
-                else attend_heads_avx512<HG, 8>(it, fscale, buffer);
-            };
-            switch (last - first) {
-                case 1: run(std::integral_constant<int, 1>{}); break;
-                case 2: run(std::integral_constant<int, 2>{}); break;
-                default: run(std::integral_constant<int, 3>{}); break;
             }
         }
     });
