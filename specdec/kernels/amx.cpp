@@ -4,11 +4,13 @@
 // each block's float epilogue here is the VNNI tile's sequence of operations on the same integer,
 // so an AMX row is bitwise the VNNI row (and the reference's).
 //
-// Tiles: tmm0/tmm1 the int32 sums C [16 rows, 16 columns] of two blocks in flight, tmm2/tmm3
-// their activations A [16 rows, 32 bytes], tmm4/tmm5 their weights B [8 rows of 4 inputs, 16
-// columns x 4 bytes]. A q8 record is B's layout as packed; a q4 record's nibbles are split into
-// bytes first (inputs 0..15 are the low nibbles of its 4 vectors, 16..31 the high ones). Block
-// g + 1's tile products run while block g's sums go through the epilogue.
+// Tiles: tmm0..tmm3 the int32 sums C [16 rows, 16 columns] of four blocks in flight, tmm4/tmm5
+// activations A [16 rows, 32 bytes], tmm6/tmm7 weights B [8 rows of 4 inputs, 16 columns x 4
+// bytes]. A q8 record is B's layout as packed; a q4 record's nibbles are split into bytes first
+// (inputs 0..15 are the low nibbles of its 4 vectors, 16..31 the high ones). Blocks go in chunks
+// of 8: the chunk's q4 bytes are written first (a tile load that read stores just made would wait
+// for them), then its tile products run as four independent chains, then its epilogues in block
+// order.
 //
 // Linux hands a process the tile state only on request (arch_prctl), and each thread must load a
 // tile configuration before its first tile instruction: amx_begin() does that for every chunk of
