@@ -63,8 +63,9 @@ def test_a_first_build_says_so_on_stderr(tmp_path: Path) -> None:
     env = {**os.environ, "SPECDEC_CACHE_DIR": str(tmp_path), "CXX": "/bin/false"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.stderr.count("specdec: compiling its CPU kernels") == 1
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert "compiling" not in done.stderr
+    if kernels.available():  # this machine's own cache holds a finished build
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert "compiling" not in done.stderr
 
 
 def test_each_torch_installation_builds_in_its_own_directory() -> None:
