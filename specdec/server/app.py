@@ -52,7 +52,7 @@ from specdec.server.protocol import (
     error_body,
 )
 from specdec.server.scheduler import Event, QueueFullError, Scheduler, ServerRequest, StoppedError
-from specdec.server.tools import CallScanner, ToolPlan, may_be_calls, parse_calls, plan_tools
+from specdec.server.tools import CallScanner, ToolPlan, call_id_seed, may_be_calls, parse_calls, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -472,12 +472,13 @@ def create_app(state: ServerState) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
         shape = _Shape(chat=True, logprobs=bool(body.logprobs),
                        names=await state.encode(state.token_bytes) if body.logprobs else None, predicted=bool(prediction),
-                       callable=tools.callable, calls_only=tools.structured is not None)
+                       callable=tools.callable, calls_only=tools.structured is not None,
+                       call_ids=[call_id_seed(body, i) for i in range(body.n)] if tools.callable else [])
         params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size, structured, prediction)
                   for i in range(body.n)]
 
         def choice(i: int, r: _Result) -> dict[str, Any]:
-            calls = parse_calls(r.text, tools.callable) if r.finish_reason == "stop" else None
+            calls = parse_calls(r.text, tools.callable, shape.call_ids[i]) if r.finish_reason == "stop" else None
             message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else {"role": "assistant", "content": r.text}
             return {"index": i, "message": message, "finish_reason": "tool_calls" if calls else r.finish_reason,
                     "logprobs": chat_logprobs(r.logprobs, shape.names) if shape.logprobs else None,
@@ -505,6 +506,7 @@ class _Shape:
     predicted: bool = False  # a prediction was given: usage counts its accepted and rejected tokens
     callable: frozenset[str] = frozenset()  # the tools the output may call (chat)
     calls_only: bool = False  # the output is constrained to calls (tool_choice required or named)
+    call_ids: list[str] = field(default_factory=list)  # per choice, the seed of its calls' ids
 
 
 @dataclass
@@ -658,7 +660,7 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
     # arguments' text as it comes). One that may call tools (auto) holds its text back while it
     # may still be calls (`specdec.server.tools.may_be_calls`): [text, logprobs] per chunk held,
     # None once sent; calls it turns out to be go out whole at the end.
-    scanners = [CallScanner() if shape.calls_only else None for _ in job.requests]
+    scanners = [CallScanner(id_seed=shape.call_ids[i]) if shape.calls_only else None for i in range(len(job.requests))]
     held: list[list[tuple[str, Any]] | None] = [[] if shape.callable and not shape.calls_only else None
                                                 for _ in job.requests]
 
@@ -708,7 +710,8 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
                     if scanners[event.index] is not None and finish == "stop":
                         finish = "tool_calls" if scanners[event.index].complete(shape.callable) else finish
                     elif held[event.index] is not None:
-                        calls = parse_calls(result.text, shape.callable) if finish == "stop" else None
+                        seed = shape.call_ids[event.index]
+                        calls = parse_calls(result.text, shape.callable, seed) if finish == "stop" else None
                         if calls:
                             held[event.index], finish = None, "tool_calls"
                             yield chunk([choice(event.index, None, None,

@@ -7,7 +7,12 @@ default model's (SmolLM2's) and Gemma's do not; for those specdec renders a docu
   (name, description, parameters) and asks for calls as a JSON array
   `[{"name": ..., "arguments": {...}}]` and nothing else;
 - an assistant message's `tool_calls` become that array as its text;
-- a `tool` message becomes a user message `Result of call ID: CONTENT`.
+- a `tool` message becomes a user message `Result of call N (NAME): CONTENT`, N counting the
+  conversation's calls from 1: the call's id is not rendered, so a tool loop's text does not depend
+  on ids.
+
+A call's id is a digest of the request's messages and tools, the choice's index and the call's:
+the same request gets the same ids, streamed or not, on any route.
 
 The output is read back as calls when it is such an array naming known tools. With
 `tool_choice` "required" or a named function the output is constrained to it (a structured
@@ -19,9 +24,9 @@ when it is an array of calls); "none" renders no tools.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +71,11 @@ def _fallback_messages(body: ChatCompletionRequest, tools: list[Tool]) -> list[d
     functions = "\n".join(json.dumps({"name": t.function.name, "description": t.function.description or "",
                                       "parameters": _arguments_schema(t)}) for t in tools)
     instructions = FALLBACK_INSTRUCTIONS.format(functions=functions)
-    messages = [_plain(m) for m in body.messages]
+    calls: dict[str, tuple[int, str]] = {}  # each earlier call's number and function, by id
+    for m in body.messages:
+        for c in m.tool_calls or []:
+            calls.setdefault(c.id, (len(calls) + 1, c.function.name))
+    messages = [_plain(m, calls) for m in body.messages]
     if tools:
         if messages and messages[0]["role"] == "system":
             messages[0] = {"role": "system", "content": instructions + "\n\n" + messages[0]["content"]}
@@ -75,10 +84,13 @@ def _fallback_messages(body: ChatCompletionRequest, tools: list[Tool]) -> list[d
     return messages
 
 
-def _plain(message) -> dict[str, Any]:
-    """A message as text the model's template takes, without tool fields."""
+def _plain(message, calls: dict[str, tuple[int, str]]) -> dict[str, Any]:
+    """A message as text the model's template takes, without tool fields (a tool result names its
+    call by number and function, from `calls`, never by id)."""
     if message.role == "tool":
-        return {"role": "user", "content": f"Result of call {message.tool_call_id}: {message.text()}"}
+        number, name = calls.get(message.tool_call_id, (None, None))
+        which = f"call {number} ({name})" if number is not None else "a call"
+        return {"role": "user", "content": f"Result of {which}: {message.text()}"}
     role = "system" if message.role == "developer" else message.role
     text = message.text()
     if message.tool_calls:
@@ -140,6 +152,7 @@ class CallScanner:
     `feed` returns OpenAI's streamed tool-call deltas for what is new: a call's index, id, type
     and name once its head is complete, then its arguments' text as it arrives."""
 
+    id_seed: str = ""  # what the calls' ids derive from (`call_id_seed`)
     text: str = ""
     calls: list[dict[str, str]] = field(default_factory=list)  # id, name, arguments (their text so far)
     _at: int = 0  # where the next call's head (or the array's end) starts
@@ -154,7 +167,8 @@ class CallScanner:
                 head = _CALL_HEAD.match(self.text, self._at)
                 if head is None:
                     return deltas
-                call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": head.group(1), "arguments": ""}
+                number = f"{self.id_seed}/{len(self.calls)}".encode()
+                call = {"id": f"call_{hashlib.sha256(number).hexdigest()[:24]}", "name": head.group(1), "arguments": ""}
                 self.calls.append(call)
                 self._args_from = self._sent = head.end()
                 deltas.append({"index": len(self.calls) - 1, "id": call["id"], "type": "function",
@@ -210,12 +224,20 @@ def _value_end(text: str, start: int) -> int | None:
     return None
 
 
-def parse_calls(text: str, callable: frozenset[str]) -> list[dict[str, Any]] | None:
-    """The output as OpenAI tool calls (each call's arguments as the model wrote them), or None
-    when it is not an array of calls to known tools."""
+def call_id_seed(body: ChatCompletionRequest, choice: int) -> str:
+    """What the calls of a request's choice take their ids from: a digest of the request's messages
+    and tools, and the choice's index. The same request gets the same ids, so a tool loop at
+    temperature 0 replays exactly, and the speculative and plain routes agree."""
+    digest = hashlib.sha256(body.model_dump_json(include={"messages", "tools"}).encode())
+    return f"{digest.hexdigest()[:16]}/{choice}"
+
+
+def parse_calls(text: str, callable: frozenset[str], id_seed: str = "") -> list[dict[str, Any]] | None:
+    """The output as OpenAI tool calls (each call's arguments as the model wrote them, ids from
+    `id_seed`), or None when it is not an array of calls to known tools."""
     if not callable:
         return None
-    scanner = CallScanner()
+    scanner = CallScanner(id_seed=id_seed)
     scanner.feed(text)
     return scanner.complete(callable)
 

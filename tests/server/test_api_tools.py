@@ -86,6 +86,16 @@ def test_the_clients_tool_loop(client: openai.OpenAI) -> None:
     tools = [TOOLS[1]]
     first = client.chat.completions.create(model="spec", messages=MESSAGES, tools=tools, tool_choice="required",
                                            parallel_tool_calls=False, max_tokens=30, temperature=0)
+    # The same request gets the same call ids, on either route and streamed or not, so the loop
+    # replays exactly (ids were random, and the next turn's text depended on them).
+    again = client.chat.completions.create(model="plain", messages=MESSAGES, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=30, temperature=0)
+    assert again.choices[0].message.tool_calls == first.choices[0].message.tool_calls
+    streamed = [d.id for c in client.chat.completions.create(model="spec", messages=MESSAGES, tools=tools,
+                                                              tool_choice="required", parallel_tool_calls=False,
+                                                              max_tokens=30, temperature=0, stream=True)
+                if c.choices for d in c.choices[0].delta.tool_calls or [] if d.id is not None]
+    assert streamed == [c.id for c in first.choices[0].message.tool_calls]
     message = first.choices[0].message
     history = [*MESSAGES, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "10:42"}]
     second = client.chat.completions.create(model="spec", messages=history, tools=tools, tool_choice="none",
@@ -129,7 +139,13 @@ def test_fallback_renders_tools_calls_and_results() -> None:
     assert system["role"] == "system" and '"name": "get_weather"' in system["content"]
     assert system["content"].endswith("Be brief.") and user == MESSAGES[0]
     assert json.loads(assistant["content"]) == [{"name": "get_time", "arguments": {"city": "Paris"}}]
-    assert tool == {"role": "user", "content": "Result of call call_1: 10:42"}
+    assert tool == {"role": "user", "content": "Result of call 1 (get_time): 10:42"}
+    # The rendering never shows an id: another id for the same call renders the same text, and a
+    # result for no known call says so.
+    other = json.loads(json.dumps(history).replace("call_1", "call_zz9"))
+    assert plan_tools(request(messages=other, tools=TOOLS), chat_template="{{ messages }}").messages == plan.messages
+    orphan = [*MESSAGES, {"role": "tool", "tool_call_id": "call_x", "content": "10:42"}]
+    assert plan_tools(request(messages=orphan, tools=TOOLS), None).messages[-1]["content"] == "Result of a call: 10:42"
     assert plan.template_tools is None and plan.structured is None and plan.callable == {"get_weather", "get_time"}
     # none: no tools rendered, nothing callable; a template that takes tools gets them.
     assert plan_tools(request(tools=TOOLS, tool_choice="none"), None).messages == MESSAGES
@@ -167,4 +183,10 @@ def test_reading_calls() -> None:
     for text in ('[{"name": "other", "arguments": {}}]', '[{"name": "get_time"}]', "[]", "[1, 2]", "It is 10:42.", "[unclosed"):
         assert parse_calls(text, names) is None, text
     assert parse_calls('[{"name": "get_time", "arguments": {}}]', frozenset()) is None
+    # Ids: one seed, the same ids; each call of an output and each seed, ids of their own.
+    two = '[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]'
+    ids = [c["id"] for c in parse_calls(two, names, "req/0")]
+    assert ids == [c["id"] for c in parse_calls(two, names, "req/0")] and len(set(ids)) == 2
+    assert set(ids).isdisjoint(c["id"] for c in parse_calls(two, names, "req/1"))
+    assert all(i.startswith("call_") and len(i) == 29 for i in ids)
     assert may_be_calls("  ") and may_be_calls(' [{"na') and not may_be_calls("The [time]")
