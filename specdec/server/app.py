@@ -52,7 +52,8 @@ from specdec.server.protocol import (
     error_body,
 )
 from specdec.server.scheduler import Event, QueueFullError, Scheduler, ServerRequest, StoppedError
-from specdec.server.tools import CallScanner, ToolPlan, call_id_seed, may_be_calls, parse_calls, plan_tools
+from specdec.server.tools import (CallScanner, ToolPlan, call_id_seed, cut_calls, may_be_calls, parse_calls,
+                                  plan_tools)
 
 log = logging.getLogger(__name__)
 
@@ -479,8 +480,13 @@ def create_app(state: ServerState) -> FastAPI:
 
         def choice(i: int, r: _Result) -> dict[str, Any]:
             calls = parse_calls(r.text, tools.callable, shape.call_ids[i]) if r.finish_reason == "stop" else None
-            message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else {"role": "assistant", "content": r.text}
-            return {"index": i, "message": message, "finish_reason": "tool_calls" if calls else r.finish_reason,
+            cut = r.finish_reason == "length" and shape.calls_only
+            if cut:  # a constrained output cut mid-array: its whole calls; its text is a JSON fragment
+                calls = cut_calls(r.text, tools.callable, shape.call_ids[i]) or None
+            message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls or cut
+                       else {"role": "assistant", "content": r.text})
+            finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
+            return {"index": i, "message": message, "finish_reason": finish,
                     "logprobs": chat_logprobs(r.logprobs, shape.names) if shape.logprobs else None,
                     "speculation": _stats_dict(r)}
 

@@ -199,6 +199,20 @@ class CallScanner:
         return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                 for c in self.calls]
 
+    def closed(self, callable: frozenset[str]) -> list[dict[str, Any]]:
+        """The calls whose objects closed, in OpenAI's form, up to the first that is not a call to
+        a `callable` tool with object arguments: what an output cut short still holds whole."""
+        out = []
+        for c in self.calls if self._args_from is None else self.calls[:-1]:
+            try:
+                arguments = json.loads(c["arguments"])
+            except ValueError:
+                break
+            if c["name"] not in callable or not isinstance(arguments, dict):
+                break
+            out.append({"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}})
+        return out
+
 
 def _value_end(text: str, start: int) -> int | None:
     """The index after the JSON object or array starting at `start`; None while it is not
@@ -240,6 +254,14 @@ def parse_calls(text: str, callable: frozenset[str], id_seed: str = "") -> list[
     scanner = CallScanner(id_seed=id_seed)
     scanner.feed(text)
     return scanner.complete(callable)
+
+
+def cut_calls(text: str, callable: frozenset[str], id_seed: str = "") -> list[dict[str, Any]]:
+    """The whole calls of an output that hit its token limit mid-array (a constrained output
+    writes call after call): each one complete, the cut one dropped; empty when none closed."""
+    scanner = CallScanner(id_seed=id_seed)
+    scanner.feed(text)
+    return scanner.closed(callable)
 
 
 def may_be_calls(text: str) -> bool:

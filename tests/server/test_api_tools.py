@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from specdec.server.protocol import ChatCompletionRequest
-from specdec.server.tools import CallScanner, calls_schema, may_be_calls, parse_calls, plan_tools
+from specdec.server.tools import CallScanner, calls_schema, cut_calls, may_be_calls, parse_calls, plan_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -176,6 +176,18 @@ def test_scanning_calls_as_they_arrive() -> None:
     assert scanner.complete(frozenset({"get_time"})) is None  # a call to an unknown tool
 
 
+def test_a_cut_output_keeps_its_whole_calls() -> None:
+    names = frozenset({"get_time", "get_weather"})
+    whole = '[{"name": "get_time", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}'
+    for cut in (", ", ', {"name": "get_ti', ', {"name": "get_time", "arguments": {"city": "Ber'):
+        calls = cut_calls(whole + cut, names, "req/0")
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_time", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})], cut
+        assert [c["id"] for c in calls] == [c["id"] for c in parse_calls(whole + "]", names, "req/0")]
+    assert cut_calls('[{"name": "get_time", "arguments": {"ci', names) == []
+    assert cut_calls(whole, frozenset({"get_time"})) == [parse_calls(whole + "]", names)[0]]  # up to an unknown tool
+
+
 def test_reading_calls() -> None:
     names = frozenset({"get_time"})
     read = parse_calls(' [{"name": "get_time", "arguments": {"city": "Oslo"}}]', names)
@@ -190,3 +202,13 @@ def test_reading_calls() -> None:
     assert set(ids).isdisjoint(c["id"] for c in parse_calls(two, names, "req/1"))
     assert all(i.startswith("call_") and len(i) == 29 for i in ids)
     assert may_be_calls("  ") and may_be_calls(' [{"na') and not may_be_calls("The [time]")
+
+
+def test_a_constrained_output_cut_short_returns_whole_calls_only(client: openai.OpenAI) -> None:
+    # Cut inside its first call: no call is whole, and the JSON fragment is not sent as content
+    # (clients such as litellm fail on it).
+    cities = [{"role": "user", "content": "What is the weather in Paris, Oslo, Rome, Berlin and Madrid?"}]
+    out = client.chat.completions.create(model="spec", messages=cities, tools=TOOLS, temperature=0,
+                                         tool_choice="required", max_tokens=20)
+    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].message.content is None and out.choices[0].message.tool_calls is None
