@@ -744,6 +744,7 @@ def serve(
     dtype: DtypeOpt = "auto",
     replicas: Annotated[Optional[int], typer.Option("--replicas", min=1, help="Run N engine replicas as a Ray Serve deployment (needs specdec\\[ray]); a \\[replicas] table in the config sets autoscaling bounds instead.")] = None,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="With replicas: the Ray cluster to join (e.g. ray://head:10001 or auto); default: start a local one.")] = None,
+    api_key: Annotated[Optional[list[str]], typer.Option("--api-key", envvar="SPECDEC_API_KEY", help="A key clients must send as 'Authorization: Bearer KEY' (repeatable; the environment variable takes keys separated by spaces; overrides the config's api_keys). Every endpoint but /health/live asks for it.")] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics) with batched speculative decoding. Without --config: route `specdec`
@@ -759,6 +760,8 @@ def serve(
     if replicas is not None:
         server_config = dataclasses.replace(server_config,
                                             replicas=(server_config.replicas or ReplicaConfig()).with_count(replicas))
+    if api_key:
+        server_config = dataclasses.replace(server_config, api_keys=tuple(api_key))
     if server_config.replicas is not None:
         _serve_replicas(server_config, model, device=device, backend=backend if backend != "auto" else server_config.backend,
                         dtype=dtype if dtype != "auto" else server_config.dtype, host=host, port=port,
@@ -780,6 +783,7 @@ def doctor(
     costs_file: Annotated[Optional[Path], typer.Option("--costs", help="The verification cost curve: JSON of `specdec costs` on the server's machine (default: a curve measured on a 2-core CPU, int4 weights).")] = None,
     curve: Annotated[Optional[str], typer.Option("--curve", help="Which curve of --costs, when it has several (e.g. \"native int4 (LM head int8)\").")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the reports as JSON.")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECDEC_API_KEY", help="The server's API key, where it asks for one.")] = None,
 ) -> None:
     """Is speculation paying on a running server, route by route, and if not, why: batches
     full, acceptance low or drifting (which positions), draft memory costing sequences, or k too
@@ -790,14 +794,14 @@ def doctor(
     from specdec.server.doctor import diagnose, fetch, load_costs, replicas, summary
 
     curve_costs = load_costs(costs_file, curve) if costs_file is not None else None
-    servers = replicas(url)
+    servers = replicas(url, api_key=api_key)
     if servers is not None:
         if not servers:
             raise ConfigError(f"{url}/replicas lists no live replica")
         out.print(f"{escape(url)}: {len(servers)} replica(s) on Ray Serve, each diagnosed on its own")
     found: list[dict[str, Any]] = []
     for replica, base in (servers or {None: url}).items():
-        metrics_text, health = fetch(base)
+        metrics_text, health = fetch(base, api_key=api_key)
         reports = diagnose(metrics_text, health, curve_costs)
         name = f"replica {replica} ({base})" if replica is not None else url
         table = Table(title=f"{escape(name)}: {health.get('running', 0)} running, {health.get('waiting', 0)} waiting, "

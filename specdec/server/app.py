@@ -42,7 +42,7 @@ from specdec.server import dashboard
 from specdec.server.config import RouteConfig, ServerConfig
 from specdec.server.memory import MemoryPlan
 from specdec.server.logprobs import chat_logprobs, completion_logprobs
-from specdec.server.guard import RequestGuard
+from specdec.server.guard import LIVENESS_PATH, RequestGuard, allowed_hosts
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import (
     APIError,
@@ -317,8 +317,9 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 # --- the app --------------------------------------------------------------------------------------
 
 
-def create_app(state: ServerState) -> FastAPI:
-    """The FastAPI app over a ready ServerState; the scheduler thread starts with the app."""
+def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
+    """The FastAPI app over a ready ServerState; the scheduler thread starts with the app. Bound
+    to a loopback address (`bind_host`), it answers only requests that name it so."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -331,7 +332,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.specdec = state
-    app.add_middleware(RequestGuard, state=state)
+    app.add_middleware(RequestGuard, state=state, allowed=allowed_hosts(bind_host))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -386,6 +387,11 @@ def create_app(state: ServerState) -> FastAPI:
                             | {"model": state.model_name})
 
     app.mount("/dashboard/static", StaticFiles(directory=dashboard.STATIC / "vendor"), name="dashboard-static")
+
+    @app.get(LIVENESS_PATH)
+    async def live() -> JSONResponse:
+        ok = state.scheduler.alive and not state.shutting_down
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -479,10 +485,10 @@ def create_app(state: ServerState) -> FastAPI:
                   for i in range(body.n)]
 
         def choice(i: int, r: _Result) -> dict[str, Any]:
-            calls = parse_calls(r.text, tools.callable, shape.call_ids[i]) if r.finish_reason == "stop" else None
+            calls = parse_calls(r.text, tools.callable, shape.call_seed(i)) if r.finish_reason == "stop" else None
             cut = r.finish_reason == "length" and shape.calls_only
             if cut:  # a constrained output cut mid-array: its whole calls; its text is a JSON fragment
-                calls = cut_calls(r.text, tools.callable, shape.call_ids[i]) or None
+                calls = cut_calls(r.text, tools.callable, shape.call_seed(i)) or None
             message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls or cut
                        else {"role": "assistant", "content": r.text})
             finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
@@ -512,7 +518,11 @@ class _Shape:
     predicted: bool = False  # a prediction was given: usage counts its accepted and rejected tokens
     callable: frozenset[str] = frozenset()  # the tools the output may call (chat)
     calls_only: bool = False  # the output is constrained to calls (tool_choice required or named)
-    call_ids: list[str] = field(default_factory=list)  # per choice, the seed of its calls' ids
+    call_ids: list[str] = field(default_factory=list)  # per choice, the seed of its calls' ids (with tools)
+
+    def call_seed(self, index: int) -> str:
+        """Choice `index`'s seed of its calls' ids (`specdec.server.tools.call_id_seed`)."""
+        return self.call_ids[index] if index < len(self.call_ids) else ""
 
 
 @dataclass
@@ -666,7 +676,7 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
     # arguments' text as it comes). One that may call tools (auto) holds its text back while it
     # may still be calls (`specdec.server.tools.may_be_calls`): [text, logprobs] per chunk held,
     # None once sent; calls it turns out to be go out whole at the end.
-    scanners = [CallScanner(id_seed=shape.call_ids[i]) if shape.calls_only else None for i in range(len(job.requests))]
+    scanners = [CallScanner(id_seed=shape.call_seed(i)) if shape.calls_only else None for i in range(len(job.requests))]
     held: list[list[tuple[str, Any]] | None] = [[] if shape.callable and not shape.calls_only else None
                                                 for _ in job.requests]
 
@@ -716,7 +726,7 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
                     if scanners[event.index] is not None and finish == "stop":
                         finish = "tool_calls" if scanners[event.index].complete(shape.callable) else finish
                     elif held[event.index] is not None:
-                        seed = shape.call_ids[event.index]
+                        seed = shape.call_seed(event.index)
                         calls = parse_calls(result.text, shape.callable, seed) if finish == "stop" else None
                         if calls:
                             held[event.index], finish = None, "tool_calls"

@@ -11,6 +11,7 @@ Example (`specdec serve --config server.toml`)::
     request_body_timeout_s = 30   # a body not all there by then gets a 408 and its connection closes
     max_connections = 256         # open connections at most; past it a request gets a 503
     graceful_shutdown_s = 30      # on SIGTERM, time for requests in flight to finish; then they abort
+    api_keys = ["sk-..."]         # clients send one as "Authorization: Bearer KEY" (default: none asked)
     backend = "auto"              # the target's backend: auto (native where it runs the model), native, hf
     dtype = "auto"                # its weight format: auto (a GGUF's own), float32, bfloat16, int8, int4
 
@@ -275,6 +276,9 @@ class ServerConfig:
     dtype: str = "auto"
     # Ray Serve replicas (`specdec serve --replicas N`); None: the single-process server.
     replicas: ReplicaConfig | None = None
+    # Keys a client must send as OpenAI's `Authorization: Bearer KEY` on every endpoint but the
+    # liveness probe `/health/live`; empty: no key asked (`specdec serve --api-key` sets them).
+    api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.routes:
@@ -298,6 +302,10 @@ class ServerConfig:
         threads = self.threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
+        if not isinstance(self.api_keys, tuple) or not all(
+                isinstance(k, str) and 8 <= len(k) <= 256 and k.isprintable() and not any(c.isspace() for c in k)
+                for k in self.api_keys):
+            raise ConfigError("api_keys must be a list of keys of 8 to 256 printable characters without spaces")
 
     def route(self, name: str) -> RouteConfig | None:
         return next((r for r in self.routes if r.name == name), None)
@@ -325,7 +333,7 @@ def default_config(**overrides: Any) -> ServerConfig:
 
 
 _SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads", "max_request_bytes",
-                "request_body_timeout_s", "max_connections", "backend", "dtype")
+                "request_body_timeout_s", "max_connections", "backend", "dtype", "api_keys")
 _TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "drift", "routes", "replicas"}
 _REPLICA_KEYS = set(ReplicaConfig.__dataclass_fields__)
 _ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}
@@ -359,6 +367,8 @@ def config_from_dict(data: dict[str, Any], **overrides: Any) -> ServerConfig:
     if not isinstance(routes_table, dict) or not routes_table:
         raise ConfigError("the server config needs a [routes.NAME] table for each served model name")
     kwargs: dict[str, Any] = {k: data[k] for k in _SCALAR_KEYS if k in data}
+    if isinstance(kwargs.get("api_keys"), list):  # TOML's arrays are lists
+        kwargs["api_keys"] = tuple(kwargs["api_keys"])
     if "cache_budget_mb" in data:
         budget = data["cache_budget_mb"]
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:

@@ -186,13 +186,17 @@ def diagnose(metrics_text: str, health: dict[str, Any], costs: dict[int, float] 
     return reports
 
 
-def fetch(url: str, timeout: float = 10.0) -> tuple[str, dict[str, Any]]:
-    """`/metrics` text and `/health` JSON of the server at `url`."""
+def _request(url: str, api_key: str | None) -> urllib.request.Request:
+    return urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+
+
+def fetch(url: str, timeout: float = 10.0, api_key: str | None = None) -> tuple[str, dict[str, Any]]:
+    """`/metrics` text and `/health` JSON of the server at `url` (sending `api_key` where given)."""
     base = url.rstrip("/")
 
     def get(path: str) -> tuple[int, bytes]:
         try:
-            with urllib.request.urlopen(f"{base}{path}", timeout=timeout) as response:
+            with urllib.request.urlopen(_request(f"{base}{path}", api_key), timeout=timeout) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as exc:  # /health answers 503 while not ready: still JSON
             return exc.code, exc.read()
@@ -200,6 +204,8 @@ def fetch(url: str, timeout: float = 10.0) -> tuple[str, dict[str, Any]]:
             raise ConfigError(f"cannot reach the server at {url}: {getattr(exc, 'reason', exc)}") from None
 
     status, metrics = get("/metrics")
+    if status == 401:
+        raise ConfigError(f"{base} asks for an API key: pass --api-key (or set SPECDEC_API_KEY)")
     if status != 200:
         raise ConfigError(f"{base}/metrics answered {status}")
     status, health = get("/health")
@@ -209,11 +215,11 @@ def fetch(url: str, timeout: float = 10.0) -> tuple[str, dict[str, Any]]:
         raise ConfigError(f"{base}/health did not answer JSON (status {status})") from None
 
 
-def replicas(url: str, timeout: float = 10.0) -> dict[str, str] | None:
+def replicas(url: str, timeout: float = 10.0, api_key: str | None = None) -> dict[str, str] | None:
     """Under Ray Serve (`specdec serve --replicas`), each replica's id and operations URL, from
     the front's `/replicas`; None for a single-process server (it has no such path)."""
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/replicas", timeout=timeout) as response:
+        with urllib.request.urlopen(_request(f"{url.rstrip('/')}/replicas", api_key), timeout=timeout) as response:
             listed = json.loads(response.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None

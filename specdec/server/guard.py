@@ -1,9 +1,11 @@
-"""The ASGI middleware around the app: body limits, the replica header, and counting requests
-that end before any sequence is queued."""
+"""The ASGI middleware around the app: API keys and the Host check, body limits, the replica
+header, and counting requests that end before any sequence is queued."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
@@ -15,6 +17,37 @@ if TYPE_CHECKING:
     from specdec.server.app import ServerState
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Answers without a key: an orchestrator's liveness probe learns that the process serves, nothing more.
+LIVENESS_PATH = "/health/live"
+
+
+def allowed_hosts(bind_host: str | None) -> frozenset[str] | None:
+    """The names a server bound to `bind_host` answers in the Host header: for a loopback address,
+    the loopback names only, so that a web page whose DNS name is rebound to 127.0.0.1 cannot reach
+    it from a browser on this machine (its requests carry the page's own name); else any (None)."""
+    if bind_host is None:
+        return None
+    name = bind_host.strip("[]")
+    try:
+        loopback = ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        loopback = name == "localhost"
+    return frozenset({"localhost", "127.0.0.1", "::1", name}) if loopback else None
+
+
+def _host_name(headers: dict[bytes, bytes]) -> str:
+    host = headers.get(b"host", b"").decode("latin-1").strip().lower()
+    if host.startswith("["):  # [::1]:8000
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def _key_matches(headers: dict[bytes, bytes], keys: tuple[str, ...]) -> bool:
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").strip().partition(" ")
+    given = token.strip().encode()
+    # Every key is compared, each in constant time: how long a check takes says nothing of a key.
+    matches = [hmac.compare_digest(given, key.encode()) for key in keys]
+    return scheme.lower() == "bearer" and any(matches)
 
 
 class _BodyTooLarge(Exception):
@@ -28,6 +61,9 @@ class _BodyTimeout(Exception):
 class RequestGuard:
     """ASGI middleware around the app.
 
+    0. With `allowed` names (a server bound to loopback), refuses another Host with 400; with
+       API keys configured, refuses a request without one of them (OpenAI's `Authorization:
+       Bearer KEY`) with 401, on every path but the liveness probe `/health/live`.
     1. Refuses a body over `max_request_bytes` with 413 and the JSON error body: at once when
        Content-Length says so, else once the bytes read pass it; and one not all there within
        `request_body_timeout_s` with 408 (the connection then closes). The body is read here (the
@@ -40,9 +76,10 @@ class RequestGuard:
        each of them instead, so nothing is counted twice.
     """
 
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState, allowed: frozenset[str] | None = None) -> None:
         self.app = app
         self.state = state
+        self.allowed = allowed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -62,6 +99,19 @@ class RequestGuard:
             await send(message)
 
         try:
+            headers = dict(scope["headers"])
+            host = _host_name(headers)  # none at all (HTTP/1.0) is no browser's: answered
+            if self.allowed is not None and host and host not in self.allowed:
+                body = error_body("this server answers only to its loopback names in the Host header", param="Host",
+                                  code="invalid_host")
+                await JSONResponse(body, status_code=400)(scope, receive, observed)
+                return
+            keys = self.state.config.api_keys
+            if keys and scope["path"] != LIVENESS_PATH and not _key_matches(headers, keys):
+                body = error_body("a valid API key is needed: send it as 'Authorization: Bearer KEY'",
+                                  code="invalid_api_key")
+                await JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})(scope, receive, observed)
+                return
             try:
                 replay = await self._read_body(scope, receive)
             except _BodyTooLarge:

@@ -120,7 +120,7 @@ class SpecdecServer(uvicorn.Server):
 
 def uvicorn_server(state: ServerState, host: str, port: int, log_level: str = "info") -> SpecdecServer:
     """A uvicorn server for the app, with the shutdown of SpecdecServer."""
-    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(create_app(state, host), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=state.config.graceful_shutdown_s + ABORT_MARGIN_S, lifespan="on",
                             limit_concurrency=state.config.max_connections)
     return SpecdecServer(config, state)
@@ -158,15 +158,15 @@ class ServerThread:
 
 
 def wait_healthy(url: str, timeout: float = 60.0) -> None:
-    """Poll GET /health until it answers 200."""
+    """Poll the liveness probe (GET /health/live, which asks for no API key) until it answers 200."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            with urllib.request.urlopen(f"{url}/health/live", timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}/health did not answer within {timeout} s")
+            raise TimeoutError(f"{url}/health/live did not answer within {timeout} s")
         time.sleep(0.1)

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 APP_NAME = "specdec"
 NAMESPACE = "specdec"
 DIRECTORY = "specdec-replica-directory"
-OPS_PATHS = ("/metrics", "/health", "/dashboard")
+OPS_PATHS = ("/metrics", "/health", "/health/live", "/dashboard")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

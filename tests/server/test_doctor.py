@@ -112,7 +112,7 @@ def test_k_too_long_and_drifting(lookup_server: ServerThread) -> None:
 
 
 def test_batches_full_and_the_schedule_switching_off(lookup_server: ServerThread) -> None:
-    threads = [threading.Thread(target=_chat, args=(lookup_server, route, text, 160))
+    threads = [threading.Thread(target=_chat, args=(lookup_server, route, text, 240))
                for route, text in (("fixed", FREE[0]), ("fixed", FREE[1]), ("scheduled", FREE[2]), ("scheduled", FREE[3]))]
     for t in threads:
         t.start()

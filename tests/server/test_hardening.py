@@ -24,7 +24,7 @@ from tests.server.test_api import metrics
 
 TIMEOUT_S = 1.5
 BODY = json.dumps({"model": "plain", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
-HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_a_client_that_leaves_a_request_logs_no_traceback(guarded: ServerThread,
     body = json.dumps({"model": "plain", "prompt": "one two three", "max_tokens": 200, "ignore_eos": True}).encode()
     with caplog.at_level(logging.ERROR):
         with connect(guarded) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
             time.sleep(0.3)
         time.sleep(1.5)  # the handler notices within 0.5 s
