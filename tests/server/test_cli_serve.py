@@ -41,11 +41,11 @@ def cli_env(**extra: str) -> dict[str, str]:
     return os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])} | extra
 
 
-def _serve(model_dir: Path, tmp_path: Path, config_text: str) -> tuple[subprocess.Popen[bytes], str]:
+def _serve(model_dir: Path, tmp_path: Path, config_text: str, **env_extra: str) -> tuple[subprocess.Popen[bytes], str]:
     config = tmp_path / "server.toml"
     config.write_text(config_text)
     port = free_port()
-    env = cli_env(OMP_NUM_THREADS="1")
+    env = cli_env(OMP_NUM_THREADS="1", **env_extra)
     process = subprocess.Popen(
         [sys.executable, "-m", "specdec.cli.main", "serve", "--model", str(model_dir), "--config", str(config),
          "--port", str(port)],
@@ -66,12 +66,15 @@ def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_serve_then_sigterm_finishes_the_request_in_flight(wide_model_dir: Path, tmp_path: Path) -> None:
-    process, url = _serve(wide_model_dir, tmp_path, CONFIG)
+    # The process takes its API key from SPECDEC_API_KEY (as `specdec serve --api-key` would).
+    process, url = _serve(wide_model_dir, tmp_path, CONFIG, SPECDEC_API_KEY="sk-serve-test-key")
+    auth = {"Authorization": "Bearer sk-serve-test-key"}
     try:
-        wait_healthy(url, timeout=120)
-        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
+        wait_healthy(url, timeout=120)  # the liveness probe: no key
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"] == "tiny"
         body = {"model": "tiny", "prompt": "one two three", "max_tokens": 120, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=60) as response:
             lines = response.iter_lines()
             first = next(line for line in lines if line)
             assert first.startswith("data: {")
