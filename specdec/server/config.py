@@ -9,6 +9,7 @@ Example (`specdec serve --config server.toml`)::
     threads = 2                   # torch intra-op threads of the model work (default: auto, see ServerConfig)
     max_request_bytes = 4194304   # largest request body; a larger one gets a 413 (default 4 MiB)
     request_body_timeout_s = 30   # a body not all there by then gets a 408 and its connection closes
+    request_head_timeout_s = 10   # a request line and headers not all there by then: 408, closed
     max_connections = 256         # open connections at most; past it a request gets a 503
     graceful_shutdown_s = 30      # on SIGTERM, time for requests in flight to finish; then they abort
     api_keys = ["sk-..."]         # clients send one as "Authorization: Bearer KEY" (default: none asked)
@@ -262,6 +263,10 @@ class ServerConfig:
     # A request whose body has not all arrived this long after it started (a missing chunk end, a
     # short Content-Length, a trickle) gets a 408 and its connection is closed.
     request_body_timeout_s: float = 30.0
+    # A request whose head (request line and headers) has not all arrived this long after its
+    # first byte, or after the connection opened, gets a 408 and its connection is closed: half-sent
+    # headers (slowloris) no longer hold connection slots for as long as the client likes.
+    request_head_timeout_s: float = 10.0
     # Open connections (and requests in them) at most; uvicorn answers past it with a 503.
     max_connections: int = 256
     drift: DriftConfig = field(default_factory=DriftConfig)
@@ -292,9 +297,10 @@ class ServerConfig:
         grace = self.graceful_shutdown_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
             raise ConfigError(f"graceful_shutdown_s must be a number >= 0, got {grace!r}")
-        wait = self.request_body_timeout_s
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < float("inf"):
-            raise ConfigError(f"request_body_timeout_s must be a number > 0, got {wait!r}")
+        for name in ("request_body_timeout_s", "request_head_timeout_s"):
+            wait = getattr(self, name)
+            if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < float("inf"):
+                raise ConfigError(f"{name} must be a number > 0, got {wait!r}")
         if self.backend not in ("auto", *BACKENDS):
             raise ConfigError(f"backend must be one of auto, {', '.join(BACKENDS)}; got {self.backend!r}")
         if self.dtype not in DTYPES:
@@ -333,7 +339,7 @@ def default_config(**overrides: Any) -> ServerConfig:
 
 
 _SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads", "max_request_bytes",
-                "request_body_timeout_s", "max_connections", "backend", "dtype", "api_keys")
+                "request_body_timeout_s", "request_head_timeout_s", "max_connections", "backend", "dtype", "api_keys")
 _TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "drift", "routes", "replicas"}
 _REPLICA_KEYS = set(ReplicaConfig.__dataclass_fields__)
 _ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}

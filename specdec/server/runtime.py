@@ -26,6 +26,7 @@ from specdec.models.loader import LoadedModel, load_model
 from specdec.models.prompts import PromptEncoder
 from specdec.server.app import ServerState, create_app
 from specdec.server.config import ServerConfig
+from specdec.server.connections import protocol_class
 from specdec.server.memory import plan_memory
 from specdec.server.metrics import ServerMetrics
 from specdec.server.scheduler import Scheduler
@@ -122,7 +123,8 @@ def uvicorn_server(state: ServerState, host: str, port: int, log_level: str = "i
     """A uvicorn server for the app, with the shutdown of SpecdecServer."""
     config = uvicorn.Config(create_app(state, host), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=state.config.graceful_shutdown_s + ABORT_MARGIN_S, lifespan="on",
-                            limit_concurrency=state.config.max_connections)
+                            limit_concurrency=state.config.max_connections,
+                            http=protocol_class(state.config.request_head_timeout_s))
     return SpecdecServer(config, state)
 
 

@@ -3,7 +3,8 @@ short Content-Length, a chunked body without its end, a trickle) gets a 408 afte
 `request_body_timeout_s` and its connection closes; a client that leaves mid-body is counted as
 an abort; one that leaves a non-streaming request is an abort without a traceback in the log; a
 4 MiB prompt is refused for length before it is tokenized; connections past `max_connections`
-get a 503."""
+get a 503, but for the health probes; a request head sent by halves or trickled gets a 408 after
+`request_head_timeout_s` (slowloris)."""
 
 from __future__ import annotations
 
@@ -111,13 +112,71 @@ def test_a_huge_prompt_is_refused_before_tokenizing(guarded: ServerThread) -> No
     assert resident_mb() - before < 100  # the server and this client share the process
 
 
-def test_connections_past_the_limit_get_a_503(guarded: ServerThread) -> None:
+def test_connections_past_the_limit_get_a_503_but_the_probes(guarded: ServerThread) -> None:
     idle = [connect(guarded) for _ in range(4)]
     try:
         time.sleep(0.2)
-        assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 503
+        assert httpx.get(f"{guarded.url}/v1/models", timeout=10).status_code == 503
+        for probe in ("/health/live", "/health"):  # an orchestrator still sees the process serve
+            assert httpx.get(f"{guarded.url}{probe}", timeout=10).status_code == 200, probe
     finally:
         for sock in idle:
             sock.close()
     time.sleep(0.3)
-    assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{guarded.url}/v1/models", timeout=10).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def slow_heads(tiny_model: LoadedModel) -> Iterator[ServerThread]:
+    config = ServerConfig(routes=ROUTES, max_model_len=256, request_head_timeout_s=1.0, max_connections=6)
+    running = ServerThread(build_state(config, loaded=tiny_model)).start()
+    yield running
+    running.stop()
+
+
+def read_all(sock: socket.socket) -> bytes:
+    try:
+        return answer(sock)
+    except OSError:  # reset after the 408: what was read before it is lost, so say so
+        return b"reset"
+
+
+def test_half_sent_headers_are_cut_and_never_lock_out_the_probes(slow_heads: ServerThread) -> None:
+    # Slowloris: more half-sent heads than connection slots. The probes are still answered, the
+    # heads get a 408 within their timeout, and the slots are free again.
+    socks = [connect(slow_heads) for _ in range(8)]
+    for sock in socks:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    time.sleep(0.3)
+    assert httpx.get(f"{slow_heads.url}/health/live", timeout=10).status_code == 200
+    assert httpx.get(f"{slow_heads.url}/v1/models", timeout=10).status_code == 503
+    start = time.monotonic()
+    for sock in socks:
+        assert read_all(sock).startswith(b"HTTP/1.1 408")
+        sock.close()
+    assert time.monotonic() - start < 3
+    assert httpx.get(f"{slow_heads.url}/v1/models", timeout=10).status_code == 200
+
+
+def test_a_trickled_head_is_cut(slow_heads: ServerThread) -> None:
+    sock = connect(slow_heads)
+    start = time.monotonic()
+    head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200
+    try:
+        for i in range(len(head)):  # a byte every 0.1 s: 25 s for the whole head
+            sock.sendall(head[i : i + 1])
+            time.sleep(0.1)
+            if time.monotonic() - start > 5:
+                break
+    except OSError:  # closed on us: what the test expects
+        pass
+    assert time.monotonic() - start < 3
+    got = read_all(sock)
+    assert got == b"reset" or got.startswith(b"HTTP/1.1 408"), got
+    sock.close()
+    # A head that arrives in time, even in pieces, is served.
+    with connect(slow_heads) as sock:
+        for part in (b"GET /health/live HTTP/1.1\r\n", b"Host: 127.0.0.1\r\n", b"Connection: close\r\n\r\n"):
+            sock.sendall(part)
+            time.sleep(0.2)
+        assert answer(sock).startswith(b"HTTP/1.1 200")
