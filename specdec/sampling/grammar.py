@@ -22,7 +22,9 @@ message that says how to install it.
 from __future__ import annotations
 
 import json
+import re
 import weakref
+from typing import Any
 
 import torch
 
@@ -35,6 +37,79 @@ except ImportError:  # pragma: no cover - the Makefile installs it
     xgrammar = None
 
 INSTALL_HINT = "structured outputs need xgrammar: pip install --no-deps xgrammar apache-tvm-ffi"
+# xgrammar's errors start with a time and its C++ source's path and line: not the client's business.
+_SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
+
+
+def _pointer(schema: Any, ref: str) -> Any:
+    """The node a local `$ref` ("#/$defs/name") names, or None."""
+    node = schema
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def check_schema(schema: Any) -> None:
+    """Refuse what the grammar would not enforce: a `$ref` outside the schema (a URL, a file: left
+    unconstrained), and a schema with no finite instance (a required `$ref` recursion that never
+    ends: the output could never be complete). ConfigError saying which."""
+    refs: set[str] = set()
+
+    def collect(node: Any) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                if not ref.startswith("#"):
+                    raise ConfigError(f"the JSON schema's $ref {ref!r} points outside the schema: only local "
+                                      "references (#/...) are enforced")
+                refs.add(ref)
+            for value in node.values():
+                collect(value)
+        elif isinstance(node, list):
+            for value in node:
+                collect(value)
+
+    collect(schema)
+    # Which references have a finite instance: the least fixpoint, from none, of "a node has one
+    # when what it requires has one" (required properties, a non-empty array's items, one branch
+    # of anyOf/oneOf, every one of allOf, the target of its $ref).
+    finite = {ref for ref in refs if _pointer(schema, ref) is None}  # a missing target: xgrammar says so
+
+    def has_instance(node: Any) -> bool:
+        if not isinstance(node, dict):
+            return node is not False
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref not in finite:
+            return False
+        if any(not has_instance(b) for b in node.get("allOf", []) if isinstance(node.get("allOf"), list)):
+            return False
+        for key in ("anyOf", "oneOf"):
+            branches = node.get(key)
+            if isinstance(branches, list) and branches and not any(has_instance(b) for b in branches):
+                return False
+        properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if any(name in properties and not has_instance(properties[name]) for name in required):
+            return False
+        items, least = node.get("items"), node.get("minItems", 0)
+        return not (isinstance(least, int) and least > 0 and items is not None and not has_instance(items))
+
+    changed = True
+    while changed:
+        changed = False
+        for ref in refs - finite:
+            target = _pointer(schema, ref)
+            if target is not None and has_instance(target):
+                finite.add(ref)
+                changed = True
+    if not has_instance(schema):
+        raise ConfigError("the JSON schema has no finite instance: a required $ref recursion never ends")
 
 
 class GrammarCompiler:
@@ -52,18 +127,26 @@ class GrammarCompiler:
 
     def compile(self, structured: StructuredOutput):
         """The compiled grammar; ConfigError saying what is wrong with a spec that does not compile."""
+        schema = structured.spec or json.dumps({"type": "object"})
+        if structured.kind == "json":
+            try:
+                parsed = json.loads(schema)
+            except ValueError:
+                parsed = None  # xgrammar says what is wrong with it
+            if parsed is not None:
+                check_schema(parsed)
         try:
             if structured.kind == "json":
                 # Compact JSON (no free whitespace): a small model let loose on whitespace can
                 # fill its budget with newlines inside a valid document.
-                schema = structured.spec or json.dumps({"type": "object"})
                 return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
             if structured.kind == "regex":
                 return self._compiler.compile_regex(structured.spec)
             return self._compiler.compile_grammar(structured.spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}[structured.kind]
-            raise ConfigError(f"the {what} does not compile: {str(exc).strip().splitlines()[-1]}") from None
+            reason = _SOURCE_PREFIX.sub("", str(exc).strip().splitlines()[-1])
+            raise ConfigError(f"the {what} does not compile: {reason}") from None
 
     def constraint(self, structured: StructuredOutput) -> Constraint:
         """A fresh state for one request (before its first output token)."""

@@ -135,3 +135,25 @@ def test_sampling_constrained_follows_the_masked_target(target, small_model_fact
     engine = engine_with(drafter, target, draft_model(small_model_factory, seed=44))
     # After a whole pair the grammar is complete and EOS (the last word) may end the output.
     assert_first_tokens_follow(engine, PROMPT, SAMPLED, exact_masked_probs(target, SAMPLED), VOCAB, end=VOCAB - 1)
+
+
+def test_schemas_the_grammar_would_not_enforce_are_refused() -> None:
+    from specdec.sampling.grammar import check_schema
+
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}
+    for ref in ("https://example.com/a.json", "file:///etc/passwd", "other.json#/x"):
+        with pytest.raises(ConfigError, match="points outside the schema"):
+            check_schema({"type": "array", "items": {"$ref": ref}})
+    endless = {"$defs": {"n": node | {"required": ["next"]}}, "$ref": "#/$defs/n"}
+    with pytest.raises(ConfigError, match="no finite instance"):
+        check_schema(endless)
+    with pytest.raises(ConfigError, match="no finite instance"):  # a required recursion through a non-empty array
+        check_schema({"$defs": {"t": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/t"}}}, "$ref": "#/$defs/t"})
+    # Recursions that end: optional, a branch with a leaf, an array that may be empty; and a $ref to
+    # a missing definition is left to the grammar library's own message.
+    for fine in ({"$defs": {"n": node}, "$ref": "#/$defs/n"},
+                 {"$defs": {"t": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"$ref": "#/$defs/t"}}]}},
+                  "$ref": "#/$defs/t"},
+                 {"$defs": {"t": {"type": "array", "items": {"$ref": "#/$defs/t"}}}, "$ref": "#/$defs/t"},
+                 {"$ref": "#/$defs/missing"}, {"type": "object"}, True):
+        check_schema(fine)

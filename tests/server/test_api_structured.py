@@ -92,6 +92,14 @@ def test_completions_take_a_regex_and_a_grammar(client: openai.OpenAI, extension
     ({"structured_outputs": {"regex": "a", "grammar": "root ::= \"a\""}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs", "not both"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos cannot go"),
+    # What the grammar would not enforce: a $ref outside the schema, a required recursion with no
+    # end; and a compile error says what is wrong without the grammar library's source path.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}, "required": ["a"]}}}},
+     "response_format.json_schema.schema", "points outside the schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/n", "$defs": {
+        "n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}}}}}},
+     "response_format.json_schema.schema", "no finite instance"),
 ])
 def test_bad_structured_requests_are_400s(server, body: dict, param: str, message: str | None) -> None:
     response = httpx.post(f"{server.url}/v1/chat/completions",
@@ -101,3 +109,4 @@ def test_bad_structured_requests_are_400s(server, body: dict, param: str, messag
     assert error["param"] == param
     if message is not None:
         assert message in error["message"]
+    assert ".cc:" not in error["message"] and "/project/" not in error["message"]
