@@ -260,14 +260,24 @@ def _encode_prediction(state: ServerState, body: ChatCompletionRequest) -> tuple
 
 
 def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan]:
-    """The prompt's token ids, with its tools rendered (`specdec.server.tools`), and the plan."""
+    """The prompt's token ids, with its tools rendered (`specdec.server.tools`), and the plan. A
+    prompt too long for the context names `tools` where the messages alone would fit."""
     tools = plan_tools(body, state.encoder.tokenizer.chat_template)
-    state.check_size([m["content"] for m in tools.messages], "messages")
     try:
-        ids = state.encoder.encode(tools.messages, tools=tools.template_tools)
-    except PromptError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    _check_length(state, ids, "messages")
+        state.check_size([m["content"] for m in tools.messages], "messages")
+        try:
+            ids = state.encoder.encode(tools.messages, tools=tools.template_tools)
+        except PromptError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        _check_length(state, ids, "messages")
+    except APIError as exc:
+        if exc.code == "context_length_exceeded" and body.tools and tools.callable:
+            bare = plan_tools(body.model_copy(update={"tools": None, "tool_choice": None}),
+                              state.encoder.tokenizer.chat_template)
+            if len(state.encoder.encode(bare.messages)) < state.max_model_len:
+                exc.param = "tools"
+                exc.message += f" with its {len(body.tools)} tools rendered (the messages alone would fit)"
+        raise
     return ids, tools
 
 

@@ -212,3 +212,20 @@ def test_a_constrained_output_cut_short_returns_whole_calls_only(client: openai.
                                          tool_choice="required", max_tokens=20)
     assert out.choices[0].finish_reason == "length"
     assert out.choices[0].message.content is None and out.choices[0].message.tool_calls is None
+
+
+def test_too_many_tools_for_the_context_names_tools(server) -> None:
+    # 128 tools do not fit the test server's 256-token context, the message alone does: the
+    # error names `tools`; a message that is itself too long still names `messages`.
+    many = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Does a thing", "parameters": TIME}}
+            for i in range(128)]
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                          json={"model": "spec", "messages": MESSAGES, "tools": many, "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and error["code"] == "context_length_exceeded", error
+    assert "128 tools" in error["message"]
+    long = [{"role": "user", "content": "word " * 400}]
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                          json={"model": "spec", "messages": long, "tools": many[:1], "max_tokens": 4})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
