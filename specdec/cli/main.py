@@ -562,7 +562,8 @@ def costs(
         paths[loaded.describe()] = loaded.kernel_path
         if lengths:
             if max(lengths) > loaded.max_positions:
-                raise ConfigError(f"--prefill {max(lengths)} is longer than the model's {loaded.max_positions} positions")
+                raise ConfigError(f"--prefill {max(lengths)} is longer than the model's "
+                                  f"{loaded.max_positions} positions")
             with err.status(f"measuring {loaded.describe()}: prefill of {', '.join(map(str, lengths))} tokens..."):
                 rates[loaded.describe()] = prefill_rates(loaded, lengths, repeats=min(repeats, 3))
         del loaded

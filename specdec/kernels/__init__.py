@@ -25,7 +25,6 @@ import os
 import platform
 import shutil
 import sys
-import time
 from pathlib import Path
 from collections.abc import Callable, Iterator
 from types import ModuleType

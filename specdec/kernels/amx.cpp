@@ -27,8 +27,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -55,7 +55,8 @@ const State& state() {
               __builtin_cpu_supports("avx512vnni")))
             return {false, "this CPU has AMX but not the AVX-512 its epilogue runs on"};
         if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0)
-            return {false, std::string("Linux did not grant the AMX tile state (arch_prctl: ") + std::strerror(errno) + ")"};
+            return {false, std::string("Linux did not grant the AMX tile state (arch_prctl: ") +
+                               std::strerror(errno) + ")"};
         return {true, ""};
     }();
     return s;
@@ -162,13 +163,14 @@ void tile_amx(const uint8_t* unit, const Rows& x, int64_t row0, float* out, cons
         // 1. The chunk's tile products, four independent chains (a block's product waits on its
         //    loads, and its store on the product: one block at a time would wait out each).
         const int64_t blocks = std::min<int64_t>(CHUNK, G - g0);
-        auto at = [&](int64_t i) { return std::make_pair(unit + (g0 + i) * RECORD, xq + (g0 + i) * n * QK); };
-        for (int64_t i = 0; i < blocks; ++i) prepare<Q4>(at(i).first, bytes[i]);
+        auto rec = [&](int64_t i) { return unit + (g0 + i) * RECORD; };  // block g0 + i's weights
+        auto act = [&](int64_t i) { return xq + (g0 + i) * n * QK; };      // and its activations
+        for (int64_t i = 0; i < blocks; ++i) prepare<Q4>(rec(i), bytes[i]);
         for (int64_t i = 0; i < blocks; i += 4) {
-            issue<0, Q4>(at(i).first, at(i).second, bytes[i], sums[i]);
-            if (i + 1 < blocks) issue<1, Q4>(at(i + 1).first, at(i + 1).second, bytes[i + 1], sums[i + 1]);
-            if (i + 2 < blocks) issue<2, Q4>(at(i + 2).first, at(i + 2).second, bytes[i + 2], sums[i + 2]);
-            if (i + 3 < blocks) issue<3, Q4>(at(i + 3).first, at(i + 3).second, bytes[i + 3], sums[i + 3]);
+            issue<0, Q4>(rec(i), act(i), bytes[i], sums[i]);
+            if (i + 1 < blocks) issue<1, Q4>(rec(i + 1), act(i + 1), bytes[i + 1], sums[i + 1]);
+            if (i + 2 < blocks) issue<2, Q4>(rec(i + 2), act(i + 2), bytes[i + 2], sums[i + 2]);
+            if (i + 3 < blocks) issue<3, Q4>(rec(i + 3), act(i + 3), bytes[i + 3], sums[i + 3]);
         }
         // 2. Their epilogues, block by block in order.
         for (int64_t i = 0; i < blocks; ++i) {

@@ -386,8 +386,8 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     std::vector<std::pair<int64_t, TileFn>> plan;  // (first row, tile function)
     int64_t row = 0;
     if (amx) {
-        for (; rows - row >= specdec::AMX_ROWS; row += specdec::AMX_ROWS)
-            plan.emplace_back(row, q4 ? specdec::q4_tile_amx(specdec::AMX_ROWS) : specdec::q8_tile_amx(specdec::AMX_ROWS));
+        const TileFn full = q4 ? specdec::q4_tile_amx(specdec::AMX_ROWS) : specdec::q8_tile_amx(specdec::AMX_ROWS);
+        for (; rows - row >= specdec::AMX_ROWS; row += specdec::AMX_ROWS) plan.emplace_back(row, full);
         if (rows - row >= AMX_MIN_ROWS) {
             const int rest = static_cast<int>(rows - row);
             plan.emplace_back(row, q4 ? specdec::q4_tile_amx(rest) : specdec::q8_tile_amx(rest));

@@ -14,9 +14,9 @@ backend writes either cache.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
-import platform
 from pathlib import Path
 from typing import Protocol
 

@@ -79,7 +79,8 @@ def check_schema(schema: Any) -> None:
     # Which references have a finite instance: the least fixpoint, from none, of "a node has one
     # when what it requires has one" (required properties, a non-empty array's items, one branch
     # of anyOf/oneOf, every one of allOf, the target of its $ref).
-    finite = {ref for ref in refs if _pointer(schema, ref) is None}  # a missing target: xgrammar says so
+    targets = {ref: _pointer(schema, ref) for ref in refs}
+    finite = {ref for ref, target in targets.items() if target is None}  # a missing target: xgrammar says so
 
     def has_instance(node: Any) -> bool:
         if not isinstance(node, dict):
@@ -104,8 +105,7 @@ def check_schema(schema: Any) -> None:
     while changed:
         changed = False
         for ref in refs - finite:
-            target = _pointer(schema, ref)
-            if target is not None and has_instance(target):
+            if has_instance(targets[ref]):
                 finite.add(ref)
                 changed = True
     if not has_instance(schema):

@@ -52,7 +52,7 @@ from specdec.server.protocol import (
     error_body,
 )
 from specdec.server.scheduler import Event, QueueFullError, Scheduler, ServerRequest, StoppedError
-from specdec.server.tools import (CallScanner, ToolPlan, call_id_seed, cut_calls, may_be_calls, parse_calls,
+from specdec.server.tools import (CallScanner, ToolPlan, call_id_seeds, cut_calls, may_be_calls, parse_calls,
                                   plan_tools)
 
 log = logging.getLogger(__name__)
@@ -271,14 +271,23 @@ def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[
             raise APIError(400, str(exc), param="messages") from None
         _check_length(state, ids, "messages")
     except APIError as exc:
-        if exc.code == "context_length_exceeded" and body.tools and tools.callable:
-            bare = plan_tools(body.model_copy(update={"tools": None, "tool_choice": None}),
-                              state.encoder.tokenizer.chat_template)
-            if len(state.encoder.encode(bare.messages)) < state.max_model_len:
-                exc.param = "tools"
-                exc.message += f" with its {len(body.tools)} tools rendered (the messages alone would fit)"
+        if exc.code == "context_length_exceeded" and body.tools and tools.callable and _fits_without_tools(state, body):
+            exc.param = "tools"
+            exc.message += f" with its {len(body.tools)} tools rendered (the messages alone would fit)"
         raise
     return ids, tools
+
+
+def _fits_without_tools(state: ServerState, body: ChatCompletionRequest) -> bool:
+    """Whether the request's messages alone fit the context: the same checks as the prompt's, the
+    byte bound first (a huge message is never tokenized here either)."""
+    bare = plan_tools(body.model_copy(update={"tools": None, "tool_choice": None}),
+                      state.encoder.tokenizer.chat_template)
+    try:
+        state.check_size([m["content"] for m in bare.messages], "messages")
+        return len(state.encoder.encode(bare.messages)) < state.max_model_len
+    except (APIError, PromptError):
+        return False
 
 
 @dataclass
@@ -398,14 +407,17 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
 
     app.mount("/dashboard/static", StaticFiles(directory=dashboard.STATIC / "vendor"), name="dashboard-static")
 
+    def serving() -> bool:
+        return state.scheduler.alive and not state.shutting_down
+
     @app.get(LIVENESS_PATH)
     async def live() -> JSONResponse:
-        ok = state.scheduler.alive and not state.shutting_down
+        ok = serving()
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = state.scheduler.alive and not state.shutting_down
+        ok = serving()
         body = {
             "status": "ok" if ok else "unavailable",
             "model": state.model_name,
@@ -490,7 +502,7 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
         shape = _Shape(chat=True, logprobs=bool(body.logprobs),
                        names=await state.encode(state.token_bytes) if body.logprobs else None, predicted=bool(prediction),
                        callable=tools.callable, calls_only=tools.structured is not None,
-                       call_ids=[call_id_seed(body, i) for i in range(body.n)] if tools.callable else [])
+                       call_ids=call_id_seeds(body) if tools.callable else [])
         params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size, structured, prediction)
                   for i in range(body.n)]
 
@@ -531,7 +543,7 @@ class _Shape:
     call_ids: list[str] = field(default_factory=list)  # per choice, the seed of its calls' ids (with tools)
 
     def call_seed(self, index: int) -> str:
-        """Choice `index`'s seed of its calls' ids (`specdec.server.tools.call_id_seed`)."""
+        """Choice `index`'s seed of its calls' ids (`specdec.server.tools.call_id_seeds`)."""
         return self.call_ids[index] if index < len(self.call_ids) else ""
 
 

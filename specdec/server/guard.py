@@ -110,10 +110,11 @@ class RequestGuard:
             if keys and scope["path"] != LIVENESS_PATH and not _key_matches(headers, keys):
                 body = error_body("a valid API key is needed: send it as 'Authorization: Bearer KEY'",
                                   code="invalid_api_key")
-                await JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})(scope, receive, observed)
+                refused = JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})
+                await refused(scope, receive, observed)
                 return
             try:
-                replay = await self._read_body(scope, receive)
+                replay = await self._read_body(scope, headers, receive)
             except _BodyTooLarge:
                 limit = self.state.config.max_request_bytes
                 body = error_body(f"the request body exceeds the server's limit of {limit} bytes", code="request_too_large")
@@ -142,12 +143,11 @@ class RequestGuard:
                 if reason is not None:
                     self.state.metrics.requests.labels(request_state.get("route", ""), reason).inc()
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> Receive | None:
+    async def _read_body(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive) -> Receive | None:
         """Read the whole body (at most the limit, within the timeout), and return a `receive`
         that replays it and then passes on to the client's (for disconnects); None when the
         client left before the body was all there."""
         limit = self.state.config.max_request_bytes
-        headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > limit:
             raise _BodyTooLarge

@@ -152,7 +152,7 @@ class CallScanner:
     `feed` returns OpenAI's streamed tool-call deltas for what is new: a call's index, id, type
     and name once its head is complete, then its arguments' text as it arrives."""
 
-    id_seed: str = ""  # what the calls' ids derive from (`call_id_seed`)
+    id_seed: str = ""  # what the calls' ids derive from (`call_id_seeds`)
     text: str = ""
     calls: list[dict[str, str]] = field(default_factory=list)  # id, name, arguments (their text so far)
     _at: int = 0  # where the next call's head (or the array's end) starts
@@ -196,8 +196,7 @@ class CallScanner:
                 or any(not isinstance(c, dict) or set(c) != {"name", "arguments"} or c["name"] not in callable
                        or not isinstance(c["arguments"], dict) for c in parsed)):
             return None
-        return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                for c in self.calls]
+        return [_openai(c) for c in self.calls]
 
     def closed(self, callable: frozenset[str]) -> list[dict[str, Any]]:
         """The calls whose objects closed, in OpenAI's form, up to the first that is not a call to
@@ -210,8 +209,13 @@ class CallScanner:
                 break
             if c["name"] not in callable or not isinstance(arguments, dict):
                 break
-            out.append({"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}})
+            out.append(_openai(c))
         return out
+
+
+def _openai(call: dict[str, str]) -> dict[str, Any]:
+    """A scanned call (id, name, arguments' text) in OpenAI's form."""
+    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
 
 
 def _value_end(text: str, start: int) -> int | None:
@@ -238,12 +242,12 @@ def _value_end(text: str, start: int) -> int | None:
     return None
 
 
-def call_id_seed(body: ChatCompletionRequest, choice: int) -> str:
-    """What the calls of a request's choice take their ids from: a digest of the request's messages
-    and tools, and the choice's index. The same request gets the same ids, so a tool loop at
-    temperature 0 replays exactly, and the speculative and plain routes agree."""
-    digest = hashlib.sha256(body.model_dump_json(include={"messages", "tools"}).encode())
-    return f"{digest.hexdigest()[:16]}/{choice}"
+def call_id_seeds(body: ChatCompletionRequest) -> list[str]:
+    """What the calls of each of a request's choices take their ids from: a digest of the request's
+    messages and tools, and the choice's index. The same request gets the same ids, so a tool loop
+    at temperature 0 replays exactly, and the speculative and plain routes agree."""
+    digest = hashlib.sha256(body.model_dump_json(include={"messages", "tools"}).encode()).hexdigest()[:16]
+    return [f"{digest}/{choice}" for choice in range(body.n)]
 
 
 def parse_calls(text: str, callable: frozenset[str], id_seed: str = "") -> list[dict[str, Any]] | None:
