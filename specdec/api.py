@@ -13,6 +13,7 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import Engine, Generation, RequestStats, StreamChunk
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel, load_model
+from specdec.models.prefix_cache import PrefixCache
 from specdec.models.prompts import Message, Prompt, PromptEncoder
 from specdec.sampling.logprobs import TokenLogprob
 
@@ -51,6 +52,10 @@ class LLM:
         format, `auto` (a GGUF file's own quantization on native), `float32`, `bfloat16`, `int8`, `int4`.
     speculative_config: None for plain decoding, or a SpeculativeConfig, a dict with its keys,
         or the same as a JSON string.
+    prefix_cache_mb: memory for keys and values kept from request to request, so that a prompt
+        that starts with an earlier one's tokens (a system prompt, a conversation's earlier turns)
+        prefills only the rest; 0 turns it off. Outputs are the same either way; where the backend
+        cannot reuse them exactly (hf, float32 weights) there is none.
 
     A string prompt is raw text to continue; a list of {"role", "content"} messages is a chat,
     rendered with the model's chat template.
@@ -65,13 +70,18 @@ class LLM:
         backend: str = "auto",
         dtype: str | torch.dtype = "auto",
         loaded: LoadedModel | None = None,
+        prefix_cache_mb: float = 256,
     ) -> None:
+        if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) or not prefix_cache_mb >= 0:
+            raise ConfigError(f"prefix_cache_mb must be a number >= 0, got {prefix_cache_mb!r}")
         self.speculative_config = _as_config(speculative_config)
         self.target = loaded if loaded is not None else load_model(model, device=device, backend=backend, dtype=dtype)
         self._encoder = PromptEncoder(self.target)
-        self.plain_engine = Engine(self.target)
+        # One prefix cache for both engines: they run the same target, so they share its KV.
+        self.prefix_cache = PrefixCache.for_backend(self.target.backend, int(prefix_cache_mb * (1 << 20)))
+        self.plain_engine = Engine(self.target, prefix_cache=self.prefix_cache)
         self.engine = self.plain_engine if self.speculative_config is None else \
-            Engine.from_config(self.target, self.speculative_config)
+            Engine.from_config(self.target, self.speculative_config, prefix_cache=self.prefix_cache)
 
     def memory(self) -> dict[str, int]:
         """Weight bytes: the target's, and what the drafter adds to them (0 when it shares them)."""

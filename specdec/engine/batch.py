@@ -41,6 +41,7 @@ from specdec.errors import PromptError
 from specdec.models.batch_cache import BatchCache
 from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import LoadedModel
+from specdec.models.prefix_cache import PrefixCache
 from specdec.models.runner import ModelRunner
 from specdec.sampling import RowDraft, SamplingRule, accept_step, speculative_accept
 from specdec.sampling.grammar import Constraint, compiler_for
@@ -101,6 +102,7 @@ class _Prefill:
     cache: PreallocatedCache
     logits: torch.Tensor  # [1, vocab], or [prompt, vocab] when every position's was asked for
     states: dict[int, torch.Tensor]  # {layer: [prompt, hidden]}, the layers asked for
+    cached: int  # prompt tokens whose keys and values came from the prefix cache
 
 
 def check_prompt(prompt_ids: list[int], limit: int, holder: str) -> None:
@@ -134,10 +136,14 @@ class BatchEngine:
 
     When a sequence has the same prompt as the one prefilled before it (many samples of one
     prompt), that prompt's KV and first-token logits are reused instead of computed again.
+    prefix_cache: committed tokens' KV kept across sequences (:mod:`specdec.models.prefix_cache`):
+    a prompt's prefill starts after the longest prefix it holds, and every prompt, and every
+    sequence's committed tokens when it leaves, are stored in it. None: each prompt prefilled whole.
     """
 
     def __init__(self, target: LoadedModel, max_rows: int, max_model_len: int, max_draft: int = 16,
-                 sampling_rule: SamplingRule = speculative_accept, tree_rule: TreeRule = accept_tree_sampling) -> None:
+                 sampling_rule: SamplingRule = speculative_accept, tree_rule: TreeRule = accept_tree_sampling,
+                 prefix_cache: PrefixCache | None = None) -> None:
         if max_model_len > target.max_positions:
             raise PromptError(f"max_model_len {max_model_len} exceeds {target.name}'s context of {target.max_positions}")
         self.target = target
@@ -150,6 +156,7 @@ class BatchEngine:
         # A row's last step may write a draft and padding past its last kept token.
         self.cache = BatchCache.for_backend(target.backend, max_rows, max_model_len + max_draft + 1)
         self.sequences: list[Sequence] = []  # index == row
+        self.prefix_cache = prefix_cache
         self._last_prefill: _Prefill | None = None
 
     @property
@@ -192,7 +199,8 @@ class BatchEngine:
 
         # 0. Prefill: one pass over the prompt alone gives the first token; its KV joins the batch.
         layers = target_layers(seq.drafter)
-        prefill_cache, logits, states = self._prefill(list(seq.prompt_ids), layers, params.prompt_logprobs)
+        prefill_cache, logits, states, stats.cached_tokens = self._prefill(list(seq.prompt_ids), layers,
+                                                                          params.prompt_logprobs)
         if params.prompt_logprobs:  # each prompt token's from the position before it
             seq.result.prompt_logprobs = [None, *token_logprobs(logits[:-1], seq.prompt_ids[1:], params.logprobs or 0)]
         raw = logits[-1:]  # [1, vocab]
@@ -209,24 +217,37 @@ class BatchEngine:
         return self._emit(seq, first, drafted=0, accepted=0, raw=raw, offsets=[0])
 
     def _prefill(self, prompt_ids: list[int], layers: tuple[int, ...], every_position: bool = False
-                 ) -> tuple[PreallocatedCache, torch.Tensor, dict[int, torch.Tensor]]:
+                 ) -> tuple[PreallocatedCache, torch.Tensor, dict[int, torch.Tensor], int]:
         """The prompt's cache, its logits ([1, vocab]: the last position's; [prompt, vocab] with
-        `every_position`) and the asked layers' states."""
+        `every_position`), the asked layers' states and how many prompt tokens the prefix cache gave."""
         # The prompt's cache is only read (copied into a row), so a later sequence can reuse it.
         last = self._last_prefill
         if (last is not None and last.prompt_ids == prompt_ids and set(layers) <= set(last.states)
                 and (not every_position or len(last.logits) == len(prompt_ids))):
-            return last.cache, last.logits if every_position else last.logits[-1:], last.states
+            return last.cache, last.logits if every_position else last.logits[-1:], last.states, last.cached
         cache = self.runner.new_cache(len(prompt_ids))
-        out = self.runner.forward(cache, prompt_ids, last_only=not every_position, hidden_layers=layers)
-        self._last_prefill = _Prefill(prompt_ids, cache, out.logits, out.layer_states or {})
-        return cache, out.logits if every_position else out.logits[-1:], self._last_prefill.states
+        prefix = self.prefix_cache
+        # Every position's logits need every position computed: such a prompt is only stored.
+        hit = prefix.match(prompt_ids, layers) if prefix is not None and not every_position else None
+        cached = hit.tokens if hit is not None else 0
+        if cached:
+            cache.fill(hit.kv())
+        out = self.runner.forward(cache, prompt_ids[cached:], last_only=not every_position, hidden_layers=layers)
+        states = out.layer_states or {}
+        if cached and layers:
+            states = {i: torch.cat([s, states[i]]) for i, s in hit.states(layers).items()}
+        if prefix is not None:
+            prefix.store(prompt_ids, cache, states=states)
+        self._last_prefill = _Prefill(prompt_ids, cache, out.logits, states, cached)
+        return cache, out.logits if every_position else out.logits[-1:], states, cached
 
     def remove(self, seq: Sequence) -> None:
         """Free a sequence's row (finished or cancelled)."""
         if seq.row < 0 or seq.row >= self.running or self.sequences[seq.row] is not seq:
             return
         row = seq.row
+        if self.prefix_cache is not None:  # its committed tokens: the slots before its length
+            self.prefix_cache.store(seq.context[: int(self.cache.lengths[row])], self.cache, row)
         moved = self.cache.remove_row(row)
         last = self.sequences.pop()
         if moved is not None:

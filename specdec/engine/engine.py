@@ -19,6 +19,7 @@ from specdec.engine.adaptive import AdaptiveStates, SpeculationPolicy
 from specdec.engine.batch import BatchEngine, Sequence, check_prompt
 from specdec.engine.generation import Generation, StreamChunk
 from specdec.models.loader import LoadedModel
+from specdec.models.prefix_cache import PrefixCache
 from specdec.models.runner import ModelRunner
 from specdec.sampling import SamplingRule, speculative_accept
 from specdec.sampling.tree import TreeRule, accept_tree_sampling
@@ -27,7 +28,11 @@ __all__ = ["Engine", "Generation", "StreamChunk"]
 
 
 class Engine:
-    """Generates for one request at a time with an optional drafter proposing up to k tokens."""
+    """Generates for one request at a time with an optional drafter proposing up to k tokens.
+
+    prefix_cache: committed tokens' KV kept from request to request (a prompt that starts with an
+    earlier request's tokens prefills only the rest); engines of one target may share one.
+    """
 
     def __init__(
         self,
@@ -37,6 +42,7 @@ class Engine:
         sampling_rule: SamplingRule = speculative_accept,
         tree_rule: TreeRule = accept_tree_sampling,
         adaptive: bool = False,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if drafter is not None and num_speculative_tokens < 1:
             raise ValueError("a drafter needs num_speculative_tokens >= 1")
@@ -48,20 +54,21 @@ class Engine:
         self.adaptive_states = AdaptiveStates()  # what adaptive k learned, kept across requests
         self.sampling_rule = sampling_rule
         self.tree_rule = tree_rule
+        self.prefix_cache = prefix_cache
         self._batch: BatchEngine | None = None
         self._busy = False
 
     @classmethod
     def from_config(cls, target: LoadedModel, config: SpeculativeConfig | None, *,
                     sampling_rule: SamplingRule = speculative_accept,
-                    tree_rule: TreeRule = accept_tree_sampling) -> Engine:
+                    tree_rule: TreeRule = accept_tree_sampling, prefix_cache: PrefixCache | None = None) -> Engine:
         """The one way to build a drafter and its engine from a config (None: plain decoding):
         the library, `verify`, `bench` and `tune` all come here. The server builds its route
         drafters with the same :func:`~specdec.drafters.build_drafter` over its batch engine."""
         if config is None:
-            return cls(target, sampling_rule=sampling_rule, tree_rule=tree_rule)
+            return cls(target, sampling_rule=sampling_rule, tree_rule=tree_rule, prefix_cache=prefix_cache)
         return cls(target, build_drafter(config, target), config.num_speculative_tokens,
-                   sampling_rule=sampling_rule, tree_rule=tree_rule, adaptive=config.adaptive)
+                   sampling_rule=sampling_rule, tree_rule=tree_rule, adaptive=config.adaptive, prefix_cache=prefix_cache)
 
     def new_policy(self) -> SpeculationPolicy:
         """How many tokens each step of a new request drafts."""
@@ -73,7 +80,8 @@ class Engine:
             # A tree drafter may propose more tokens than its depth k.
             size = max(self.k, self.drafter.proposal_size if self.drafter else 0, PREDICTION_K)
             self._batch = BatchEngine(self.target, max_rows=1, max_model_len=max_len, max_draft=size,
-                                      sampling_rule=self.sampling_rule, tree_rule=self.tree_rule)
+                                      sampling_rule=self.sampling_rule, tree_rule=self.tree_rule,
+                                      prefix_cache=self.prefix_cache)
         return self._batch
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, result: Generation | None = None) -> Iterator[StreamChunk]:

@@ -35,6 +35,7 @@ from typing import Any
 @dataclass
 class RequestStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     generated_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -69,7 +70,7 @@ class RequestStats:
 
     def merge(self, other: RequestStats) -> None:
         """Add another request's counts and times to these (for totals over many requests)."""
-        for name in ("prompt_tokens", "generated_tokens", "drafted_tokens", "accepted_tokens", "committed_tokens",
+        for name in ("prompt_tokens", "cached_tokens", "generated_tokens", "drafted_tokens", "accepted_tokens", "committed_tokens",
                      "target_steps", "prefill_time_s", "wall_time_s", "draft_time_s", "verify_time_s",
                      "undrafted_steps", "rejected_steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -109,6 +110,7 @@ class RequestStats:
     def to_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,

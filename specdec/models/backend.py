@@ -50,6 +50,9 @@ class Backend(Protocol):
     kv_dtype: torch.dtype
     device: torch.device
     model_type: str
+    # Whether a position's keys and values are bitwise the same whatever pass computes them
+    # (whole prompt, part of one, a step among other rows): a prefix cache is exact only then.
+    exact_blocks: bool
 
     def forward(
         self,

@@ -9,10 +9,11 @@ rollback does. There are no holes, so a backend can attend over a row's prefix a
 bitwise what the row's own sequence would get alone (the native backend does).
 
 A forward pass reads `[rows, kv_heads, longest + new, head_dim]` with a mask that hides, for each
-row, the slots past its own tokens. Three operations copy KV, each a named, tested method:
+row, the slots past its own tokens. Four operations copy KV, each a named, tested method:
 :meth:`BatchCache.insert_row` (a prefilled prompt joins), :meth:`BatchCache.remove_row` (the
 last row moves into the slot of one that left, keeping rows contiguous) and
-:meth:`BatchCache.keep_path` (a token tree's accepted branch moves up behind the fed token).
+:meth:`BatchCache.keep_path` (a token tree's accepted branch moves up behind the fed token) and
+:meth:`BatchCache.keys_values` (a row's committed slots copied out for a prefix cache).
 """
 
 from __future__ import annotations
@@ -171,6 +172,13 @@ class BatchCache(Cache):
         self.rows = last
         self._index = None
         return moved
+
+    def keys_values(self, start: int, end: int, row: int) -> torch.Tensor:
+        """[layers, 2, kv_heads, end - start, head_dim]: a copy of row `row`'s slots start ..
+        end - 1, keys then values (what a prefix cache keeps of a finished sequence)."""
+        if not 0 <= row < self.rows or not 0 <= start <= end <= int(self.lengths[row]):
+            raise ValueError(f"slots {start}..{end} of row {row} are not within what it holds")
+        return torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end])) for k, v in self._buffers])
 
     # --- one step --------------------------------------------------------------------------
 

@@ -119,6 +119,31 @@ class PreallocatedCache(Cache):
     def length(self) -> int:
         return self.layers[self._first].length
 
+    def keys_values(self, start: int, end: int, row: int = 0) -> torch.Tensor:
+        """[layers, 2, kv_heads, end - start, head_dim]: a copy of slots start .. end - 1 of row
+        `row`, keys then values (what a prefix cache keeps). Every layer must be held."""
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"slots {start}..{end} are not within the {self.length} cached")
+        return torch.stack([torch.stack((layer._key_buf[row, :, start:end], layer._value_buf[row, :, start:end]))
+                            for layer in self.layers])
+
+    def fill(self, kv: torch.Tensor) -> None:
+        """Start an empty cache of one row from positions 0 .. n - 1 computed before (a prefix
+        cache's). kv: [layers, 2, kv_heads, n, head_dim], keys then values."""
+        if self.length:
+            raise ValueError(f"fill starts an empty cache; this one holds {self.length} positions")
+        layers, _, _, n, _ = kv.shape
+        if layers != len(self.layers) or n > self.max_len:
+            raise ValueError(f"{n} positions of {layers} layers cannot fill a cache of {len(self.layers)} layers "
+                             f"and {self.max_len} positions")
+        for i, layer in enumerate(self.layers):
+            keys, values = kv[i, 0][None], kv[i, 1][None]  # [1, kv_heads, n, head_dim]
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+            layer._key_buf[:, :, :n] = keys
+            layer._value_buf[:, :, :n] = values
+            layer.length = n
+
     def rollback(self, length: int) -> None:
         """Forget every position at or past `length`. Moves a length on each layer; copies nothing."""
         if not 0 <= length <= self.length:

@@ -37,6 +37,7 @@ class HFBackend:
         self.device = param.device
         self.weight_format = str(param.dtype).removeprefix("torch.")
         self.kernel_path = "pytorch"
+        self.exact_blocks = False  # a prompt's masked attention and MKL's products round by block
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

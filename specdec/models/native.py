@@ -228,6 +228,15 @@ class NativeBackend:
         on_kernels = (formats | {self.lm_head.fmt}) & set(KERNEL_FORMATS)
         return kernels.default_isa() if self.fused and on_kernels else "pytorch"
 
+    @property
+    def exact_blocks(self) -> bool:
+        """Whether a position's keys and values are bitwise the same whatever pass computes them
+        (a prompt's prefill, a part of it after a cached prefix, a step among other rows): every
+        block attends per query (the kernels) and every decoder product is row-invariant (not
+        float32's MKL product). What makes a prefix cache exact."""
+        formats = {lin.fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+        return self.fused and "float32" not in formats and self.kv_dtype == torch.float32
+
     def matrix_bytes(self) -> int:
         """Bytes of the packed matrices alone (what a requantized copy adds)."""
         return self.lm_head.nbytes + sum(

@@ -34,9 +34,10 @@ def _client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _chat(server: ServerThread, route: str, text: str, max_tokens: int) -> None:
+def _chat(server: ServerThread, route: str, text: str, max_tokens: int, ignore_eos: bool = False) -> None:
     _client(server).chat.completions.create(model=route, messages=[{"role": "user", "content": text}],
-                                            max_tokens=max_tokens, temperature=0)
+                                            max_tokens=max_tokens, temperature=0,
+                                            extra_body={"ignore_eos": True} if ignore_eos else None)
 
 
 # The logic tests hold a curve of their own (a CPU's, measured with PyTorch's int4 kernels), so
@@ -112,7 +113,9 @@ def test_k_too_long_and_drifting(lookup_server: ServerThread) -> None:
 
 
 def test_batches_full_and_the_schedule_switching_off(lookup_server: ServerThread) -> None:
-    threads = [threading.Thread(target=_chat, args=(lookup_server, route, text, 240))
+    # Past EOS, so that all four run their 240 tokens side by side: a short answer that ends
+    # early left fewer than 3 running before the poll saw them (a fast CPU, CI).
+    threads = [threading.Thread(target=_chat, args=(lookup_server, route, text, 240, True))
                for route, text in (("fixed", FREE[0]), ("fixed", FREE[1]), ("scheduled", FREE[2]), ("scheduled", FREE[3]))]
     for t in threads:
         t.start()
