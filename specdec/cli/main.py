@@ -746,6 +746,7 @@ def serve(
     replicas: Annotated[Optional[int], typer.Option("--replicas", min=1, help="Run N engine replicas as a Ray Serve deployment (needs specdec\\[ray]); a \\[replicas] table in the config sets autoscaling bounds instead.")] = None,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="With replicas: the Ray cluster to join (e.g. ray://head:10001 or auto); default: start a local one.")] = None,
     api_key: Annotated[Optional[list[str]], typer.Option("--api-key", envvar="SPECDEC_API_KEY", help="A key clients must send as 'Authorization: Bearer KEY' (repeatable; the environment variable takes keys separated by spaces; overrides the config's api_keys). Every endpoint but /health/live asks for it.")] = None,
+    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="Prefill every prompt whole: keep no keys and values across requests (by default a prompt that starts with an earlier request's tokens prefills only the rest; outputs are the same either way).")] = False,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics) with batched speculative decoding. Without --config: route `specdec`
@@ -763,6 +764,8 @@ def serve(
                                             replicas=(server_config.replicas or ReplicaConfig()).with_count(replicas))
     if api_key:
         server_config = dataclasses.replace(server_config, api_keys=tuple(api_key))
+    if no_prefix_cache:
+        server_config = dataclasses.replace(server_config, prefix_cache_bytes=0)
     if server_config.replicas is not None:
         _serve_replicas(server_config, model, device=device, backend=backend if backend != "auto" else server_config.backend,
                         dtype=dtype if dtype != "auto" else server_config.dtype, host=host, port=port,

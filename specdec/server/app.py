@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -431,12 +431,25 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
             "replica": state.replica,
             "pid": os.getpid(),
             "memory": memory_plan() | {"suffix_cache_bytes": {route: cache.nbytes for route, cache in shared_caches()}},
+            "prefix_cache": prefix_cache(),
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def memory_plan() -> dict[str, Any]:
-        """The start-up memory plan and the KV cache actually allocated."""
-        return state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes}
+        """The start-up memory plan, the KV cache actually allocated and the prefix cache's budget
+        and what it holds now."""
+        prefix = state.scheduler.engine.prefix_cache
+        return state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes,
+                                         "prefix_cache_budget_bytes": prefix.budget_bytes if prefix is not None else 0,
+                                         "prefix_cache_held_bytes": prefix.nbytes if prefix is not None else 0}
+
+    def prefix_cache() -> dict[str, Any] | None:
+        """What the prefix cache holds and has done (None: off)."""
+        prefix = state.scheduler.engine.prefix_cache
+        if prefix is None:
+            return None
+        return {"budget_bytes": prefix.budget_bytes, "bytes": prefix.nbytes, "blocks": len(prefix),
+                "block_tokens": prefix.block, **asdict(prefix.stats)}
 
     def shared_caches() -> list[tuple[str, CacheStats]]:
         """Each route's cache shared by its requests' drafters (the suffix drafter's earlier outputs)."""
@@ -486,7 +499,7 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
             return {"index": i, "text": text, "finish_reason": r.finish_reason, "logprobs": logprobs,
                     "speculation": _stats_dict(r)}
 
-        plan = _Plan(expanded, params, k, shape, sum(len(ids) for ids in prompts), choice, echoes)
+        plan = _Plan(expanded, params, k, shape, sum(len(ids) for ids in prompts), choice, echoes, body.n)
         return await _answer(state, request, body, route, arrival, plan)
 
     @app.post("/v1/chat/completions")
@@ -518,7 +531,8 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
                     "logprobs": chat_logprobs(r.logprobs, shape.names) if shape.logprobs else None,
                     "speculation": _stats_dict(r)}
 
-        return await _answer(state, request, body, route, arrival, _Plan([ids] * body.n, params, k, shape, len(ids), choice))
+        return await _answer(state, request, body, route, arrival, _Plan([ids] * body.n, params, k, shape, len(ids), choice,
+                                                                   per_prompt=body.n))
 
     return app
 
@@ -579,6 +593,7 @@ class _Plan:
     prompt_tokens: int
     choice: Callable[[int, _Result], dict[str, Any]]  # a finished choice's JSON (not streaming)
     echoes: list[tuple[list[int], str]] | None = None  # completions with echo: each choice's prompt
+    per_prompt: int = 1  # choices of each prompt (n), in order: usage counts a prompt once
 
 
 async def _answer(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
@@ -590,28 +605,32 @@ async def _answer(state: ServerState, request: Request, body: CompletionRequest 
     meta = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(job, meta, plan.prompt_tokens, plan.shape, include_usage=include_usage, echoes=plan.echoes)
+        return _stream(job, meta, plan, include_usage=include_usage)
     results = await _collect(job, request, plan.shape)
     choices = [plan.choice(i, r) for i, r in enumerate(results)]
-    return JSONResponse(meta | {"object": obj, "choices": choices, **_totals(plan.prompt_tokens, results, plan.shape.predicted)})
+    return JSONResponse(meta | {"object": obj, "choices": choices, **_totals(plan, results)})
 
 
 def _stats_dict(result: _Result) -> dict[str, Any] | None:
     return result.stats.to_dict() if result.stats is not None else None
 
 
-def _totals(prompt_tokens: int, results: list[_Result], predicted: bool = False) -> dict[str, Any]:
+def _totals(plan: _Plan, results: list[_Result]) -> dict[str, Any]:
     """usage, and the speculation statistics of the request: with several choices, their
     counts added up and the rates recomputed from the sums (RequestStats.merge). With a
-    prediction (which drafted every token), usage counts its tokens accepted and rejected."""
+    prediction (which drafted every token), usage counts its tokens accepted and rejected.
+    `prompt_tokens_details.cached_tokens`, as OpenAI's: of each prompt (once, not per choice),
+    the tokens whose keys and values the prefix cache held."""
     merged = RequestStats()
     for result in results:
         if result.stats is not None:
             merged.merge(result.stats)
     if len(results) == 1 and results[0].stats is not None:
         merged = results[0].stats
-    usage: dict[str, Any] = _usage(prompt_tokens, sum(r.tokens for r in results))
-    if predicted:
+    usage: dict[str, Any] = _usage(plan.prompt_tokens, sum(r.tokens for r in results))
+    cached = sum(r.stats.cached_tokens for r in results[:: plan.per_prompt] if r.stats is not None)
+    usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    if plan.shape.predicted:
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": merged.accepted_tokens,
                                               "rejected_prediction_tokens": merged.drafted_tokens - merged.accepted_tokens}
     return {"usage": usage, "speculation": merged.to_dict()}
@@ -653,13 +672,13 @@ async def _collect(job: _Job, request: Request, shape: _Shape) -> list[_Result]:
     return results
 
 
-def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, *, include_usage: bool,
-            echoes: list[tuple[list[int], str]] | None = None) -> StreamingResponse:
+def _stream(job: _Job, meta: dict[str, Any], plan: _Plan, *, include_usage: bool) -> StreamingResponse:
     """SSE in OpenAI's chunk format, ending with `data: [DONE]`. Each choice's last chunk carries
     its finish_reason and `speculation` statistics; with include_usage a final chunk with no
     choices carries usage. Logprobs ride on the chunk of the tokens they belong to; an echoed
     prompt (completions) is each choice's first chunk. When the client disconnects, Starlette
     cancels this generator and its sequences are cancelled."""
+    shape, echoes = plan.shape, plan.echoes
     chat = shape.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -761,7 +780,7 @@ def _stream(job: _Job, meta: dict[str, Any], prompt_tokens: int, shape: _Shape, 
                     pending -= 1
                     yield f"data: {json.dumps(error_body(event.message, type='server_error', code='generation_failed'))}\n\n"
             if include_usage:
-                yield chunk([], **_totals(prompt_tokens, results, shape.predicted))
+                yield chunk([], **_totals(plan, results))
             yield "data: [DONE]\n\n"
         finally:
             if pending:  # the client went away, or the server is stopping: free the sequences

@@ -6,6 +6,8 @@ Example (`specdec serve --config server.toml`)::
     max_model_len = 2048          # longest prompt + output per sequence
     max_num_seqs = 16             # most sequences in the batch (also bounded by the cache budget)
     cache_budget_mb = 2048        # KV cache budget; a draft model's weights are taken from it
+    prefix_cache_mb = 256         # kept prompts' KV, taken from the budget first (default: what the
+                                  # sequences leave of it; 0 turns prefix caching off)
     threads = 2                   # torch intra-op threads of the model work (default: auto, see ServerConfig)
     max_request_bytes = 4194304   # largest request body; a larger one gets a 413 (default 4 MiB)
     request_body_timeout_s = 30   # a body not all there by then gets a 408 and its connection closes
@@ -253,6 +255,10 @@ class ServerConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 16
     cache_budget_bytes: int = 2 << 30
+    # Committed tokens' keys and values kept across requests (:mod:`specdec.models.prefix_cache`),
+    # taken from the cache budget before the sequences; None: what max_num_seqs sequences leave
+    # of the budget; 0: off (`specdec serve --no-prefix-cache`).
+    prefix_cache_bytes: int | None = None
     max_waiting: int = 256
     # On SIGTERM, requests in flight get this long to finish; then every one still running or
     # waiting ends with finish_reason "abort" (a final chunk and [DONE] when streamed).
@@ -297,6 +303,9 @@ class ServerConfig:
         grace = self.graceful_shutdown_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
             raise ConfigError(f"graceful_shutdown_s must be a number >= 0, got {grace!r}")
+        prefix = self.prefix_cache_bytes
+        if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0):
+            raise ConfigError(f"prefix_cache_bytes must be an integer >= 0 or None, got {prefix!r}")
         for name in ("request_body_timeout_s", "request_head_timeout_s"):
             wait = getattr(self, name)
             if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < float("inf"):
@@ -340,7 +349,7 @@ def default_config(**overrides: Any) -> ServerConfig:
 
 _SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads", "max_request_bytes",
                 "request_body_timeout_s", "request_head_timeout_s", "max_connections", "backend", "dtype", "api_keys")
-_TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "drift", "routes", "replicas"}
+_TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "prefix_cache_mb", "drift", "routes", "replicas"}
 _REPLICA_KEYS = set(ReplicaConfig.__dataclass_fields__)
 _ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}
 
@@ -380,6 +389,11 @@ def config_from_dict(data: dict[str, Any], **overrides: Any) -> ServerConfig:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
             raise ConfigError(f"cache_budget_mb must be a number > 0, got {budget!r}")
         kwargs["cache_budget_bytes"] = int(budget * (1 << 20))
+    if "prefix_cache_mb" in data:
+        prefix = data["prefix_cache_mb"]
+        if isinstance(prefix, bool) or not isinstance(prefix, (int, float)) or not prefix >= 0:
+            raise ConfigError(f"prefix_cache_mb must be a number >= 0 (0: off), got {prefix!r}")
+        kwargs["prefix_cache_bytes"] = int(prefix * (1 << 20))
     if "drift" in data:
         drift = data["drift"]
         if not isinstance(drift, dict) or set(drift) - {"window", "baseline", "threshold"}:

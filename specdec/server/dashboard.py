@@ -69,5 +69,6 @@ def snapshot(registry: CollectorRegistry, routes: list[str], running: int, waiti
             "ttft_seconds": quantiles("specdec_time_to_first_token_seconds", route),
             "itl_seconds": quantiles("specdec_inter_token_latency_seconds", route),
             "generated_tokens": value("specdec_generated_tokens_total", route),
+            "prefix_cache_hit_rate": value("specdec_prefix_cache_hit_rate", route),
         }
     return {"time": time.time(), "running": running, "waiting": waiting, "memory": memory, "routes": data}

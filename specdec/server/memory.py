@@ -3,7 +3,8 @@ many sequences of max_model_len tokens the KV cache budget holds, with and witho
 
 A draft's weights (what it adds to the target's) are taken from the cache budget, and
 every sequence then also needs the draft's own KV cache; `sequences_lost_to_draft` says how many
-concurrent sequences that costs.
+concurrent sequences that costs. A prefix cache given a size is taken from the budget too, before
+the sequences; without one it gets what the sequences leave (:meth:`MemoryPlan.left_after`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class MemoryPlan:
     max_model_len: int
     cache_budget_bytes: int
     target_format: str = ""  # backend and weight format, e.g. "native int4 (LM head int8)"
+    prefix_cache_bytes: int = 0  # set aside for the prefix cache before the sequences
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -32,11 +34,16 @@ class MemoryPlan:
     @property
     def max_sequences(self) -> int:
         """Sequences of max_model_len tokens that fit the budget once the draft is paid for."""
-        return max(0, self.cache_budget_bytes - self.draft_weight_bytes) // self.bytes_per_sequence
+        return max(0, self.cache_budget_bytes - self.draft_weight_bytes - self.prefix_cache_bytes) // self.bytes_per_sequence
 
     @property
     def max_sequences_without_draft(self) -> int:
-        return self.cache_budget_bytes // (self.max_model_len * self.target_kv_bytes_per_token)
+        return max(0, self.cache_budget_bytes - self.prefix_cache_bytes) // (self.max_model_len * self.target_kv_bytes_per_token)
+
+    def left_after(self, sequences: int) -> int:
+        """Budget bytes that the draft's weights, the prefix cache's share and `sequences` rows leave."""
+        return max(0, self.cache_budget_bytes - self.draft_weight_bytes - self.prefix_cache_bytes
+                   - sequences * self.bytes_per_sequence)
 
     @property
     def sequences_lost_to_draft(self) -> int:
@@ -57,6 +64,8 @@ class MemoryPlan:
             f"cache budget {self.cache_budget_bytes / mib:.0f} MiB holds {self.max_sequences_without_draft} sequences "
             f"of {self.max_model_len} tokens"
         )
+        if self.prefix_cache_bytes:
+            text += f" besides {self.prefix_cache_bytes / mib:.0f} MiB for the prefix cache"
         if self.draft_weight_bytes or self.draft_kv_bytes_per_token:
             text += (
                 f"; the draft takes {self.draft_weight_bytes / mib:.1f} MiB of weights and {self.draft_kv_bytes_per_token} "
@@ -65,7 +74,8 @@ class MemoryPlan:
         return text
 
 
-def plan_memory(target: LoadedModel, drafters: list[Drafter], max_model_len: int, cache_budget_bytes: int) -> MemoryPlan:
+def plan_memory(target: LoadedModel, drafters: list[Drafter], max_model_len: int, cache_budget_bytes: int,
+                prefix_cache_bytes: int = 0) -> MemoryPlan:
     """The memory plan for a target and its routes' drafters. A drafter's weights are what it
     adds to the target's (`added_memory_bytes`: 0 for the target drafting for itself or for
     layer_skip, the int8 copy for the quantized self-draft); a drafter that runs a model also
@@ -84,4 +94,4 @@ def plan_memory(target: LoadedModel, drafters: list[Drafter], max_model_len: int
         weights += drafter.added_memory_bytes
         kv += loaded.backend.kv_bytes_per_token(layers)
     return MemoryPlan(target.weight_bytes(), weights, target.backend.kv_bytes_per_token(), kv, max_model_len,
-                      cache_budget_bytes, target.describe())
+                      cache_budget_bytes, target.describe(), prefix_cache_bytes)

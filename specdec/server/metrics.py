@@ -19,6 +19,10 @@ machine. Definitions (the same names and meanings as :mod:`specdec.engine.stats`
 - `specdec_time_to_first_token_seconds`: from the request's arrival to its first token.
 - `specdec_inter_token_latency_seconds`: for each emission after the first, the time since the
   previous emission divided by the tokens it carries, observed once per token.
+- `specdec_prompt_tokens_total`, `specdec_prefix_cache_hit_tokens_total`,
+  `specdec_prefix_cache_hit_rate`: prompt tokens of admitted sequences, those of them whose keys
+  and values the prefix cache held (not computed again), and their ratio since start; machine-wide
+  `specdec_prefix_cache_bytes` and `specdec_prefix_cache_blocks` (what it holds now).
 - `specdec_speculative_tokens`: the k the route's load schedule gives at the current load.
 - `specdec_window_acceptance_rate`, `specdec_baseline_acceptance_rate`,
   `specdec_acceptance_drift`: drift (see :class:`AcceptanceDrift`); the last is 1 while drifting.
@@ -144,6 +148,12 @@ class ServerMetrics:
         self.tokens_per_second = Gauge("specdec_tokens_per_second", "Output tokens per second over the last 10 s", route, registry=r)
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Request arrival to first token", route, buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("specdec_inter_token_latency_seconds", "Time between emissions per token carried", route, buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of admitted sequences", route, registry=r)
+        self.prefix_hits = Counter("specdec_prefix_cache_hit_tokens", "Prompt tokens whose keys and values the prefix cache held",
+                                   route, registry=r)
+        self.prefix_hit_rate = Gauge("specdec_prefix_cache_hit_rate", "Prefix cache hit tokens / prompt tokens since start", route, registry=r)
+        self.prefix_bytes = Gauge("specdec_prefix_cache_bytes", "Bytes of keys and values the prefix cache holds", registry=r)
+        self.prefix_blocks = Gauge("specdec_prefix_cache_blocks", "Blocks of tokens the prefix cache holds", registry=r)
         self.current_k = Gauge("specdec_speculative_tokens", "k the route's load schedule gives at the current load", route, registry=r)
         self.window_rate = Gauge("specdec_window_acceptance_rate", "Acceptance over the drift window", route, registry=r)
         self.baseline_rate = Gauge("specdec_baseline_acceptance_rate", "Acceptance over the drift baseline", route, registry=r)
@@ -158,6 +168,7 @@ class ServerMetrics:
         self._drift_config = drift
         self._drift: dict[str, AcceptanceDrift] = {}
         self._totals: dict[str, list[int]] = {}  # route -> [drafted, accepted, committed, steps]
+        self._prompts: dict[str, list[int]] = {}  # route -> [prompt tokens, prefix cache hits]
         self._position: dict[str, list[list[int]]] = {}  # route -> [[drafted, accepted] per position]
         self._recent: dict[str, deque[tuple[float, int]]] = {}  # route -> (time, tokens)
 
@@ -165,15 +176,26 @@ class ServerMetrics:
         """Create a route's series at zero, so they exist before the first request."""
         self._drift[route] = AcceptanceDrift(self._drift_config)
         self._totals[route] = [0, 0, 0, 0]
+        self._prompts[route] = [0, 0]
         self._position[route] = []
         self._recent[route] = deque()
-        for metric in (self.drafted, self.accepted, self.committed, self.steps, self.generated):
+        for metric in (self.drafted, self.accepted, self.committed, self.steps, self.generated, self.prompt_tokens,
+                       self.prefix_hits):
             metric.labels(route)
-        for gauge in (self.acceptance_rate, self.mean_accepted_length, self.tokens_per_second, self.current_k,
+        for gauge in (self.prefix_hit_rate, self.acceptance_rate, self.mean_accepted_length, self.tokens_per_second, self.current_k,
                       self.window_rate, self.baseline_rate, self.drift, self.route_running):
             gauge.labels(route).set(0)
         self.ttft.labels(route)
         self.itl.labels(route)
+
+    def record_prompt(self, route: str, tokens: int, cached: int) -> None:
+        """A sequence admitted: its prompt's `tokens`, `cached` of them from the prefix cache."""
+        totals = self._prompts[route]
+        totals[0] += tokens
+        totals[1] += cached
+        self.prompt_tokens.labels(route).inc(tokens)
+        self.prefix_hits.labels(route).inc(cached)
+        self.prefix_hit_rate.labels(route).set(totals[1] / totals[0] if totals[0] else 0.0)
 
     def record_step(self, route: str, drafted: int, accepted: int) -> None:
         """One sequence's target step: `drafted` tokens verified, `accepted` of them kept."""

@@ -23,6 +23,7 @@ from specdec.drafters.base import Drafter
 from specdec.engine.batch import BatchEngine
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel, load_model
+from specdec.models.prefix_cache import PrefixCache
 from specdec.models.prompts import PromptEncoder
 from specdec.server.app import ServerState, create_app
 from specdec.server.config import ServerConfig
@@ -45,14 +46,22 @@ def build_state(config: ServerConfig, model: str | None = None, *, loaded: Loade
         r.name: build_drafter(r.speculative, target) if r.speculative is not None else None for r in config.routes
     }
     memory = plan_memory(target, [d for d in drafters.values() if d is not None], config.max_model_len,
-                         config.cache_budget_bytes)
+                         config.cache_budget_bytes, config.prefix_cache_bytes or 0)
     log.info("memory: %s", memory.describe())
     if memory.max_sequences < 1:
         raise ConfigError(f"the cache budget holds no sequence of {config.max_model_len} tokens: {memory.describe()}")
     rows = min(config.max_num_seqs, memory.max_sequences)
     if rows < config.max_num_seqs:
         log.warning("max_num_seqs %d lowered to %d to fit the cache budget", config.max_num_seqs, rows)
-    engine = BatchEngine(target, max_rows=rows, max_model_len=config.max_model_len, max_draft=max(config.max_draft, 1))
+    prefix_budget = memory.left_after(rows) if config.prefix_cache_bytes is None else config.prefix_cache_bytes
+    prefix = PrefixCache.for_backend(target.backend, prefix_budget)
+    if prefix is not None:
+        log.info("prefix cache: %.0f MiB", prefix_budget / (1 << 20))
+    elif config.prefix_cache_bytes != 0:
+        log.info("prefix cache off: %s", "the cache budget leaves no room for it" if target.backend.exact_blocks else
+                 f"{target.describe()} does not compute a position's keys bitwise alike in every pass")
+    engine = BatchEngine(target, max_rows=rows, max_model_len=config.max_model_len, max_draft=max(config.max_draft, 1),
+                         prefix_cache=prefix)
     metrics = ServerMetrics(config.drift)
     for route in config.routes:
         metrics.add_route(route.name)
@@ -62,6 +71,7 @@ def build_state(config: ServerConfig, model: str | None = None, *, loaded: Loade
                         ("cache_budget", memory.cache_budget_bytes), ("per_sequence", memory.bytes_per_sequence)):
         metrics.memory.labels(part).set(value)
     metrics.memory.labels("kv_allocated").set(engine.cache.nbytes)
+    metrics.memory.labels("prefix_cache_budget").set(prefix.budget_bytes if prefix is not None else 0)
     log.info("KV cache allocated: %.1f MiB for %d sequences of up to %d tokens (plus %d slots of slack each)",
              engine.cache.nbytes / (1 << 20), rows, config.max_model_len, engine.cache.capacity - config.max_model_len)
     metrics.max_sequences.labels("true").set(memory.max_sequences)

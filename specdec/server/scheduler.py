@@ -271,7 +271,10 @@ class Scheduler:
 
     def _deliver(self, request: ServerRequest, out: SequenceOutput, prefill: bool) -> None:
         route = request.route.name
-        if not prefill:
+        if prefill:
+            stats = out.sequence.result.stats
+            self.metrics.record_prompt(route, stats.prompt_tokens, stats.cached_tokens)
+        else:
             self.metrics.record_step(route, out.drafted, out.accepted)
         now = time.monotonic()
         tokens = len(out.chunk.token_ids)
@@ -307,3 +310,6 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self.metrics.queue_length.set(self.waiting)
         self.metrics.running.set(self.engine.running)
+        if (prefix := self.engine.prefix_cache) is not None:
+            self.metrics.prefix_bytes.set(prefix.nbytes)
+            self.metrics.prefix_blocks.set(len(prefix))

@@ -227,7 +227,8 @@ def test_a_prompt_exactly_at_the_context_limit_is_refused(tiny_server: ServerThr
     assert at_limit.json()["error"]["code"] == "context_length_exceeded"
     below = _post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": [5] * 255, "max_tokens": 1})
     assert below.status_code == 200, below.text
-    assert below.json()["usage"] == {"prompt_tokens": 255, "completion_tokens": 1, "total_tokens": 256}
+    assert below.json()["usage"] == {"prompt_tokens": 255, "completion_tokens": 1, "total_tokens": 256,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_a_tiny_temperature_samples_the_greedy_token(tiny_server: ServerThread) -> None:
