@@ -38,17 +38,18 @@ def bench_systems(
     note: Callable[[str], None] = lambda message: None,
 ) -> list[System]:
     """Every system of a bench run, its baselines first. `plain_on` holds BACKEND[:DTYPE]
-    strings; `peers` names from PEERS; `note` hears why a peer was skipped."""
+    strings; `peers` names from PEERS; `note` hears why a peer was skipped. The LLMs made here
+    keep no prefix cache (every system prefills each prompt whole); `llm` should not either."""
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ConfigError(f"unknown peer(s): {', '.join(unknown)}; choose {' or '.join(PEERS)}")
     systems = [System(PLAIN, specdec_runner(llm, params, False)), System(SPEC, specdec_runner(llm, params, True), PLAIN)]
     for other in compare:
-        other_llm = LLM(loaded=llm.target, speculative_config=other)
+        other_llm = LLM(loaded=llm.target, speculative_config=other, prefix_cache_mb=0)
         systems.append(System(f"specdec {other.label}", specdec_runner(other_llm, params, True), PLAIN))
     for text in plain_on:
         name, _, fmt = text.partition(":")
-        other_llm = LLM(model, None, device=device, backend=name, dtype=fmt or "auto")
+        other_llm = LLM(model, None, device=device, backend=name, dtype=fmt or "auto", prefix_cache_mb=0)
         systems.append(System(f"specdec {other_llm.target.describe()} plain", specdec_runner(other_llm, params, False), PLAIN))
     encode = llm.encode
     if "transformers" in peers:

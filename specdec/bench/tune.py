@@ -197,8 +197,9 @@ def measure(
         raise ConfigError("no prompts to tune on")
     if not params.greedy:
         raise ConfigError("tune measures greedy decoding")
-    plain = LLM(loaded=target)
-    llms = {c.name: LLM(speculative_config=c.config, loaded=target) for c in candidates}
+    # No prefix cache: every candidate prefills each prompt whole, timed alike.
+    plain = LLM(loaded=target, prefix_cache_mb=0)
+    llms = {c.name: LLM(speculative_config=c.config, loaded=target, prefix_cache_mb=0) for c in candidates}
     sinks: dict[str, list[RequestStats]] = {name: [] for name in [PLAIN, *llms]}
     systems = [System(PLAIN, _recording(specdec_runner(plain, params, False), sinks[PLAIN]))]
     systems += [System(name, _recording(specdec_runner(llm, params, True), sinks[name]), PLAIN) for name, llm in llms.items()]

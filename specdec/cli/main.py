@@ -168,11 +168,12 @@ def _quiet_libraries() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-def _load(model: str | None, spec: SpeculativeConfig | None, device: str, backend: str = "auto", dtype: str = "auto"):
+def _load(model: str | None, spec: SpeculativeConfig | None, device: str, backend: str = "auto", dtype: str = "auto",
+          prefix_cache_mb: float = 256):
     from specdec.api import LLM
 
     with err.status(f"loading {model or 'the default model'} (the first load of a GGUF file converts it once)..."):
-        return LLM(model, spec, device=device, backend=backend, dtype=dtype)
+        return LLM(model, spec, device=device, backend=backend, dtype=dtype, prefix_cache_mb=prefix_cache_mb)
 
 
 @app.command()
@@ -274,7 +275,9 @@ def bench(
     if None in others:
         raise ConfigError("--compare needs a speculative config, not 'none'")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    llm = _load(model, spec, device, backend, dtype)
+    # Every system prefills each prompt whole: with a prefix cache the second system on a prompt
+    # would find the first one's (its timing is decoding's, comparable with earlier runs).
+    llm = _load(model, spec, device, backend, dtype, prefix_cache_mb=0)
     systems = bench_systems(llm, params, model=model, compare=others, plain_on=other_backends or [],
                             peers=peer_names or (PEERS if peers else ()), device=device,
                             note=lambda message: err.print(escape(message)))

@@ -16,6 +16,7 @@ from specdec.drafters import build_drafter
 from specdec.models import LoadedModel, load_model
 from specdec.models.prefix_cache import PrefixCache
 from specdec.models.runner import ModelRunner
+from specdec.training.heads import TrainConfig, new_head
 
 # --- the block logic, on a fake cache whose slot n holds the value n ------------------------------
 
@@ -197,3 +198,23 @@ def test_a_sequence_joining_a_batch_reuses_a_running_ones_prompt(tiny_exact: Loa
 def test_llm_refuses_a_bad_budget(tiny_exact: LoadedModel) -> None:
     with pytest.raises(Exception, match="prefix_cache_mb"):
         LLM(loaded=tiny_exact, prefix_cache_mb=-1)
+
+
+@pytest.mark.real
+def test_a_head_reading_the_targets_states_reuses_blocks_that_hold_them(default_model: LoadedModel,
+                                                                        tmp_path) -> None:
+    # An EAGLE head needs the target's states at every prompt position: a prompt's blocks are
+    # stored with them, a finished answer's without, so a later turn reuses the earlier prompts.
+    new_head(default_model, torch.arange(4096), TrainConfig(draft_vocab_size=4096, seed=1)).save(tmp_path)
+    spec = {"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3, "tree_width": 2, "tree_nodes": 5}
+    cached, uncached = (LLM(loaded=default_model, speculative_config=spec, prefix_cache_mb=mb) for mb in (64, 0))
+    messages = [{"role": "user", "content": "Explain how a bicycle works, with its gears and brakes. " * 4}]
+    params = SamplingParams(max_tokens=24)
+    prompts = []
+    for turn in range(3):
+        a, b = cached.chat(messages, params), uncached.chat(messages, params)
+        assert a.token_ids == b.token_ids
+        prompts.append(a.stats.prompt_tokens)
+        # The earlier turn's prompt in whole blocks (its answer's blocks hold no states).
+        assert a.stats.cached_tokens == (0 if turn == 0 else prompts[-2] // 16 * 16)
+        messages = messages + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "Go on."}]
