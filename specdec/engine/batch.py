@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,6 +67,7 @@ class Sequence:
     drafter: Drafter | None = None
     k: int = 0
     policy: SpeculationPolicy | None = None
+    grammar: Any = None  # params.structured compiled by the caller (None: compiled here)
     id: int = field(default_factory=lambda: next(_ids))
     result: Generation = field(init=False)
     context: list[int] = field(init=False, default_factory=list)
@@ -193,7 +195,7 @@ class BatchEngine:
             seq.history = History(params, self.target.vocab_size, seq.prompt_ids)
         if params.structured is not None:
             compiler = compiler_for(self.target.tokenizer, self.target.vocab_size, self.target.eos_token_ids)
-            seq.constraint = compiler.constraint(params.structured)
+            seq.constraint = compiler.constraint(params.structured, seq.grammar)
         if seq.drafter is not None:
             seq.drafter.begin(list(seq.prompt_ids), max_len)
 

@@ -22,8 +22,16 @@ message that says how to install it.
 from __future__ import annotations
 
 import json
+import os
 import re
+import selectors
+import subprocess
+import sys
+import threading
+import time
 import weakref
+from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,8 +41,10 @@ from specdec.sampling.params import StructuredOutput
 
 try:
     import xgrammar
+
+    from specdec.sampling import grammar_worker
 except ImportError:  # pragma: no cover - the Makefile installs it
-    xgrammar = None
+    xgrammar = grammar_worker = None
 
 INSTALL_HINT = "structured outputs need xgrammar: pip install --no-deps xgrammar apache-tvm-ffi"
 # xgrammar's errors start with a time and its C++ source's path and line: not the client's business.
@@ -112,45 +122,88 @@ def check_schema(schema: Any) -> None:
         raise ConfigError("the JSON schema has no finite instance: a required $ref recursion never ends")
 
 
+_WHAT = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}
+
+
+def _source(structured: StructuredOutput) -> str:
+    """The text xgrammar compiles, checked first where specdec checks more than xgrammar does (a
+    JSON schema's references and finiteness)."""
+    if structured.kind != "json":
+        return structured.spec
+    schema = structured.spec or json.dumps({"type": "object"})
+    try:
+        parsed = json.loads(schema)
+    except ValueError:
+        parsed = None  # xgrammar says what is wrong with it
+    if parsed is not None:
+        check_schema(parsed)
+    return schema
+
+
+def _compile_error(structured: StructuredOutput, message: str) -> ConfigError:
+    reason = _SOURCE_PREFIX.sub("", message.strip().splitlines()[-1] if message.strip() else "unknown error")
+    return ConfigError(f"the {_WHAT[structured.kind]} does not compile: {reason}")
+
+
 class GrammarCompiler:
-    """Compiles structured outputs for one tokenizer and vocabulary (cached by spec).
+    """Compiles structured outputs for one tokenizer and vocabulary, keeping the compiled grammars
+    by spec (least recently used first out past `cache_bytes`).
 
     stop_ids: the tokens that end the output once the grammar is complete (the model's EOS).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int], cache_bytes: int = 256 << 20) -> None:
         if xgrammar is None:
             raise ConfigError(INSTALL_HINT)
         self.vocab_size = vocab_size
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
-        self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=True)
+        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                           stop_token_ids=sorted(stop_ids))
+        self._compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache_bytes, self._held = cache_bytes, 0
+        self._lock = threading.Lock()  # the cache is shared by the server's threads
+
+    def cached(self, structured: StructuredOutput):
+        """The compiled grammar if it is held, else None."""
+        with self._lock:
+            compiled = self._compiled.get((structured.kind, structured.spec))
+            if compiled is not None:
+                self._compiled.move_to_end((structured.kind, structured.spec))
+            return compiled
+
+    def adopt(self, structured: StructuredOutput, compiled) -> None:
+        """Hold a grammar compiled elsewhere (:class:`IsolatedCompiler`'s child) for this spec."""
+        with self._lock:
+            key = (structured.kind, structured.spec)
+            if key in self._compiled:
+                return
+            self._compiled[key] = compiled
+            self._held += compiled.memory_size_bytes
+            while self._held > self._cache_bytes and len(self._compiled) > 1:
+                _, old = self._compiled.popitem(last=False)
+                self._held -= old.memory_size_bytes
 
     def compile(self, structured: StructuredOutput):
         """The compiled grammar; ConfigError saying what is wrong with a spec that does not compile."""
-        schema = structured.spec or json.dumps({"type": "object"})
-        if structured.kind == "json":
-            try:
-                parsed = json.loads(schema)
-            except ValueError:
-                parsed = None  # xgrammar says what is wrong with it
-            if parsed is not None:
-                check_schema(parsed)
+        compiled = self.cached(structured)
+        if compiled is not None:
+            return compiled
+        source = _source(structured)
         try:
-            if structured.kind == "json":
-                # Compact JSON (no free whitespace): a small model let loose on whitespace can
-                # fill its budget with newlines inside a valid document.
-                return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
-            if structured.kind == "regex":
-                return self._compiler.compile_regex(structured.spec)
-            return self._compiler.compile_grammar(structured.spec)
+            compiled = grammar_worker.compile_spec(self._compiler, structured.kind, source)
         except (RuntimeError, ValueError, TypeError) as exc:
-            what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}[structured.kind]
-            reason = _SOURCE_PREFIX.sub("", str(exc).strip().splitlines()[-1])
-            raise ConfigError(f"the {what} does not compile: {reason}") from None
+            raise _compile_error(structured, str(exc)) from None
+        self.adopt(structured, compiled)
+        return compiled
 
-    def constraint(self, structured: StructuredOutput) -> Constraint:
-        """A fresh state for one request (before its first output token)."""
-        return Constraint(xgrammar.GrammarMatcher(self.compile(structured)), self.vocab_size)
+    def constraint(self, structured: StructuredOutput, compiled=None) -> Constraint:
+        """A fresh state for one request (before its first output token); `compiled`: the spec's
+        grammar where the caller compiled it (a server's :class:`IsolatedCompiler`)."""
+        return Constraint(xgrammar.GrammarMatcher(compiled or self.compile(structured)), self.vocab_size)
+
+
+def xgrammar_installed() -> bool:
+    return xgrammar is not None
 
 
 _compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -164,6 +217,97 @@ def compiler_for(tokenizer, vocab_size: int, stop_ids: frozenset[int]) -> Gramma
     if key not in per_tokenizer:
         per_tokenizer[key] = GrammarCompiler(tokenizer, vocab_size, stop_ids)
     return per_tokenizer[key]
+
+
+class IsolatedCompiler:
+    """Compiles for a server: in a child process (:mod:`specdec.sampling.grammar_worker`), one spec
+    at a time, within `timeout_s` (the child is killed at the deadline, its memory freed, and a
+    new one started for the next spec) and `max_bytes` of compiled grammar. What compiles is
+    adopted by `compiler`, whose cache the engine reads, so a spec is compiled once. A spec that
+    does not compile, compiles too slowly or too large is a ConfigError that says which.
+    """
+
+    READY_TIMEOUT_S = 120.0  # the child's start (importing xgrammar, reading the vocabulary)
+
+    def __init__(self, compiler: GrammarCompiler, timeout_s: float, max_bytes: int) -> None:
+        self.compiler = compiler
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+        self._child: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._info: str | None = None
+
+    def compile(self, structured: StructuredOutput):
+        """The compiled grammar (also adopted by `compiler`)."""
+        if (compiled := self.compiler.cached(structured)) is not None:
+            return compiled
+        source = _source(structured)
+        with self._lock:
+            if (compiled := self.compiler.cached(structured)) is not None:  # compiled while this one waited
+                return compiled
+            child = self._ready_child()
+            child.stdin.write(grammar_worker.frame({"kind": structured.kind, "spec": source}))
+            child.stdin.flush()
+            reply = self._receive(child, self.timeout_s)
+            if reply is None:
+                self._stop()
+                raise ConfigError(f"the {_WHAT[structured.kind]} took longer than {self.timeout_s:g} s to compile "
+                                  "(the server's grammar_timeout_s): give a smaller one")
+        if "error" in reply:
+            raise _compile_error(structured, reply["error"])
+        if "too_big" in reply:
+            raise ConfigError(f"the {_WHAT[structured.kind]} compiles to {reply['too_big'] / (1 << 20):.0f} MiB, more than "
+                              f"the server's {self.max_bytes / (1 << 20):g} MiB (max_grammar_mb): give a smaller one")
+        compiled = xgrammar.CompiledGrammar.deserialize_json(reply["grammar"], self.compiler.info)
+        self.compiler.adopt(structured, compiled)
+        return compiled
+
+    def _ready_child(self) -> subprocess.Popen:
+        if self._child is not None and self._child.poll() is None:
+            return self._child
+        if self._info is None:
+            self._info = self.compiler.info.serialize_json()
+        child = subprocess.Popen([sys.executable, str(Path(grammar_worker.__file__))], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self._child = child
+        child.stdin.write(grammar_worker.frame({"info": self._info, "max_bytes": self.max_bytes}))
+        child.stdin.flush()
+        if self._receive(child, self.READY_TIMEOUT_S) is None:
+            self._stop()
+            raise ConfigError("the grammar compiler did not start")
+        return child
+
+    @staticmethod
+    def _receive(child: subprocess.Popen, timeout_s: float) -> Any | None:
+        """The child's next frame, or None when it is not all there by the deadline (or the child died)."""
+        deadline = time.monotonic() + timeout_s
+        fd = child.stdout.fileno()
+        data = bytearray()
+        need = grammar_worker.HEADER.size
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while len(data) < need:
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    return None
+                chunk = os.read(fd, max(need - len(data), 1 << 16))
+                if not chunk:
+                    return None
+                data += chunk
+                if need == grammar_worker.HEADER.size and len(data) >= need:
+                    need += grammar_worker.HEADER.unpack(data[: grammar_worker.HEADER.size])[0]
+        return json.loads(bytes(data[grammar_worker.HEADER.size : need]))
+
+    def _stop(self) -> None:
+        if self._child is not None:
+            self._child.kill()
+            self._child.wait()
+            self._child = None
+
+    def close(self) -> None:
+        """Stop the child (the server's shutdown)."""
+        with self._lock:
+            self._stop()
 
 
 class Constraint:

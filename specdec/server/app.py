@@ -36,7 +36,7 @@ from specdec.engine.stats import RequestStats
 from specdec.engine.text import TokenBytes
 from specdec.errors import ConfigError, PromptError
 from specdec.models.prompts import PromptEncoder
-from specdec.sampling.grammar import compiler_for
+from specdec.sampling.grammar import INSTALL_HINT, IsolatedCompiler
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.server import dashboard
 from specdec.server.config import RouteConfig, ServerConfig
@@ -64,6 +64,10 @@ def _one_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-encode")
 
 
+def _compile_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-grammar")
+
+
 @dataclass
 class ServerState:
     """What the app serves: the config, an encoder (own tokenizer copy, used only by the one
@@ -82,6 +86,10 @@ class ServerState:
     replica: str | None = None
     # One thread: a fast tokenizer must not be used from two threads at once.
     encode_pool: ThreadPoolExecutor = field(default_factory=_one_thread)
+    # Structured outputs compile in a child process (None: xgrammar is not installed); a thread
+    # of their own waits for it, so that a long compile holds up no tokenizing.
+    grammars: IsolatedCompiler | None = None
+    grammar_pool: ThreadPoolExecutor = field(default_factory=_compile_thread)
     _token_bytes: TokenBytes | None = None
     _longest_token: int | None = None  # bytes of the vocabulary's longest token
 
@@ -108,6 +116,19 @@ class ServerState:
     async def encode(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a tokenizing function off the event loop, on the encoder's own thread."""
         return await asyncio.get_running_loop().run_in_executor(self.encode_pool, fn, *args)
+
+    async def compile(self, structured: StructuredOutput | None, param: str) -> Any:
+        """A request's structured output compiled off the event loop and the encode thread (its
+        sequences take it to the engine, which compiles nothing); a spec that does not compile,
+        or not within the limits, is the client's 400."""
+        if structured is None:
+            return None
+        if self.grammars is None:
+            raise APIError(400, INSTALL_HINT, param=param)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.grammar_pool, self.grammars.compile, structured)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=param) from None
 
 
 JSON_INVALID = "We could not parse the JSON body of your request."
@@ -167,21 +188,6 @@ def _structured(body: CompletionRequest | ChatCompletionRequest) -> tuple[Struct
     except ConfigError as exc:
         raise APIError(400, str(exc), param="structured_outputs" if extension is not None else "response_format") from None
     return None, ""
-
-
-def _compiled_structured(state: ServerState, body: CompletionRequest | ChatCompletionRequest,
-                         planned: StructuredOutput | None = None) -> StructuredOutput | None:
-    """The request's structured output (`planned` by its tools, else its own), compiled here on
-    the encode thread so that a bad grammar is the client's 400; the engine's own compile of it
-    is then a cache hit."""
-    structured, param = (planned, "tools") if planned is not None else _structured(body)
-    if structured is not None:
-        target = state.encoder.target
-        try:
-            compiler_for(state.encoder.tokenizer, target.vocab_size, target.eos_token_ids).compile(structured)
-        except ConfigError as exc:
-            raise APIError(400, str(exc), param=param) from None
-    return structured
 
 
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
@@ -305,7 +311,7 @@ class _Job:
 
 
 def _submit(state: ServerState, http: Request, route: RouteConfig, prompts: list[list[int]], params: list[SamplingParams],
-            k: int, arrival: float) -> _Job:
+            k: int, arrival: float, grammar: Any = None) -> _Job:
     if len(prompts) > state.config.max_waiting:
         raise APIError(400, f"a request may start at most {state.config.max_waiting} sequences (prompts x n); this one "
                             f"starts {len(prompts)}", param="n", code="too_many_sequences")
@@ -318,7 +324,8 @@ def _submit(state: ServerState, http: Request, route: RouteConfig, prompts: list
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
             pass
 
-    requests = [ServerRequest(route, ids, p, k, sink, index=i, arrival=arrival) for i, (ids, p) in enumerate(zip(prompts, params))]
+    requests = [ServerRequest(route, ids, p, k, sink, index=i, arrival=arrival, grammar=grammar)
+                for i, (ids, p) in enumerate(zip(prompts, params))]
     try:
         state.scheduler.submit_all(requests)  # all or none
     except QueueFullError as exc:
@@ -348,6 +355,9 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
         state.shutting_down = True
         await asyncio.to_thread(state.scheduler.stop)
         state.encode_pool.shutdown(wait=False, cancel_futures=True)
+        state.grammar_pool.shutdown(wait=False, cancel_futures=True)
+        if state.grammars is not None:
+            await asyncio.to_thread(state.grammars.close)
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.specdec = state
@@ -477,7 +487,8 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
         route = _route(state, body.model, request)
         k = _k(route, body.speculative)
         prompts, texts = await state.encode(_encode_completion, state, body)
-        structured = await state.encode(_compiled_structured, state, body)
+        structured, param = _structured(body)
+        grammar = await state.compile(structured, param)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         # max_tokens 0 (with echo) scores the prompt: one token is generated, and not returned.
         shape = _Shape(chat=False, logprobs=body.logprobs is not None, score_only=max_tokens == 0,
@@ -499,7 +510,7 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
             return {"index": i, "text": text, "finish_reason": r.finish_reason, "logprobs": logprobs,
                     "speculation": _stats_dict(r)}
 
-        plan = _Plan(expanded, params, k, shape, sum(len(ids) for ids in prompts), choice, echoes, body.n)
+        plan = _Plan(expanded, params, k, shape, sum(len(ids) for ids in prompts), choice, echoes, body.n, grammar)
         return await _answer(state, request, body, route, arrival, plan)
 
     @app.post("/v1/chat/completions")
@@ -510,7 +521,8 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
         prediction = await state.encode(_encode_prediction, state, body) if body.prediction is not None else ()
         k = _k(route, body.speculative, predicted=bool(prediction))
         prediction = prediction if k > 0 else ()  # speculation off: no drafting from it either
-        structured = await state.encode(_compiled_structured, state, body, tools.structured)
+        structured, param = (tools.structured, "tools") if tools.structured is not None else _structured(body)
+        grammar = await state.compile(structured, param)
         max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
         shape = _Shape(chat=True, logprobs=bool(body.logprobs),
                        names=await state.encode(state.token_bytes) if body.logprobs else None, predicted=bool(prediction),
@@ -532,7 +544,7 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
                     "speculation": _stats_dict(r)}
 
         return await _answer(state, request, body, route, arrival, _Plan([ids] * body.n, params, k, shape, len(ids), choice,
-                                                                   per_prompt=body.n))
+                                                                   per_prompt=body.n, grammar=grammar))
 
     return app
 
@@ -594,13 +606,14 @@ class _Plan:
     choice: Callable[[int, _Result], dict[str, Any]]  # a finished choice's JSON (not streaming)
     echoes: list[tuple[list[int], str]] | None = None  # completions with echo: each choice's prompt
     per_prompt: int = 1  # choices of each prompt (n), in order: usage counts a prompt once
+    grammar: Any = None  # the structured output, compiled (the sequences' params carry its spec)
 
 
 async def _answer(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
                   route: RouteConfig, arrival: float, plan: _Plan) -> Response:
     """The path both endpoints share: queue the sequences, then stream their chunks or answer
     with one JSON body."""
-    job = _submit(state, request, route, plan.prompts, plan.params, plan.k, arrival)
+    job = _submit(state, request, route, plan.prompts, plan.params, plan.k, arrival, plan.grammar)
     prefix, obj = ("chatcmpl", "chat.completion") if plan.shape.chat else ("cmpl", "text_completion")
     meta = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
     if body.stream:

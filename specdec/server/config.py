@@ -13,6 +13,8 @@ Example (`specdec serve --config server.toml`)::
     request_body_timeout_s = 30   # a body not all there by then gets a 408 and its connection closes
     request_head_timeout_s = 10   # a request line and headers not all there by then: 408, closed
     max_connections = 256         # open connections at most; past it a request gets a 503
+    grammar_timeout_s = 10        # a structured output's compile longer than this gets a 400
+    max_grammar_mb = 64           # and one that compiles to more memory than this
     graceful_shutdown_s = 30      # on SIGTERM, time for requests in flight to finish; then they abort
     api_keys = ["sk-..."]         # clients send one as "Authorization: Bearer KEY" (default: none asked)
     backend = "auto"              # the target's backend: auto (native where it runs the model), native, hf
@@ -275,6 +277,11 @@ class ServerConfig:
     request_head_timeout_s: float = 10.0
     # Open connections (and requests in them) at most; uvicorn answers past it with a 503.
     max_connections: int = 256
+    # A structured output compiles in a child process, one at a time: past this deadline the
+    # child is killed and the request gets a 400, as does a grammar compiling to more than
+    # max_grammar_bytes (an enum of 20,000 strings takes 14 s and 100 MB to compile).
+    grammar_timeout_s: float = 10.0
+    max_grammar_bytes: int = 64 << 20
     drift: DriftConfig = field(default_factory=DriftConfig)
     # torch intra-op threads of the scheduler thread, which does all the model work. None is
     # auto: with one sequence running, one core fewer than torch's default (one per core), so
@@ -298,7 +305,7 @@ class ServerConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"route names must be distinct, got {names}")
         for name in ("max_model_len", "max_num_seqs", "cache_budget_bytes", "max_waiting", "max_request_bytes",
-                     "max_connections"):
+                     "max_connections", "max_grammar_bytes"):
             _positive_int(name, getattr(self, name))
         grace = self.graceful_shutdown_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
@@ -306,7 +313,7 @@ class ServerConfig:
         prefix = self.prefix_cache_bytes
         if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0):
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0 or None, got {prefix!r}")
-        for name in ("request_body_timeout_s", "request_head_timeout_s"):
+        for name in ("request_body_timeout_s", "request_head_timeout_s", "grammar_timeout_s"):
             wait = getattr(self, name)
             if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < float("inf"):
                 raise ConfigError(f"{name} must be a number > 0, got {wait!r}")
@@ -348,8 +355,9 @@ def default_config(**overrides: Any) -> ServerConfig:
 
 
 _SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads", "max_request_bytes",
-                "request_body_timeout_s", "request_head_timeout_s", "max_connections", "backend", "dtype", "api_keys")
-_TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "prefix_cache_mb", "drift", "routes", "replicas"}
+                "request_body_timeout_s", "request_head_timeout_s", "max_connections", "backend", "dtype", "api_keys",
+                "grammar_timeout_s")
+_TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "prefix_cache_mb", "max_grammar_mb", "drift", "routes", "replicas"}
 _REPLICA_KEYS = set(ReplicaConfig.__dataclass_fields__)
 _ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}
 
@@ -389,6 +397,11 @@ def config_from_dict(data: dict[str, Any], **overrides: Any) -> ServerConfig:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
             raise ConfigError(f"cache_budget_mb must be a number > 0, got {budget!r}")
         kwargs["cache_budget_bytes"] = int(budget * (1 << 20))
+    if "max_grammar_mb" in data:
+        size = data["max_grammar_mb"]
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+            raise ConfigError(f"max_grammar_mb must be a number > 0, got {size!r}")
+        kwargs["max_grammar_bytes"] = int(size * (1 << 20))
     if "prefix_cache_mb" in data:
         prefix = data["prefix_cache_mb"]
         if isinstance(prefix, bool) or not isinstance(prefix, (int, float)) or not prefix >= 0:

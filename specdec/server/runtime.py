@@ -24,6 +24,7 @@ from specdec.engine.batch import BatchEngine
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.models.prefix_cache import PrefixCache
+from specdec.sampling.grammar import IsolatedCompiler, compiler_for, xgrammar_installed
 from specdec.models.prompts import PromptEncoder
 from specdec.server.app import ServerState, create_app
 from specdec.server.config import ServerConfig
@@ -80,7 +81,14 @@ def build_state(config: ServerConfig, model: str | None = None, *, loaded: Loade
     # used from two threads at once, and the scheduler thread decodes with the original.
     encoder = PromptEncoder(dataclasses.replace(target, tokenizer=copy.deepcopy(target.tokenizer)))
     scheduler = Scheduler(engine, drafters, metrics, max_waiting=config.max_waiting, threads=config.threads)
-    return ServerState(config, encoder, scheduler, metrics, memory, target.name, config.max_model_len, rows)
+    # Built here, before the scheduler thread uses the tokenizer: the compiler the engine reads
+    # grammars from, filled by the child process that compiles each request's.
+    grammars = None
+    if xgrammar_installed():
+        compiler = compiler_for(target.tokenizer, target.vocab_size, target.eos_token_ids)
+        grammars = IsolatedCompiler(compiler, config.grammar_timeout_s, config.max_grammar_bytes)
+    return ServerState(config, encoder, scheduler, metrics, memory, target.name, config.max_model_len, rows,
+                       grammars=grammars)
 
 
 # After the grace, how long aborted requests get to send their last chunk or body before

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,7 @@ class ServerRequest:
     cancelled: bool = False
     sequence: Sequence | None = None
     last_emit: float | None = None
+    grammar: Any = None  # params.structured compiled (the engine compiles nothing on this thread)
 
     def k_at(self, running: int) -> int:
         """k for the next step when `running` sequences share the batch."""
@@ -210,7 +212,7 @@ class Scheduler:
             else:
                 drafter = fork_drafter(prototype) if prototype is not None and request.k > 0 else None
                 policy = self._policy(request, drafter)
-            seq = Sequence(request.prompt_ids, request.params, drafter, k=request.k, policy=policy)
+            seq = Sequence(request.prompt_ids, request.params, drafter, k=request.k, policy=policy, grammar=request.grammar)
             request.sequence = seq
             try:
                 out = self.engine.add(seq)
