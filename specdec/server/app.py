@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -231,6 +230,16 @@ def _check_length(state: ServerState, prompt_ids: list[int], param: str) -> None
                             f"{len(prompt_ids)} tokens, leaving no room for output", param=param, code="context_length_exceeded")
 
 
+def _check_budget(state: ServerState, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:
+    """An explicit max_tokens the context cannot hold after the longest prompt is refused, as
+    OpenAI refuses it, rather than cut short in silence (unset, the output runs to the context)."""
+    longest = max(len(ids) for ids in prompts)
+    if max_tokens is not None and longest + max_tokens > state.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens; the prompt has {longest} "
+                            f"and {param} asks for {max_tokens} more: at most {state.max_model_len - longest} fit",
+                       param=param, code="context_length_exceeded")
+
+
 def _encode_completion(state: ServerState, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
     """Each prompt's token ids, and its text (what `echo` returns)."""
     prompt = body.prompt
@@ -439,7 +448,6 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
             "threads": state.scheduler.torch_threads,
             "kernel_path": state.encoder.target.kernel_path,
             "replica": state.replica,
-            "pid": os.getpid(),
             "memory": memory_plan() | {"suffix_cache_bytes": {route: cache.nbytes for route, cache in shared_caches()}},
             "prefix_cache": prefix_cache(),
         }
@@ -487,6 +495,7 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
         route = _route(state, body.model, request)
         k = _k(route, body.speculative)
         prompts, texts = await state.encode(_encode_completion, state, body)
+        _check_budget(state, prompts, body.max_tokens, "max_tokens")
         structured, param = _structured(body)
         grammar = await state.compile(structured, param)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -518,6 +527,8 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
         arrival = time.monotonic()
         route = _route(state, body.model, request)
         ids, tools = await state.encode(_encode_chat, state, body)
+        asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        _check_budget(state, [ids], body.max_completion_tokens or body.max_tokens, asked)
         prediction = await state.encode(_encode_prediction, state, body) if body.prediction is not None else ()
         k = _k(route, body.speculative, predicted=bool(prediction))
         prediction = prediction if k > 0 else ()  # speculation off: no drafting from it either

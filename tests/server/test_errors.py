@@ -474,3 +474,21 @@ def test_hostile_requests_never_get_a_5xx_nor_disturb_a_stream(tiny_server: Serv
     while (scheduler.running or scheduler.waiting) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert scheduler.running == 0 and scheduler.waiting == 0
+
+
+def test_max_tokens_past_the_context_is_refused_not_cut(tiny_server: ServerThread) -> None:
+    # 200 prompt tokens on a 256-token context: 56 fit. Asked for more, OpenAI answers 400 (before:
+    # the output was cut at 56 without a word); unset, the output runs to the context.
+    over = _post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": [5] * 200, "max_tokens": 57})
+    _assert_openai_error(over, 400, "max_tokens")
+    assert over.json()["error"]["code"] == "context_length_exceeded" and "at most 56 fit" in over.json()["error"]["message"]
+    assert _post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": [5] * 200, "max_tokens": 56}).status_code == 200
+    chat = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+    over = _post(tiny_server, CHAT, chat | {"max_completion_tokens": 1000})
+    _assert_openai_error(over, 400, "max_completion_tokens")
+    assert _post(tiny_server, CHAT, chat).status_code == 200
+
+
+def test_health_shows_no_pid(tiny_server: ServerThread) -> None:
+    health = httpx.get(f"{tiny_server.url}/health").json()
+    assert health["status"] == "ok" and "pid" not in health
