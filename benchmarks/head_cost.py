@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.drafters import build_drafter
+from specdec.methods import build_drafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.models import ModelRunner, load_model
 

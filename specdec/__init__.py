@@ -1,8 +1,24 @@
-"""specdec: lossless speculative decoding for LLM text generation."""
+"""specdec: lossless speculative decoding for LLM text generation.
 
-from specdec.api import LLM, RequestOutput
+`LLM` and `RequestOutput` are imported on first use (PEP 562), so that importing a light module
+(`specdec.config`, `specdec.methods`) loads no model code.
+"""
+
+from typing import TYPE_CHECKING, Any
+
 from specdec.config import SamplingParams, SpeculativeConfig, StructuredOutput
 from specdec.errors import SpecDecError
 
+if TYPE_CHECKING:
+    from specdec.api import LLM, RequestOutput
+
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "SpecDecError", "SpeculativeConfig", "StructuredOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLM", "RequestOutput"):
+        from specdec import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'specdec' has no attribute {name!r}")

@@ -2,7 +2,8 @@
 
 The speculative config uses the vocabulary of serving stacks (vLLM's `speculative_config`):
 `method`, `num_speculative_tokens`, `model`, plus each method's own keys (its options in the
-drafter registry, `specdec.drafters.registry`) and specdec's `adaptive` and `drafter_invariant`.
+registry of methods, `specdec.methods`) and specdec's `adaptive` and `drafter_invariant`.
+Importing it loads no model code: neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.drafters import registry
-from specdec.drafters.registry import Options
+from specdec import methods as registry
+from specdec.methods import Options
 from specdec.errors import ConfigError
 from specdec.sampling.params import SamplingParams, StructuredOutput
 
@@ -29,7 +30,7 @@ class SpeculativeConfig:
 
     The keys every method shares:
 
-    method: a registered drafter name (`specdec.drafters.registry`): `ngram`, `draft_model`,
+    method: a registered drafter name (`specdec.methods`): `ngram`, `draft_model`,
         `layer_skip`, `eagle`, `hybrid`, `medusa`, `mtp`, `suffix`.
     num_speculative_tokens: k, the most tokens drafted per target step (>= 1); without it the
         method's default k from the registry.

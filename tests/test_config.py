@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from specdec import SamplingParams, SpeculativeConfig
-from specdec.drafters import default_k, registered_methods
+from specdec.methods import default_k, registered_methods
 from specdec.errors import ConfigError, SpecDecError
 
 

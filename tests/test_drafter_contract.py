@@ -1,23 +1,31 @@
-"""The drafter contract holds across the package: outside `specdec/drafters/` no code names a
-method (a string literal equal to a registered method's name) and none probes a drafter
-(`hasattr`/`getattr` on something called a drafter, `isinstance` against a drafter class): it
-reads the registry and the hooks of `specdec.drafters.base.Drafter`. Every drafter class is a
-`Drafter`, and every registry entry says what the CLI, `tune` and the config read of it."""
+"""The drafter contract holds across the package: outside `specdec/drafters/` and the registry
+(`specdec/methods.py`) no code names a method (a string literal equal to a registered method's
+name) and none probes a drafter (`hasattr`/`getattr` on something called a drafter, `isinstance`
+against a drafter class): it reads the registry and the hooks of `specdec.drafters.base.Drafter`.
+Every drafter class is a `Drafter`, every registry entry says what the CLI, `tune` and the config
+read of it and names a factory that exists, and the registry and the config load no model code."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
+import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import specdec
-from specdec import drafters
+from specdec import drafters, methods
 from specdec.drafters.base import Drafter
+from specdec.drafters.head_parts import TrainableHead
 
 PACKAGE = Path(specdec.__file__).parent
-OUTSIDE = sorted(p for p in PACKAGE.rglob("*.py") if "drafters" not in p.relative_to(PACKAGE).parts)
+OUTSIDE = sorted(p for p in PACKAGE.rglob("*.py")
+                 if "drafters" not in p.relative_to(PACKAGE).parts and p != PACKAGE / "methods.py")
+DRAFTER_MODULES = [importlib.import_module(f"specdec.drafters.{m.name}") for m in pkgutil.iter_modules(drafters.__path__)]
 
 
 def _where(path: Path, node: ast.AST) -> str:
@@ -47,12 +55,12 @@ def _drafter_probes(path: Path, drafter_classes: set[str]) -> list[str]:
 
 
 def _drafter_classes() -> set[str]:
-    return {name for module in vars(drafters).values() if inspect.ismodule(module)
+    return {name for module in DRAFTER_MODULES
             for name, obj in vars(module).items() if inspect.isclass(obj) and issubclass(obj, Drafter)}
 
 
 def test_no_method_name_outside_the_drafters() -> None:
-    names = set(drafters.registered_methods())
+    names = set(methods.registered_methods())
     found = [hit for path in OUTSIDE for hit in _method_literals(path, names)]
     assert not found, "method names outside specdec/drafters/ (read them from the registry):\n" + "\n".join(found)
 
@@ -72,7 +80,7 @@ def test_the_literal_check_can_fail(tmp_path: Path, source: str, expected: list[
     path = PACKAGE / "_probe_for_test.py"
     try:
         path.write_text(source, encoding="utf-8")
-        assert [hit.split(" ", 1)[1] for hit in _method_literals(path, set(drafters.registered_methods()))] == expected
+        assert [hit.split(" ", 1)[1] for hit in _method_literals(path, set(methods.registered_methods()))] == expected
     finally:
         path.unlink()
 
@@ -87,8 +95,7 @@ def test_the_probe_check_can_fail() -> None:
 
 
 def test_every_drafter_class_keeps_the_contract() -> None:
-    classes = [obj for module in vars(drafters).values() if inspect.ismodule(module)
-               for obj in vars(module).values() if inspect.isclass(obj) and issubclass(obj, Drafter) and obj is not Drafter]
+    classes = [obj for module in DRAFTER_MODULES for obj in vars(module).values() if inspect.isclass(obj) and issubclass(obj, Drafter) and obj is not Drafter]
     assert len({c.__name__ for c in classes}) >= 8
     for cls in classes:
         for hook in ("begin", "propose", "commit", "fork"):
@@ -96,8 +103,38 @@ def test_every_drafter_class_keeps_the_contract() -> None:
 
 
 def test_every_method_says_what_the_tools_read() -> None:
-    for m in drafters.methods():
+    for m in methods.methods():
         assert m.summary and m.summary == m.summary.strip(), m.name
         assert m.default_k >= 1 and m.tune_ks and all(k >= 1 for k in m.tune_ks), m.name
         assert m.tuned is None or "method" not in m.tuned, m.name
-    assert drafters.DEFAULT_METHOD in drafters.registered_methods()
+        assert callable(methods.resolve(m.factory)), m.name
+        assert m.pin is None or callable(methods.resolve(m.pin)), m.name
+        assert m.head is None or m.head in methods.trainable_heads(), m.name
+    assert methods.DEFAULT_METHOD in methods.registered_methods()
+    for name in methods.trainable_heads():
+        family = methods.head_family(name)
+        assert issubclass(family.head_class(), TrainableHead) and family.summary, name
+    assert methods.DEFAULT_HEAD in methods.trainable_heads()
+
+
+def test_the_config_and_the_registry_load_no_model_code() -> None:
+    # `python -X importtime -c "import specdec.config"`: neither torch nor transformers (nor
+    # a drafter's module) is among what it imports.
+    probe = ("import sys, specdec.config, specdec.methods; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy') "
+             "or m.startswith('specdec.drafters')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]", loaded
+
+
+def test_a_training_option_of_another_head_family_is_refused() -> None:
+    # The registry says which train-draft options each family reads.
+    own = {name: set(methods.head_family(name).train_options) for name in methods.trainable_heads()}
+    for arch, keys in own.items():
+        for other, other_keys in own.items():
+            for key in other_keys - keys:
+                default = methods.train_option_default(key)
+                methods.check_train_options(arch, {key: default})  # at its default: fine
+                with pytest.raises(specdec.SpecDecError, match=f"{key} is an option of {other} heads"):
+                    methods.check_train_options(arch, {key: default + 1})
+    assert any(own.values())

@@ -106,10 +106,11 @@ def test_kernels_are_the_bottom_layer() -> None:
 # no tool imports another, and the server does not use the library's LLM.
 LAYERS = [
     ("errors", "paths", "data"),  # data: packaged files (prompts, profiles, heads), no code
+    ("methods",),  # the registry: each method's options, and its factory by name (imported to build)
     ("kernels",),
     ("models", "sampling"),
+    ("config",),  # validates a SpeculativeConfig's options against the registry; no model code
     ("drafters",),
-    ("config",),  # validates a SpeculativeConfig's options against the drafter registry
     ("engine",),
     ("api",),
     ("bench", "server", "training"),

@@ -45,7 +45,7 @@ from typing import Any
 
 import matplotlib
 
-from specdec import drafters
+from specdec import methods as registry
 from specdec.api import LLM, Message
 from specdec.bench.data import Record
 from specdec.bench.runner import Runner, RunResult, System, run_bench, specdec_runner
@@ -67,7 +67,7 @@ OVERALL = "overall"
 
 def base_methods() -> list[dict[str, Any]]:
     """The drafters tuned when none are named, as the registry gives them (each method's `tuned`)."""
-    return [{"method": m.name, **m.tuned} for m in drafters.methods() if m.tuned is not None]
+    return [{"method": m.name, **m.tuned} for m in registry.methods() if m.tuned is not None]
 
 
 def default_methods(target) -> list[dict[str, Any]]:
@@ -76,7 +76,7 @@ def default_methods(target) -> list[dict[str, Any]]:
     need a trained head (EAGLE, the hybrid, Medusa) when such a head ships for the target."""
     quantized = target.backend.weight_format.startswith(QUANTIZED_FORMATS)
     methods = [m for m in base_methods() if not (quantized and m.get("quantization") == "int8")]
-    return methods + [{"method": m.name} for m in drafters.methods()
+    return methods + [{"method": m.name} for m in registry.methods()
                       if m.head is not None and shipped_dir(m.head, target.name) is not None]
 
 
@@ -132,7 +132,7 @@ def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None,
             raise ConfigError(f"a method needs a 'method' name: {json.dumps(method)}")
         if "adaptive" in method:
             raise ConfigError("'adaptive' is not set per method: tune measures each method adaptively too (--no-adaptive turns that off)")
-        registered = drafters.method(method["method"])
+        registered = registry.method(method["method"])
         base = {key: value for key, value in method.items() if key != "num_speculative_tokens"}
         if "num_speculative_tokens" in method:
             grid = [method["num_speculative_tokens"]]
@@ -167,7 +167,7 @@ def pin_candidates(candidates: list[Candidate], target: LoadedModel) -> list[Can
     """Each candidate with what its config leaves to the target made explicit (layer_skip without
     `layers` or `profile` means whatever profile ships for the model), so that the recommendation
     names what was measured."""
-    return [dataclasses.replace(c, config=c.config.options.pinned(c.config, target)) for c in candidates]
+    return [dataclasses.replace(c, config=registry.pinned(c.config, target)) for c in candidates]
 
 
 def _recording(run: Runner, sink: list[RequestStats]) -> Runner:

@@ -55,7 +55,7 @@ from scipy.stats import chi2_contingency, norm, poisson
 from specdec.api import LLM, Message
 from specdec.bench.data import Record, load_records
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.drafters import DEFAULT_METHOD
+from specdec.methods import DEFAULT_METHOD
 from specdec.engine import Engine, Generation
 from specdec.sampling import AcceptResult, SamplingRule, speculative_accept
 from specdec.sampling.tree import TreeRule, accept_tree_sampling

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from specdec import drafters
+from specdec import methods as registry
 from specdec.config import SamplingParams, SpeculativeConfig, StructuredOutput
 from specdec.errors import ConfigError, SpecDecError
 
@@ -56,10 +56,10 @@ def prompt_progress(label: str, total: int) -> Iterator[Callable[[object], None]
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file, a Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct).")]
 SpecOpt = Annotated[Optional[str], typer.Option("--speculative-config", help="JSON, as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, ...}; or a JSON file, such as the recommended.json of specdec tune.")]
-METHOD_HELP = ("Drafter: " + "; ".join(f"{m.name} ({m.summary})" for m in drafters.methods())
-               + f"; or 'none' for plain decoding. [default: {drafters.DEFAULT_METHOD}]")
+METHOD_HELP = ("Drafter: " + "; ".join(f"{m.name} ({m.summary})" for m in registry.methods())
+               + f"; or 'none' for plain decoding. [default: {registry.DEFAULT_METHOD}]")
 MethodOpt = Annotated[Optional[str], typer.Option("--method", help=METHOD_HELP)]
-ARCH_HELP = "Head architecture: " + "; or ".join(f"{name} ({drafters.head_class(name).summary})" for name in drafters.trainable_heads())
+ARCH_HELP = "Head architecture: " + "; or ".join(f"{name} ({registry.head_family(name).summary})" for name in registry.trainable_heads())
 KOpt = Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Most tokens drafted per target step.")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for --method draft_model (same forms as --model); for eagle and hybrid, a head directory (default: the head shipped for the model).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda where a GPU exists.")]
@@ -72,7 +72,7 @@ def speculative_config(spec_json: str | None, method: str | None, k: int | None,
     which override its keys. With neither a config nor --method, the default method (ngram). A file
     written by `specdec tune` gives its overall recommendation, which may be plain decoding."""
     if spec_json is None and method is None:
-        method = drafters.DEFAULT_METHOD
+        method = registry.DEFAULT_METHOD
     data: dict[str, Any] = {}
     config_file = _config_file(spec_json)
     if config_file is not None:
@@ -99,10 +99,14 @@ def speculative_config(spec_json: str | None, method: str | None, k: int | None,
         if len(data) > 1:
             raise ConfigError("--method none takes no other speculative settings")
         return None
-    data.setdefault("method", drafters.DEFAULT_METHOD)
+    data.setdefault("method", registry.DEFAULT_METHOD)
     return SpeculativeConfig.from_dict(data)
 
 
+TopPOpt = Annotated[float, typer.Option("--top-p", help="1 is off.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="0 is off.")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="0 is off.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed for sampling (each prompt's request uses it).")]
 PresenceOpt = Annotated[float, typer.Option("--presence-penalty", help="OpenAI's presence penalty, in [-2, 2]: minus this once for each token already in the output.")]
 FrequencyOpt = Annotated[float, typer.Option("--frequency-penalty", help="OpenAI's frequency penalty, in [-2, 2]: minus this times each token's count in the output.")]
 RepetitionOpt = Annotated[float, typer.Option("--repetition-penalty", help="HF's repetition penalty (> 0, 1 is off): a seen token's logit divided by it (multiplied when negative).")]
@@ -126,6 +130,14 @@ JsonSchemaOpt = Annotated[Optional[str], typer.Option("--json-schema", help="Con
 JsonOpt = Annotated[bool, typer.Option("--json-object", help="Constrain the output to a JSON object.")]
 RegexOpt = Annotated[Optional[str], typer.Option("--regex", help="Constrain the output to match this regular expression.")]
 GrammarOpt = Annotated[Optional[str], typer.Option("--grammar", help="Constrain the output to this EBNF grammar (xgrammar's, from `root`; text or a file).")]
+
+DataOpt = Annotated[Path, typer.Option("--data", help="JSONL of {id, category, turns}: your own prompts, or a "
+                                                      "benchmark's such as spec_bench.jsonl.")]
+PerCategoryOpt = Annotated[Optional[int], typer.Option("--per-category", help="The first N prompts of each category.")]
+CategoryOpt = Annotated[Optional[list[str]], typer.Option("--category", help="Only these categories (repeatable).")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate for a prompt (for each "
+                                                                "turn of one with several).")]
+JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the results as JSON to this file.")]
 
 
 def _text_or_file(value: str) -> str:
@@ -184,12 +196,12 @@ def generate(
     method: MethodOpt = None,
     k: KOpt = None,
     draft_model: DraftOpt = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 256,
+    max_tokens: MaxTokensOpt = 256,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="0 is off.")] = 0,
-    min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
     drafter_invariant: Annotated[bool, typer.Option("--drafter-invariant", help="Sample so that a seed gives the same tokens with any drafter, k, or none (Gumbel-max keyed by seed and position).")] = False,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="A system message for chat.")] = None,
@@ -238,23 +250,23 @@ def generate(
 
 @app.command()
 def bench(
-    data: Annotated[Path, typer.Option("--data", help="JSONL of {id, category, turns}, e.g. spec_bench.jsonl.")],
+    data: DataOpt,
     model: ModelOpt = None,
     spec_json: SpecOpt = None,
     method: MethodOpt = None,
     k: KOpt = None,
     draft_model: DraftOpt = None,
-    per_category: Annotated[Optional[int], typer.Option("--per-category", help="The first N prompts of each category.")] = None,
-    category: Annotated[Optional[list[str]], typer.Option("--category", help="Only these categories (repeatable).")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per turn.")] = 128,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
+    per_category: PerCategoryOpt = None,
+    category: CategoryOpt = None,
+    max_tokens: MaxTokensOpt = 128,
+    json_path: JsonOutOpt = None,
     report_dir: Annotated[Optional[Path], typer.Option("--report-dir", help="Write report.md and PNG plots into this folder.")] = None,
     peers: Annotated[bool, typer.Option("--peers", help="Also run the peers on the same prompts: transformers' generate (plain and prompt lookup) and, when llama-cpp-python is installed (make peers) and the model is a GGUF file, llama.cpp (plain and prompt lookup).")] = False,
     peer_names: Annotated[Optional[list[str]], typer.Option("--peer", help="Only this peer: transformers or llama.cpp (repeatable; implies --peers).")] = None,
     compare: Annotated[Optional[list[str]], typer.Option("--compare", help="Another speculative config (JSON or file) to run side by side on the same target (repeatable).")] = None,
     other_backends: Annotated[Optional[list[str]], typer.Option("--plain-on", help="Also decode plainly on another backend and weight format, BACKEND[:DTYPE], e.g. hf:float32 (repeatable).")] = None,
     temperature: Annotated[float, typer.Option(help="Sample at this temperature (0: greedy); specdec's systems only.")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (each prompt's request uses it).")] = None,
+    seed: SeedOpt = None,
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -357,15 +369,15 @@ def estimate(
 
 @app.command()
 def tune(
-    data: Annotated[Path, typer.Option("--data", help="JSONL of {id, category, turns}: your own prompts.")],
+    data: DataOpt,
     model: ModelOpt = None,
     methods: Annotated[Optional[list[str]], typer.Option("--methods", help="A drafter to tune (repeatable): a method name, or a JSON speculative config without k (default: ngram, suffix, lookahead, layer_skip, and, for a float32 or bfloat16 target, the int8 self-draft {\"method\": \"draft_model\", \"model\": \"target\", \"quantization\": \"int8\"}; with a head shipped for the target, eagle, hybrid and medusa).")] = None,
     ks: Annotated[Optional[str], typer.Option("--k", help="k values for every method, comma-separated (default: 1,2,3,4,6 for ngram; 4,6,8 for suffix; 2,3 for lookahead; 2..6 for eagle and hybrid; 1,2,3 for medusa; 1,2,3,4 for the others).")] = None,
     adaptive: Annotated[bool, typer.Option("--adaptive/--no-adaptive", help="Also measure each method with adaptive k, at its largest k.")] = True,
     trees: Annotated[bool, typer.Option("--trees/--no-trees", help="Also measure the token trees of the drafters that draft them (eagle, hybrid, medusa; a method given with its own k or tree is measured as given).")] = True,
-    per_category: Annotated[Optional[int], typer.Option("--per-category", help="The first N prompts of each category.")] = None,
-    category: Annotated[Optional[list[str]], typer.Option("--category", help="Only these categories (repeatable).")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per turn.")] = 128,
+    per_category: PerCategoryOpt = None,
+    category: CategoryOpt = None,
+    max_tokens: MaxTokensOpt = 128,
     out_dir: Annotated[Path, typer.Option("--out", help="Folder for recommended.json, tune.json, report.md and plots.")] = Path("out/tune"),
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
@@ -429,9 +441,9 @@ def verify(
     data: Annotated[Optional[Path], typer.Option("--data", help="JSONL prompts for the greedy check (default: a built-in sample of real prompts).")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per prompt in the greedy check.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 runs the greedy check only; > 0 runs both checks, sampling at this temperature.")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="0 is off.")] = 0,
-    min_p: Annotated[float, typer.Option("--min-p", help="0 is off.")] = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
     drafter_invariant: Annotated[bool, typer.Option("--drafter-invariant", help="Check drafter-invariant sampling: seeded continuations token-identical with and without speculation.")] = False,
     presence_penalty: PresenceOpt = 0.0,
     frequency_penalty: FrequencyOpt = 0.0,
@@ -445,7 +457,7 @@ def verify(
     max_draws: Annotated[Optional[int], typer.Option("--max-draws", help="Most draws per prompt and arm the self-check doubles up to before giving up on a wrong rule. [default: 8 x --draws]")] = None,
     length: Annotated[int, typer.Option(help="Tokens per sampled continuation.")] = 6,
     alpha: Annotated[float, typer.Option(help="Significance level of the sampling test.")] = 0.01,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    json_path: JsonOutOpt = None,
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -532,7 +544,7 @@ def costs(
     repeats: Annotated[int, typer.Option(help="Measurements per size (the median is reported).")] = 15,
     formats: Annotated[Optional[list[str]], typer.Option("--format", help="BACKEND:DTYPE to measure (repeatable), e.g. hf:float32, native:int8, native:auto. [default: --backend and --dtype]")] = None,
     prefill: Annotated[Optional[list[int]], typer.Option("--prefill", help="Prompt lengths whose prefill to time (repeatable; 0: none). [default: 64 and 1024]")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the costs as JSON here.")] = None,
+    json_path: JsonOutOpt = None,
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -603,7 +615,7 @@ def costs(
 def calibrate(
     model: ModelOpt = None,
     data: Annotated[Optional[Path], typer.Option("--data", help="JSONL prompts to calibrate on (default: the built-in sample of real prompts).")] = None,
-    per_category: Annotated[Optional[int], typer.Option("--per-category", help="Prompts per category.")] = None,
+    per_category: PerCategoryOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Reference answer length per prompt.")] = 48,
     max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", help="Skip longer prompts (calibration passes over every token).")] = 400,
     min_layers: Annotated[Optional[int], typer.Option("--min-layers", help="Fewest layers to try. [default: a third of them]")] = None,
@@ -646,7 +658,7 @@ def calibrate(
 @app.command("train-draft")
 def train_draft(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the answers, checkpoints and the trained head.")],
-    arch: Annotated[str, typer.Option("--arch", help=ARCH_HELP)] = drafters.DEFAULT_HEAD,
+    arch: Annotated[str, typer.Option("--arch", help=ARCH_HELP)] = registry.DEFAULT_HEAD,
     model: ModelOpt = None,
     data: Annotated[Optional[Path], typer.Option("--data", help="JSONL training prompts ({\"id\", \"turns\"}); never benchmark prompts.")] = None,
     answers: Annotated[int, typer.Option("--answers", help="Prompts of --data the target answers (its answers are the training text).")] = 2000,
@@ -734,6 +746,10 @@ def _serve_replicas(config: Any, model: str | None, **kwargs: Any) -> None:
     serve_replicas(config, model, on_ready=ready, **kwargs)
 
 
+# serve's keys and doctor's key: one variable, so that a shell set up for the server can run the doctor.
+API_KEY_ENV = "SPECDEC_API_KEY"
+
+
 @app.command()
 def serve(
     model: ModelOpt = None,
@@ -748,7 +764,7 @@ def serve(
     dtype: DtypeOpt = "auto",
     replicas: Annotated[Optional[int], typer.Option("--replicas", min=1, help="Run N engine replicas as a Ray Serve deployment (needs specdec\\[ray]); a \\[replicas] table in the config sets autoscaling bounds instead.")] = None,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="With replicas: the Ray cluster to join (e.g. ray://head:10001 or auto); default: start a local one.")] = None,
-    api_key: Annotated[Optional[list[str]], typer.Option("--api-key", envvar="SPECDEC_API_KEY", help="A key clients must send as 'Authorization: Bearer KEY' (repeatable; the environment variable takes keys separated by spaces; overrides the config's api_keys). Every endpoint but /health/live asks for it.")] = None,
+    api_key: Annotated[Optional[list[str]], typer.Option("--api-key", envvar=API_KEY_ENV, help="A key clients must send as 'Authorization: Bearer KEY' (repeatable; the environment variable takes keys separated by spaces; overrides the config's api_keys). Every endpoint but /health/live asks for it.")] = None,
     no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="Prefill every prompt whole: keep no keys and values across requests (by default a prompt that starts with an earlier request's tokens prefills only the rest; outputs are the same either way).")] = False,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -789,8 +805,8 @@ def doctor(
     url: Annotated[str, typer.Option("--url", help="The running server's base URL (its /metrics and /health are read).")] = "http://127.0.0.1:8000",
     costs_file: Annotated[Optional[Path], typer.Option("--costs", help="The verification cost curve: JSON of `specdec costs` on the server's machine (default: a curve measured on a 2-core CPU, int4 weights).")] = None,
     curve: Annotated[Optional[str], typer.Option("--curve", help="Which curve of --costs, when it has several (e.g. \"native int4 (LM head int8)\").")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the reports as JSON.")] = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECDEC_API_KEY", help="The server's API key, where it asks for one.")] = None,
+    json_out: JsonOutOpt = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=API_KEY_ENV, help="The server's API key, where it asks for one.")] = None,
 ) -> None:
     """Is speculation paying on a running server, route by route, and if not, why: batches
     full, acceptance low or drifting (which positions), draft memory costing sequences, or k too

@@ -1,4 +1,4 @@
-"""The drafter protocol (the registry of drafters by name is `specdec.drafters.registry`).
+"""The drafter protocol (the registry of methods by name is `specdec.methods`).
 
 A drafter proposes up to k tokens to follow the context; the engine verifies them with one
 target pass and then tells the drafter what was committed, so a stateful drafter (one with a

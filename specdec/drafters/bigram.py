@@ -15,13 +15,11 @@ It is also the example of adding a drafter to specdec: this module, its import i
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.drafters.base import Drafter, Proposal
-from specdec.drafters.registry import Options, register, require_int
 from specdec.models.loader import LoadedModel
 from specdec.sampling.params import SamplingParams
 
@@ -70,17 +68,5 @@ class BigramDrafter(Drafter):
         return BigramDrafter(self.min_count)
 
 
-@dataclass(frozen=True)
-class BigramOptions(Options):
-    """bigram_min_count: how often a successor must have been seen to be drafted."""
-
-    bigram_min_count: int = 2
-
-    def __post_init__(self) -> None:
-        require_int("bigram_min_count", self.bigram_min_count, 1)
-
-
-@register("bigram", options=BigramOptions, default_k=3, summary="the request's most frequent successor of each token",
-          tune_ks=(1, 2, 3, 4))
-def _build(config: SpeculativeConfig, target: LoadedModel) -> BigramDrafter:
+def build(config: SpeculativeConfig, target: LoadedModel) -> BigramDrafter:
     return BigramDrafter(config.bigram_min_count)

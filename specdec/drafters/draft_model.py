@@ -23,15 +23,12 @@ target serves the rest of the request alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.drafters.base import Drafter, Proposal
-from specdec.drafters.registry import Options, register
-from specdec.errors import ConfigError
 from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import LoadedModel, default_model_path, load_model
 from specdec.models.quantize import quantize_int8, quantized_bytes
@@ -167,32 +164,7 @@ def _same_model(name: str, target: LoadedModel) -> bool:
     return path.resolve() == Path(target.source).resolve()
 
 
-QUANTIZATIONS = ("int8",)
-
-
-@dataclass(frozen=True)
-class DraftModelOptions(Options):
-    """quantization: `int8` quantizes the draft's linear layers (weight-only int8) in a copy that
-    shares the target's embeddings; with `"model": "target"` this is the quantized self-draft."""
-
-    quantization: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of: {', '.join(QUANTIZATIONS)}")
-
-    def check(self, config: SpeculativeConfig) -> None:
-        if not config.model:
-            raise ConfigError("method 'draft_model' needs a draft model: set 'model' in the speculative config")
-
-    def label(self) -> list[str]:
-        return [self.quantization] if self.quantization else []
-
-
-@register("draft_model", options=DraftModelOptions, default_k=4, takes_model=True,
-          summary="a smaller model with the target's tokenizer, or the target itself quantized",
-          tuned={"model": "target", "quantization": "int8"})
-def _build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
+def build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
     assert config.model is not None  # the config checks this
     # A target drafting for itself shares its weights instead of loading them again.
     shared = _same_model(config.model, target)

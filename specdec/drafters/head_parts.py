@@ -1,20 +1,21 @@
 """What the heads that read the target's hidden states share (EAGLE, MTP, Medusa, hybrid):
 RMS norm and rotary embeddings as a head layer computes them, a head's matrices packed for
-specdec's kernels, and the token-tree options."""
+specdec's kernels, and the base class of the heads `train-draft` trains."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from specdec.drafters.registry import Options, require_int
-from specdec.errors import ConfigError
 from specdec.models.qlinear import PackedLinear
 
 if TYPE_CHECKING:
-    from specdec.config import SpeculativeConfig
+    from specdec.models.loader import LoadedModel
 
 TREE_SLOTS = 64  # cache slots for a tree's expanded nodes (tree_width x depth at most)
 
@@ -59,32 +60,44 @@ class PackedHead:
         return sum(m.nbytes for m in (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm))
 
 
-# The trees `tune` measures for a head's drafter, (k, tree_width, tree_nodes): small ones, where a
-# CPU's verification pass grows with every token it checks, to a few wider ones.
-TUNE_TREES = ((2, 2, 3), (3, 2, 4), (3, 2, 6), (4, 3, 8))
+# One draft position's training entry: its states [batch, m, ...], the shift s (target row t's
+# state predicts token t + s), the first window column where it means something, and the
+# function that turns states into draft logits.
+DraftEntry = tuple[torch.Tensor, int, int, Callable[[torch.Tensor], torch.Tensor]]
 
 
-@dataclass(frozen=True)
-class TreeOptions(Options):
-    """tree_width, tree_nodes: draft a token tree instead of a chain: the head's top `tree_width`
-    tokens at each of the `tree_width` best nodes of each depth (k deep), the `tree_nodes` best
-    kept (default 4 x width). 1: a chain."""
+class TrainableHead(nn.Module):
+    """A head `train-draft` trains (a family in :data:`specdec.methods.HEADS`): what training
+    calls of it. A family's head module defines each; the drafter that runs it reads only its
+    weights."""
 
-    tree_width: int = 1
-    tree_nodes: int | None = None
+    def draft_ids(self) -> torch.Tensor:
+        """[draft_vocab] the target token of each draft token."""
+        raise NotImplementedError
 
-    def __post_init__(self) -> None:
-        require_int("tree_width", self.tree_width, 1)
-        require_int("tree_nodes", self.tree_nodes, 1, optional=True)
+    @classmethod
+    def fresh(cls, target: LoadedModel, d2t_ids: torch.Tensor, *, heads: int, seed: int) -> TrainableHead:
+        """A new head for the target, over the draft vocabulary `d2t_ids` (`heads`: Medusa's count)."""
+        raise NotImplementedError
 
-    def check(self, config: SpeculativeConfig) -> None:
-        if self.tree_width > 1 and self.tree_width * config.num_speculative_tokens > 64:
-            raise ConfigError("a tree of tree_width x num_speculative_tokens > 64 expanded nodes is too large")
+    def view_layers(self, target: LoadedModel) -> tuple[int, ...]:
+        """The target layers whose outputs the head reads (what a training view keeps)."""
+        raise NotImplementedError
 
-    def label_after_k(self) -> list[str]:
-        return [f"tree {self.tree_width}x{self.proposal_nodes}"] if self.tree_width > 1 else []
+    def draft_positions(self, depth: int) -> int:
+        """How many draft positions a step trains when unrolled `depth` deep."""
+        raise NotImplementedError
 
-    @property
-    def proposal_nodes(self) -> int:
-        """The most tokens one proposal holds beyond k (0 for a chain)."""
-        return (self.tree_nodes or 4 * self.tree_width) if self.tree_width > 1 else 0
+    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, depth: int,
+                     begin: torch.Tensor) -> tuple[torch.Tensor, list[DraftEntry]]:
+        """Over a batch of views (features [batch, n, ...], tokens [batch, n]) whose positions from
+        begin [batch] on are counted: the window offsets [batch] (column c is position offset +
+        c) and each draft position's :data:`DraftEntry`."""
+        raise NotImplementedError
+
+    def save(self, directory: str | Path) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, directory: str | Path, target: LoadedModel) -> TrainableHead:
+        raise NotImplementedError

@@ -12,16 +12,13 @@ position's target states either way, so it is ready whenever lookup has nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.eagle import EagleDrafter, load_head
-from specdec.drafters.head_parts import TUNE_TREES, TreeOptions
-from specdec.drafters.ngram import NgramDrafter, NgramOptions
-from specdec.drafters.registry import register, require_int
+from specdec.drafters.ngram import NgramDrafter
 from specdec.models.loader import LoadedModel
 from specdec.sampling.params import SamplingParams
 
@@ -62,27 +59,7 @@ class HybridDrafter(Drafter):
         return HybridDrafter(self.eagle.fork(), self.lookup.fork(), self.head_tokens)
 
 
-@dataclass(frozen=True)
-class HybridOptions(TreeOptions, NgramOptions):
-    """Prompt lookup's n-gram sizes (here from 2 tokens by default), the most tokens the head
-    drafts in a step (None: k) and the head's tree shape."""
-
-    prompt_lookup_min: int = 2
-    hybrid_head_tokens: int | None = 1
-
-    def __post_init__(self) -> None:
-        NgramOptions.__post_init__(self)
-        TreeOptions.__post_init__(self)
-        require_int("hybrid_head_tokens", self.hybrid_head_tokens, 1, optional=True)
-
-    def label_after_k(self) -> list[str]:
-        return ([f"head k={self.hybrid_head_tokens or 'k'}"] if self.hybrid_head_tokens != 1 else []) + (
-            [f"lookup>={self.prompt_lookup_min}"] if self.prompt_lookup_min != 2 else []) + super().label_after_k()
-
-
-@register("hybrid", options=HybridOptions, default_k=4, takes_model=True, summary="prompt lookup, else the EAGLE head",
-          tune_ks=(2, 3, 4, 5, 6), head="eagle", tune_trees=TUNE_TREES)
-def _build(config: SpeculativeConfig, target: LoadedModel) -> HybridDrafter:
+def build(config: SpeculativeConfig, target: LoadedModel) -> HybridDrafter:
     return HybridDrafter(EagleDrafter(load_head(config, target), tree_width=config.tree_width,
                                       tree_nodes=config.tree_nodes),
                          NgramDrafter(config.prompt_lookup_min,

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.drafters.registry import Options, register
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 
@@ -104,44 +103,13 @@ def resolve_layers(config: SpeculativeConfig, target: LoadedModel) -> tuple[int,
     return profile.layers
 
 
-@dataclass(frozen=True)
-class LayerSkipOptions(Options):
-    """layers: the target's layers (0-based) the draft runs; profile: a calibration profile file
-    (`specdec calibrate`) naming them. Without either, the profile shipped for the model, else
-    :func:`default_layers`."""
-
-    layers: tuple[int, ...] | None = None
-    profile: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.layers is not None:
-            layers = self.layers
-            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-                raise ConfigError(f"layers must be a list of layer indices, got {layers!r}")
-            layers = tuple(layers)
-            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
-                raise ConfigError(f"layers must be a non-empty list of integers >= 0, got {list(layers)!r}")
-            if len(set(layers)) != len(layers):
-                raise ConfigError(f"layers must not repeat a layer, got {list(layers)!r}")
-            object.__setattr__(self, "layers", tuple(sorted(layers)))
-            if self.profile is not None:
-                raise ConfigError("give 'layers' or 'profile' for layer_skip, not both")
-        if self.profile is not None and not Path(self.profile).expanduser().is_file():
-            raise ConfigError(f"layer_skip profile not found: {self.profile}")
-
-    def label(self) -> list[str]:
-        if self.profile:
-            return [Path(self.profile).stem]
-        return [] if self.layers is None else [f"{len(self.layers)} layers"]
-
-    def pinned(self, config: SpeculativeConfig, target: LoadedModel) -> SpeculativeConfig:
-        """Without layers or a profile: the layers of the profile shipped for the target."""
-        if self.layers is not None or self.profile is not None:
-            return config
-        return dataclasses.replace(config, layers=resolve_layers(config, target))
+def pinned(config: SpeculativeConfig, target: LoadedModel) -> SpeculativeConfig:
+    """Without layers or a profile: the layers of the profile shipped for the target
+    (:func:`specdec.methods.pinned`)."""
+    if config.layers is not None or config.profile is not None:
+        return config
+    return dataclasses.replace(config, layers=resolve_layers(config, target))
 
 
-@register("layer_skip", options=LayerSkipOptions, default_k=1, summary="the target with some of its layers skipped",
-          tuned={})
-def _build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
+def build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
     return DraftModelDrafter(target, resolve_layers(config, target))

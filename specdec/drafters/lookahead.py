@@ -27,48 +27,17 @@ W x (N - 1), which matters on a CPU, where each token beyond a few makes the pas
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.drafters.base import Drafter, Proposal, Verified
-from specdec.drafters.registry import Options, register, require_int
+from specdec.methods import LookaheadOptions
 from specdec.models.loader import LoadedModel
 from specdec.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from specdec.config import SpeculativeConfig
-
-
-@dataclass(frozen=True)
-class LookaheadOptions(Options):
-    """lookahead_window: W, the Jacobi window's length (0: no lookahead branch, the pool fed by
-    the output alone); lookahead_ngram: N, the n-gram size (guesses of N - 1 tokens);
-    lookahead_guesses: G, the most pool n-grams verified per pass; lookahead_pool: the most
-    n-grams kept per first token (the most recent)."""
-
-    # Defaults: the best measured configuration with a window (docs/drafters.md, "Lookahead decoding"): at
-    # most 3 nodes, so a pass stays within the rows the CPU's int4 kernel verifies at little more
-    # than a plain step (`specdec costs`).
-    lookahead_window: int = 1
-    lookahead_ngram: int = 3
-    lookahead_guesses: int = 1
-    lookahead_pool: int = 8
-
-    def __post_init__(self) -> None:
-        require_int("lookahead_window", self.lookahead_window, 0)
-        require_int("lookahead_ngram", self.lookahead_ngram, 2)
-        require_int("lookahead_guesses", self.lookahead_guesses, 0)
-        require_int("lookahead_pool", self.lookahead_pool, 1)
-
-    def label(self) -> list[str]:
-        return [f"W{self.lookahead_window} N{self.lookahead_ngram} G{self.lookahead_guesses}"]
-
-    @property
-    def proposal_nodes(self) -> int:
-        """The most tokens one pass verifies beyond the root: the window and G guesses."""
-        return self.lookahead_window + self.lookahead_guesses * (self.lookahead_ngram - 1)
 
 
 class NgramPool:
@@ -202,8 +171,6 @@ class LookaheadDrafter(Drafter):
         return LookaheadDrafter(self.window, self.n, self.guesses, self.pool_size)
 
 
-@register("lookahead", options=LookaheadOptions, default_k=2, summary="a Jacobi window and the target's own n-grams",
-          tune_ks=(2, 3), tuned={})
-def _build(config: SpeculativeConfig, target: LoadedModel) -> LookaheadDrafter:
+def build(config: SpeculativeConfig, target: LoadedModel) -> LookaheadDrafter:
     o = config.options
     return LookaheadDrafter(o.lookahead_window, o.lookahead_ngram, o.lookahead_guesses, o.lookahead_pool)

@@ -27,8 +27,8 @@ from torch import nn
 
 from specdec.drafters import head_files
 from specdec.drafters.base import Drafter, Proposal, best_subtree
-from specdec.drafters.head_parts import TreeOptions
-from specdec.drafters.registry import register, register_head
+from specdec.drafters.head_parts import TrainableHead
+from specdec.methods import TreeOptions
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
@@ -82,8 +82,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-@register_head("medusa")
-class MedusaHeads(nn.Module):
+class MedusaHeads(TrainableHead):
     """The K heads, shared by every sequence that drafts with them.
 
     final_norm: the target's final RMSNorm weight [hidden] (the heads read the normed state).
@@ -136,8 +135,6 @@ class MedusaHeads(nn.Module):
         return cache[fmt]
 
     # --- training (train-draft) ----------------------------------------------------------------
-
-    summary = "residual heads on the target's last state"
 
     @classmethod
     def fresh(cls, target: LoadedModel, d2t_ids: torch.Tensor, *, heads: int, seed: int) -> MedusaHeads:
@@ -295,9 +292,6 @@ def load_heads(config: SpeculativeConfig, target: LoadedModel) -> MedusaHeads:
     return MedusaHeads.load(head_files.config_dir("medusa", config, target), target)
 
 
-@register("medusa", options=TreeOptions, default_k=3, takes_model=True,
-          summary="heads on the target's last state, one per position", tune_ks=(1, 2, 3), head="medusa",
-          tune_trees=((2, 2, 4), (3, 2, 6), (3, 3, 8)))
-def _build(config: SpeculativeConfig, target: LoadedModel) -> MedusaDrafter:
+def build(config: SpeculativeConfig, target: LoadedModel) -> MedusaDrafter:
     return MedusaDrafter(load_heads(config, target), target.num_layers, tree_width=config.tree_width,
                          tree_nodes=config.tree_nodes)

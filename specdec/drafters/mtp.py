@@ -32,8 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.drafters.eagle import EagleDrafter
-from specdec.drafters.head_parts import PackedHead, TreeOptions, rms_norm, rope, rope_inv_freq, rotate
-from specdec.drafters.registry import register
+from specdec.drafters.head_parts import PackedHead, rms_norm, rope, rope_inv_freq, rotate
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
@@ -248,7 +247,6 @@ def mtp_dir(config: SpeculativeConfig, target: LoadedModel) -> Path:
                       "set 'model' to the directory of a checkpoint whose config has num_nextn_predict_layers")
 
 
-@register("mtp", options=TreeOptions, default_k=1, takes_model=True, summary="a checkpoint's multi-token-prediction layer")
-def _build(config: SpeculativeConfig, target: LoadedModel) -> MtpDrafter:
+def build(config: SpeculativeConfig, target: LoadedModel) -> MtpDrafter:
     return MtpDrafter(load_mtp(mtp_dir(config, target), target), tree_width=config.tree_width,
                       tree_nodes=config.tree_nodes)

@@ -16,15 +16,12 @@ more.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from specdec.drafters.base import Drafter, Proposal
-from specdec.drafters.registry import Options, register, require_int
-from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.sampling.params import SamplingParams
 
@@ -96,21 +93,5 @@ class NgramDrafter(Drafter):
         return NgramDrafter(self.n_min, self.n_max)
 
 
-@dataclass(frozen=True)
-class NgramOptions(Options):
-    """prompt_lookup_min / prompt_lookup_max: the n-gram sizes tried, longest first."""
-
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 6
-
-    def __post_init__(self) -> None:
-        require_int("prompt_lookup_min", self.prompt_lookup_min, 1)
-        require_int("prompt_lookup_max", self.prompt_lookup_max, 1)
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})")
-
-
-@register("ngram", options=NgramOptions, default_k=4, summary="prompt lookup: what followed the context's last n-gram before",
-          tune_ks=(1, 2, 3, 4, 6), tuned={})
-def _build(config: SpeculativeConfig, target: LoadedModel) -> NgramDrafter:
+def build(config: SpeculativeConfig, target: LoadedModel) -> NgramDrafter:
     return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)

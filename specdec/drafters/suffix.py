@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
@@ -40,8 +39,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.drafters.base import CacheStats, Drafter, Proposal
-from specdec.drafters.registry import Options, register, require_int, require_number
-from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.sampling.params import SamplingParams
 
@@ -279,38 +276,7 @@ class SuffixDrafter(Drafter):
         return SuffixDrafter(self.cache, self.max_depth, self.spec_factor, self.min_prob, self.tree)
 
 
-@dataclass(frozen=True)
-class SuffixOptions(Options):
-    """vLLM's names: the longest suffix matched, the most tokens proposed per matched token, the
-    least empirical probability of a proposal, and the route's cache of earlier outputs: at most
-    so many requests and MiB (0 requests: no cache)."""
-
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
-    suffix_decoding_max_cached_requests: int = 10000
-    suffix_decoding_max_cache_mib: float = 64.0
-    # Propose a tree of the most probable continuations (at most k tokens) instead of one chain.
-    suffix_decoding_use_tree: bool = False
-
-    def __post_init__(self) -> None:
-        require_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)
-        require_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
-        require_number("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, 0, math.inf, low_open=True)
-        require_number("suffix_decoding_max_cache_mib", self.suffix_decoding_max_cache_mib, 0, math.inf, low_open=True)
-        require_number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0, 1)
-
-        if not isinstance(self.suffix_decoding_use_tree, bool):
-            raise ConfigError(f"suffix_decoding_use_tree must be true or false, got {self.suffix_decoding_use_tree!r}")
-
-    def label(self) -> list[str]:
-        return (["tree"] if self.suffix_decoding_use_tree else []) + (
-            ["no cache"] if self.suffix_decoding_max_cached_requests == 0 else [])
-
-
-@register("suffix", options=SuffixOptions, default_k=6, summary="the request's and the route's earlier outputs",
-          tune_ks=(4, 6, 8), tuned={})
-def _build(config: SpeculativeConfig, target: LoadedModel) -> SuffixDrafter:
+def build(config: SpeculativeConfig, target: LoadedModel) -> SuffixDrafter:
     cache = SuffixCache(config.suffix_decoding_max_cached_requests, int(config.suffix_decoding_max_cache_mib * 2**20))
     return SuffixDrafter(cache, config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_spec_factor,
                          config.suffix_decoding_min_token_prob, config.suffix_decoding_use_tree)

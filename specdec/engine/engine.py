@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.drafters import build_drafter
+from specdec.methods import build_drafter
 from specdec.drafters.base import Drafter
 from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
 from specdec.engine.adaptive import AdaptiveStates, SpeculationPolicy
@@ -64,7 +64,7 @@ class Engine:
                     tree_rule: TreeRule = accept_tree_sampling, prefix_cache: PrefixCache | None = None) -> Engine:
         """The one way to build a drafter and its engine from a config (None: plain decoding):
         the library, `verify`, `bench` and `tune` all come here. The server builds its route
-        drafters with the same :func:`~specdec.drafters.build_drafter` over its batch engine."""
+        drafters with the same :func:`~specdec.methods.build_drafter` over its batch engine."""
         if config is None:
             return cls(target, sampling_rule=sampling_rule, tree_rule=tree_rule, prefix_cache=prefix_cache)
         return cls(target, build_drafter(config, target), config.num_speculative_tokens,

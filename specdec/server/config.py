@@ -52,7 +52,7 @@ from typing import Any
 import tomllib
 
 from specdec.config import SpeculativeConfig
-from specdec.drafters import DEFAULT_METHOD
+from specdec.methods import DEFAULT_METHOD
 from specdec.drafters.prediction import PREDICTION_K
 from specdec.errors import ConfigError
 from specdec.models.backend import BACKENDS, DTYPES

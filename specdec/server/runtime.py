@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import uvicorn
 
-from specdec.drafters import build_drafter
+from specdec.methods import build_drafter
 from specdec.drafters.base import Drafter
 from specdec.engine.batch import BatchEngine
 from specdec.errors import ConfigError

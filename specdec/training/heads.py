@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specdec import drafters
+from specdec import methods as registry
 from specdec.errors import ConfigError
 from specdec.models.backend import cpu_multiplies_bfloat16
 from specdec.models.loader import LoadedModel
@@ -60,10 +60,10 @@ LOSS_ON = ("answers", "all")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    arch: str = drafters.DEFAULT_HEAD
-    medusa_heads: int = 3
+    arch: str = registry.DEFAULT_HEAD
+    medusa_heads: int = registry.train_option_default("medusa_heads")
     draft_vocab_size: int = 8192
-    ttt_steps: int = 3
+    ttt_steps: int = registry.train_option_default("ttt_steps")
     lr: float = 1e-3
     warmup_steps: int = 20
     batch_sequences: int = 16  # at most this many sequences a step ...
@@ -325,7 +325,7 @@ def compact_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def new_head(target: LoadedModel, d2t_ids: torch.Tensor, config: TrainConfig) -> nn.Module:
     """A fresh head of `config.arch` reading the target's LM head rows for the vocabulary `d2t_ids`."""
-    return drafters.head_class(config.arch).fresh(target, d2t_ids, heads=config.medusa_heads, seed=config.seed)
+    return registry.head_class(config.arch).fresh(target, d2t_ids, heads=config.medusa_heads, seed=config.seed)
 
 
 @dataclass
@@ -367,7 +367,8 @@ def train_head(
     trains on batches of them; `out/log.jsonl` gets a line at every checkpoint (tokens, loss,
     training agreement, tokens/s) with the held-out agreement per draft position every
     `validate_every_s`."""
-    family = drafters.head_class(config.arch)  # ConfigError for an unknown one
+    family = registry.head_class(config.arch)  # ConfigError for an unknown one
+    registry.check_train_options(config.arch, {"ttt_steps": config.ttt_steps, "medusa_heads": config.medusa_heads})
     if config.loss_on not in LOSS_ON:
         raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {config.loss_on!r}")
     if config.bf16 not in BF16:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from specdec.drafters import head_class
+from specdec.methods import head_class
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.training.corpus import (Prompt, back_translations, generate_answers, read_answers, select_prompts,
@@ -49,8 +49,8 @@ class TrainRun:
     max_time: float | None = None
     max_tokens: int | None = None
     draft_vocab: int = 8192
-    ttt_steps: int = 3
-    medusa_heads: int = 3
+    ttt_steps: int = TrainConfig.ttt_steps
+    medusa_heads: int = TrainConfig.medusa_heads
     seed: int = 0
     init: Path | None = None
     answers_from: Path | None = None

@@ -56,7 +56,7 @@ def test_k_list_and_a_methods_own_k() -> None:
 
 
 def test_head_drafters_are_measured_with_their_trees_too() -> None:
-    from specdec.drafters.head_parts import TUNE_TREES
+    from specdec.methods import TUNE_TREES
 
     candidates = tune.build_candidates([{"method": "eagle", "model": "h"}, {"method": "medusa", "model": "h"}], [3],
                                        adaptive=False)

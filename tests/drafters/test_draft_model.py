@@ -11,7 +11,7 @@ import torch
 
 from specdec import SpeculativeConfig
 from specdec.config import SamplingParams
-from specdec.drafters import build_drafter
+from specdec.methods import build_drafter
 from specdec.drafters.draft_model import DraftModelDrafter, common_prefix_length
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence

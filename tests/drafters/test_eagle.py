@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from specdec import LLM, SamplingParams
 from specdec.drafters.base import Drafter
-from specdec.drafters.eagle import EagleDrafter, EagleHead, default_target_layers, ttt_forward
+from specdec.drafters.eagle import EagleDrafter, EagleHead, default_target_layers
+from specdec.drafters.eagle_unroll import ttt_forward
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.errors import ConfigError
@@ -68,7 +69,7 @@ def test_training_windows_give_the_whole_unroll_at_every_counted_position(tiny_n
     # Training runs each sequence's layer only from begin - (depth - 1) on (earlier positions give
     # depth 0's keys and values alone): from begin on, every depth's states must be the whole
     # unroll's.
-    from specdec.drafters.eagle import ttt_states
+    from specdec.drafters.eagle_unroll import ttt_states
 
     head = random_head(tiny_native, 512, seed=4)
     torch.manual_seed(1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpeculativeConfig
-from specdec.drafters import build_drafter
+from specdec.methods import build_drafter
 from specdec.engine import Engine
 from specdec.drafters.layer_skip import LayerSkipProfile, default_layers, resolve_layers, shipped_profile
 from specdec.errors import ConfigError

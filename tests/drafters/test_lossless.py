@@ -282,7 +282,7 @@ REAL_DRAFTERS = [
 
 def test_every_registered_method_is_checked_here() -> None:
     # A new drafter is lossless on real weights before it lands: it needs a line above.
-    from specdec.drafters import registered_methods
+    from specdec.methods import registered_methods
 
     assert set(registered_methods()) <= {p.values[0]["method"] for p in REAL_DRAFTERS}
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.drafters import build_drafter
+from specdec.methods import build_drafter
 from specdec.drafters.ngram import NgramDrafter, find_continuation
 
 

@@ -149,7 +149,7 @@ def test_prompt_over_the_context_is_refused(tiny_any: LoadedModel) -> None:
 def test_draft_model_forks_match_single_engine(tiny_any: LoadedModel, temperature: float) -> None:
     """A stateful drafter (its own KV cache): one fork per sequence, as the server does."""
     from specdec.config import SpeculativeConfig
-    from specdec.drafters import build_drafter
+    from specdec.methods import build_drafter
     from specdec.server.scheduler import fork_drafter
 
     config = SpeculativeConfig("draft_model", 3, model=tiny_any.source)

@@ -12,7 +12,7 @@ from specdec import LLM, SamplingParams
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.config import SpeculativeConfig
-from specdec.drafters import build_drafter
+from specdec.methods import build_drafter
 from specdec.models import LoadedModel, load_model
 from specdec.models.prefix_cache import PrefixCache
 from specdec.models.runner import ModelRunner

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from specdec.cli.main import app
 from specdec.config import SpeculativeConfig
-from specdec.drafters import build_drafter
+from specdec.methods import build_drafter
 from specdec.models import LoadedModel
 from specdec.server.config import DriftConfig, LoadSchedule, RouteConfig, ServerConfig
 from specdec.server.doctor import DEFAULT_VERIFY_COSTS, RouteReport, best_k, diagnose, fetch, verify_cost

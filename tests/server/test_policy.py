@@ -165,7 +165,7 @@ def test_memory_plan_takes_the_draft_from_the_budget(tiny_model: LoadedModel, sm
 
 
 def test_fork_drafter_shares_weights_not_state(tiny_model: LoadedModel) -> None:
-    from specdec.drafters import build_drafter
+    from specdec.methods import build_drafter
 
     prototype = build_drafter(SpeculativeConfig("draft_model", 2, model=str(tiny_model.source)), tiny_model)
     fork = fork_drafter(prototype)
