@@ -696,22 +696,34 @@ async def _collect(job: _Job, request: Request, shape: _Shape) -> list[_Result]:
     return results
 
 
-def _stream(job: _Job, meta: dict[str, Any], plan: _Plan, *, include_usage: bool) -> StreamingResponse:
-    """SSE in OpenAI's chunk format, ending with `data: [DONE]`. Each choice's last chunk carries
-    its finish_reason and `speculation` statistics; with include_usage a final chunk with no
-    choices carries usage. Logprobs ride on the chunk of the tokens they belong to; an echoed
-    prompt (completions) is each choice's first chunk. When the client disconnects, Starlette
-    cancels this generator and its sequences are cancelled."""
-    shape, echoes = plan.shape, plan.echoes
-    chat = shape.chat
-    obj = "chat.completion.chunk" if chat else "text_completion"
+# --- streaming ------------------------------------------------------------------------------------
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return f"data: {json.dumps(meta | {'object': obj, 'choices': choices} | extra)}\n\n"
+_DONE = "data: [DONE]\n\n"  # a stream's last event, as OpenAI ends theirs
 
-    def choice(index: int, text: str | None, finish: str | None, role: bool = False, logprobs: Any = None,
+
+def _sse(payload: dict[str, Any]) -> str:
+    """One server-sent event: `payload` as JSON."""
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """A stream's chunks in OpenAI's format, each an SSE event with the response's id, created and
+    model: chat's choices carry deltas, completions' carry text."""
+
+    meta: dict[str, Any]
+    chat: bool
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        """A chunk of `choices`, with `extra` fields (usage, at the end) beside them."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return _sse(self.meta | {"object": obj, "choices": choices} | extra)
+
+    def choice(self, index: int, text: str | None, finish: str | None, role: bool = False, logprobs: Any = None,
                tool_calls: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
-        if chat:
+        """One choice of a chunk. A chat delta holds only what is given (text None: no `content`);
+        a completion's text is never null."""
+        if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
@@ -720,92 +732,159 @@ def _stream(job: _Job, meta: dict[str, Any], plan: _Plan, *, include_usage: bool
             return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs, **extra}
         return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs, **extra}
 
-    def echo(index: int, prompt_logprobs: list[TokenLogprob | None] | None) -> str:
-        ids, text = echoes[index]
-        logprobs = completion_logprobs(prompt_logprobs, ids, shape.names) if prompt_logprobs is not None else None
-        return chunk([choice(index, text, None, logprobs=logprobs)])
+    def role(self, index: int) -> str:
+        """A chat choice's first chunk: the assistant's role, no text yet."""
+        return self.chunk([self.choice(index, "", None, role=True)])
 
-    # Each choice's text so far, in characters: where its next token's text_offset starts.
-    offsets = [len(text) for _, text in echoes] if echoes else [0] * len(job.requests)
+    def delta(self, index: int, text: str | None, logprobs: Any = None,
+              tool_calls: list[dict[str, Any]] | None = None) -> str:
+        """A chunk of what is new in one choice: text (with its logprobs) or tool-call deltas."""
+        return self.chunk([self.choice(index, text, None, logprobs=logprobs, tool_calls=tool_calls)])
 
-    def token_logprobs(index: int, event: Event) -> Any:
-        if not shape.logprobs:
+    def last(self, index: int, finish: str | None, stats: RequestStats | None) -> str:
+        """A choice's last chunk: its finish_reason and `speculation` statistics, no text."""
+        speculation = stats.to_dict() if stats else None
+        return self.chunk([self.choice(index, None if self.chat else "", finish, speculation=speculation)])
+
+
+class _Logprobs:
+    """The logprobs of a stream's token chunks and, for completions, its echoed prompts (each
+    choice's first chunk). A completion's logprobs give each token's `text_offset`: where it starts
+    in the choice's text, echo included, in characters."""
+
+    def __init__(self, chunks: _Chunks, shape: _Shape, echoes: list[tuple[list[int], str]] | None, n: int) -> None:
+        self.chunks, self.shape, self.echoes = chunks, shape, echoes
+        # Each choice's text so far, in characters: where its next token's text_offset starts.
+        self.offsets = [len(text) for _, text in echoes] if echoes else [0] * n
+
+    def echo(self, index: int, prompt_logprobs: list[TokenLogprob | None] | None) -> str:
+        """Choice `index`'s echoed prompt as a chunk, with the prompt's logprobs when given."""
+        ids, text = self.echoes[index]
+        names = self.shape.names
+        logprobs = completion_logprobs(prompt_logprobs, ids, names) if prompt_logprobs is not None else None
+        return self.chunks.delta(index, text, logprobs)
+
+    def tokens(self, index: int, event: Event) -> Any:
+        """A "token" event's logprobs as its chunk carries them (None when not asked for). A
+        completion's move its choice's text offset past the event's tokens."""
+        if not self.shape.logprobs:
             return None
-        if chat:
-            return chat_logprobs(list(event.logprobs), shape.names)
-        out = completion_logprobs(list(event.logprobs), list(event.token_ids), shape.names, offsets[index])
-        offsets[index] += sum(len(t) for t in out["tokens"])
+        if self.shape.chat:
+            return chat_logprobs(list(event.logprobs), self.shape.names)
+        out = completion_logprobs(list(event.logprobs), list(event.token_ids), self.shape.names, self.offsets[index])
+        self.offsets[index] += sum(len(t) for t in out["tokens"])
         return out
 
-    # A choice constrained to calls streams them as OpenAI does (each call's head, then its
-    # arguments' text as it comes). One that may call tools (auto) holds its text back while it
-    # may still be calls (`specdec.server.tools.may_be_calls`): [text, logprobs] per chunk held,
-    # None once sent; calls it turns out to be go out whole at the end.
-    scanners = [CallScanner(id_seed=shape.call_seed(i)) if shape.calls_only else None for i in range(len(job.requests))]
-    held: list[list[tuple[str, Any]] | None] = [[] if shape.callable and not shape.calls_only else None
-                                                for _ in job.requests]
 
-    def release(index: int) -> str | None:
-        """The held chunks of a choice as one, which then streams as it goes."""
-        chunks, held[index] = held[index] or [], None
-        if not chunks:
+@dataclass
+class _ToolCalls:
+    """How one choice's output streams when it may be tool calls. One constrained to calls
+    (`scanner`) streams them as OpenAI does: each call's head, then its arguments' text as it
+    comes. One that may call tools (auto) holds its text back while it may still be calls
+    (`specdec.server.tools.may_be_calls`); calls it turns out to be go out whole at the end. Any
+    other streams its text as it comes."""
+
+    chunks: _Chunks
+    shape: _Shape
+    index: int
+    scanner: CallScanner | None = None
+    held: list[tuple[str, Any]] | None = None  # (text, logprobs) per chunk held back; None: none held, or sent
+
+    @classmethod
+    def of(cls, chunks: _Chunks, shape: _Shape, index: int) -> _ToolCalls:
+        """Choice `index`'s, as the response's shape (its tools and tool_choice) has it."""
+        scanner = CallScanner(id_seed=shape.call_seed(index)) if shape.calls_only else None
+        return cls(chunks, shape, index, scanner, [] if shape.callable and not shape.calls_only else None)
+
+    def calls(self, text: str) -> str | None:
+        """The chunk of the call deltas that a constrained choice's new text makes, if any."""
+        deltas = self.scanner.feed(text)
+        return self.chunks.delta(self.index, None, tool_calls=deltas) if deltas else None
+
+    def text(self, text: str, logprobs: Any, output: str) -> str | None:
+        """The chunk of a token event's text, or None while it is held back (`output`: the choice's
+        text so far, this event's included). The first text that cannot be calls releases it."""
+        if self.held is None:
+            return self.chunks.delta(self.index, text, logprobs)
+        self.held.append((text, logprobs))
+        return self.release() if not may_be_calls(output) else None
+
+    def finish(self, output: str, reason: str | None) -> tuple[str | None, str | None]:
+        """At the choice's end (`output`: its whole text): the chunk to send before its last one,
+        if any (its calls, or the text it held), and its finish_reason ("tool_calls" when it
+        stopped on calls)."""
+        if self.scanner is not None:
+            return None, ("tool_calls" if reason == "stop" and self.scanner.complete(self.shape.callable) else reason)
+        if self.held is None:
+            return None, reason
+        seed = self.shape.call_seed(self.index)
+        calls = parse_calls(output, self.shape.callable, seed) if reason == "stop" else None
+        if calls:
+            self.held = None
+            deltas = [{"index": j} | call for j, call in enumerate(calls)]
+            return self.chunks.delta(self.index, None, tool_calls=deltas), "tool_calls"
+        return self.release(), reason
+
+    def release(self) -> str | None:
+        """The held chunks as one (None when there are none); from then on the choice streams as it
+        goes."""
+        held, self.held = self.held or [], None
+        if not held:
             return None
         logprobs = None
-        if shape.logprobs:
-            logprobs = {"content": [entry for _, lp in chunks for entry in lp["content"]], "refusal": None}
-        return chunk([choice(index, "".join(text for text, _ in chunks), None, logprobs=logprobs)])
+        if self.shape.logprobs:
+            logprobs = {"content": [entry for _, lp in held for entry in lp["content"]], "refusal": None}
+        return self.chunks.delta(self.index, "".join(text for text, _ in held), logprobs)
+
+
+def _stream(job: _Job, meta: dict[str, Any], plan: _Plan, *, include_usage: bool) -> StreamingResponse:
+    """SSE in OpenAI's chunk format, ending with `data: [DONE]`. Each choice's last chunk carries
+    its finish_reason and `speculation` statistics; with include_usage a final chunk with no
+    choices carries usage. Logprobs ride on the chunk of the tokens they belong to; an echoed
+    prompt (completions) is each choice's first chunk. When the client disconnects, Starlette
+    cancels this generator and its sequences are cancelled."""
+    shape, n = plan.shape, len(job.requests)
+    chunks = _Chunks(meta, shape.chat)
+    logprobs = _Logprobs(chunks, shape, plan.echoes, n)
+    tools = [_ToolCalls.of(chunks, shape, i) for i in range(n)]
 
     async def events() -> AsyncIterator[str]:
         results = [_Result() for _ in job.requests]
         pending = len(job.requests)
         try:
-            if chat:
-                for i in range(len(job.requests)):
-                    yield chunk([choice(i, "", None, role=True)])
-            elif echoes is not None and not shape.logprobs:
-                for i in range(len(job.requests)):
-                    yield echo(i, None)
+            if shape.chat:
+                for i in range(n):
+                    yield chunks.role(i)
+            elif plan.echoes is not None and not shape.logprobs:  # with logprobs: at its "prompt" event
+                for i in range(n):
+                    yield logprobs.echo(i, None)
             while pending:
                 event = await job.events.get()
-                result = results[event.index]
+                result, tool = results[event.index], tools[event.index]
                 if event.kind == "prompt":
-                    if echoes is not None:
-                        yield echo(event.index, list(event.logprobs))
+                    if plan.echoes is not None:
+                        yield logprobs.echo(event.index, list(event.logprobs))
                 elif event.kind == "token":
                     result.add(event, shape)
-                    if scanners[event.index] is not None:
-                        if deltas := scanners[event.index].feed(event.text):
-                            yield chunk([choice(event.index, None, None, tool_calls=deltas)])
+                    if tool.scanner is not None:
+                        if out := tool.calls(event.text):
+                            yield out
                     elif not shape.score_only and (event.text or (shape.logprobs and event.token_ids)):
-                        logprobs = token_logprobs(event.index, event)
-                        if held[event.index] is None:
-                            yield chunk([choice(event.index, event.text, None, logprobs=logprobs)])
-                        else:
-                            held[event.index].append((event.text, logprobs))
-                            if not may_be_calls(result.text) and (released := release(event.index)):
-                                yield released
+                        if out := tool.text(event.text, logprobs.tokens(event.index, event), result.text):
+                            yield out
                 elif event.kind == "done":
                     result.finish_reason, result.stats = event.finish_reason, event.stats
                     pending -= 1
-                    finish = event.finish_reason
-                    if scanners[event.index] is not None and finish == "stop":
-                        finish = "tool_calls" if scanners[event.index].complete(shape.callable) else finish
-                    elif held[event.index] is not None:
-                        seed = shape.call_seed(event.index)
-                        calls = parse_calls(result.text, shape.callable, seed) if finish == "stop" else None
-                        if calls:
-                            held[event.index], finish = None, "tool_calls"
-                            yield chunk([choice(event.index, None, None,
-                                                tool_calls=[{"index": j} | call for j, call in enumerate(calls)])])
-                        elif released := release(event.index):
-                            yield released
-                    yield chunk([choice(event.index, None if chat else "", finish, speculation=event.stats.to_dict() if event.stats else None)])
+                    out, finish = tool.finish(result.text, event.finish_reason)
+                    if out:
+                        yield out
+                    yield chunks.last(event.index, finish, event.stats)
                 else:
                     pending -= 1
-                    yield f"data: {json.dumps(error_body(event.message, type='server_error', code='generation_failed'))}\n\n"
+                    yield _sse(error_body(event.message, type="server_error", code="generation_failed"))
             if include_usage:
-                yield chunk([], **_totals(plan, results))
-            yield "data: [DONE]\n\n"
+                yield chunks.chunk([], **_totals(plan, results))
+            yield _DONE
         finally:
             if pending:  # the client went away, or the server is stopping: free the sequences
                 job.cancel()
