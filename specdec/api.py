@@ -115,15 +115,16 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         speculate: bool = True,
+        max_batch: int = 8,
     ) -> list[RequestOutput]:
-        """Generate for each prompt in turn. speculate=False decodes plainly with the same engine."""
+        """Generate for every prompt, up to `max_batch` of them together in each target pass (one
+        at a time with 1). speculate=False decodes plainly with the same engine."""
         params = self.request_params(sampling_params or SamplingParams())
         batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else list(prompts)
         engine = self._engine(speculate)
         encoded = [self.encode(prompt) for prompt in batch]  # every prompt checked before any runs
         outputs = []
-        for prompt, prompt_ids in zip(batch, encoded):
-            result: Generation = engine.generate(prompt_ids, params)
+        for prompt, result in zip(batch, engine.generate_batch(encoded, params, max_batch)):
             outputs.append(RequestOutput(
                 prompt, result.text, result.token_ids, result.finish_reason, result.stats,
                 logprobs=result.logprobs if params.logprobs is not None else None,

@@ -18,4 +18,8 @@ class VocabularyMismatchError(SpecDecError):
 
 
 class PromptError(SpecDecError, ValueError):
-    """A prompt is empty or does not fit the model's context."""
+    """A prompt is empty or does not fit the model's context (`too_long`: the latter)."""
+
+    def __init__(self, message: str, too_long: bool = False) -> None:
+        super().__init__(message)
+        self.too_long = too_long

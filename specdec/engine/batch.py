@@ -35,6 +35,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter, Verified
+from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
 from specdec.engine.adaptive import SpeculationPolicy
 from specdec.engine.generation import Generation, StreamChunk
 from specdec.engine.text import TextAssembler
@@ -108,12 +109,13 @@ class _Prefill:
 
 
 def check_prompt(prompt_ids: list[int], limit: int, holder: str) -> None:
-    """The one check of a tokenized prompt: not empty, and room for one output token within
-    `limit` positions (`holder`, what has that limit, names it in the error)."""
+    """The one check of a tokenized prompt (the engines' and the server's): not empty, and room for
+    one output token within `limit` positions (`holder`, what has that limit, names it)."""
     if not prompt_ids:
         raise PromptError("prompt is empty")
     if len(prompt_ids) >= limit:
-        raise PromptError(f"prompt has {len(prompt_ids)} tokens; {holder} takes at most {limit - 1}")
+        raise PromptError(f"{holder}'s maximum context length is {limit} tokens; the prompt has {len(prompt_ids)} tokens, "
+                          f"leaving no room for output (a prompt takes at most {limit - 1})", too_long=True)
 
 
 def target_layers(drafter: Drafter | None) -> tuple[int, ...]:
@@ -167,9 +169,29 @@ class BatchEngine:
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise PromptError when a prompt cannot run (empty, or no room for one output token)."""
-        check_prompt(prompt_ids, self.max_model_len, "this server")
+        check_prompt(prompt_ids, self.max_model_len, "This model")
 
     # --- sequences join and leave ------------------------------------------------------------
+
+    def admit(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None, k: int = 0,
+              policy: SpeculationPolicy | None = None, *, grammar: Any = None,
+              result: Generation | None = None) -> SequenceOutput:
+        """The one way a request joins (the library's :class:`~specdec.engine.engine.Engine` and the
+        server's scheduler both come here): its sequence, drafted by its predicted output when it
+        gives one and k > 0 (at PREDICTION_K), else by `drafter` (this sequence's own) up to k,
+        under `policy`; checked, prefilled and given a row (:meth:`add`). `grammar`: its structured
+        output compiled by the caller; `result`: a Generation to fill in. Returns its first token's
+        output (`.sequence` is the sequence); on an error it holds no row."""
+        if params.prediction and k > 0:
+            drafter, k, policy = PredictionDrafter(list(params.prediction)), PREDICTION_K, None
+        seq = Sequence(list(prompt_ids), params, drafter, k=k, policy=policy, grammar=grammar)
+        if result is not None:
+            seq.result = result
+        try:
+            return self.add(seq)
+        except BaseException:
+            self.remove(seq)  # in case it got a row before failing
+            raise
 
     def add(self, seq: Sequence) -> SequenceOutput:
         """Prefill a sequence alone and give it a row. Returns its first token's output; the

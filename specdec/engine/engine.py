@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.methods import build_drafter
 from specdec.drafters.base import Drafter
-from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
+from specdec.drafters.prediction import PREDICTION_K
 from specdec.engine.adaptive import AdaptiveStates, SpeculationPolicy
-from specdec.engine.batch import BatchEngine, Sequence, check_prompt
+from specdec.engine.batch import BatchEngine, check_prompt
 from specdec.engine.generation import Generation, StreamChunk
 from specdec.models.loader import LoadedModel
 from specdec.models.prefix_cache import PrefixCache
@@ -77,33 +77,34 @@ class Engine:
     def _engine(self, max_len: int) -> BatchEngine:
         """A one-row batch engine whose cache holds `max_len` tokens (kept while big enough)."""
         if self._batch is None or self._batch.max_model_len < max_len:
-            # A tree drafter may propose more tokens than its depth k.
-            size = max(self.k, self.drafter.proposal_size if self.drafter else 0, PREDICTION_K)
-            self._batch = BatchEngine(self.target, max_rows=1, max_model_len=max_len, max_draft=size,
-                                      sampling_rule=self.sampling_rule, tree_rule=self.tree_rule,
-                                      prefix_cache=self.prefix_cache)
+            self._batch = self._batch_engine(1, max_len)
         return self._batch
+
+    def _batch_engine(self, rows: int, max_len: int) -> BatchEngine:
+        # A tree drafter may propose more tokens than its depth k.
+        size = max(self.k, self.drafter.proposal_size if self.drafter else 0, PREDICTION_K)
+        return BatchEngine(self.target, max_rows=rows, max_model_len=max_len, max_draft=size,
+                           sampling_rule=self.sampling_rule, tree_rule=self.tree_rule, prefix_cache=self.prefix_cache)
+
+    def _budget(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        limit = self.target.max_positions
+        check_prompt(prompt_ids, limit, self.target.name)
+        return min(params.max_tokens, limit - len(prompt_ids))
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, result: Generation | None = None) -> Iterator[StreamChunk]:
         """Generate, yielding text and tokens as they are committed. When `result` is given it
         is filled in (tokens, text, finish reason, stats) as generation goes."""
-        limit = self.target.max_positions
-        check_prompt(prompt_ids, limit, self.target.name)
+        budget = self._budget(prompt_ids, params)
         if self._busy:
             raise RuntimeError("this engine is already generating: finish or close the previous stream first")
-        budget = min(params.max_tokens, limit - len(prompt_ids))
         # A cache sized to the request: its budget exactly, so that the batch engine's budget
         # (the room left in a row) is the request's.
         engine = self._engine(len(prompt_ids) + budget)
-        if params.prediction:  # the request's own drafter: its expected output
-            seq = Sequence(list(prompt_ids), params, PredictionDrafter(list(params.prediction)), k=PREDICTION_K)
-        else:
-            seq = Sequence(list(prompt_ids), params, self.drafter, k=self.k, policy=self.new_policy())
-        if result is not None:
-            seq.result = result
+        # A predicted output drafts the request on any engine, speculating or not.
+        k = PREDICTION_K if params.prediction else self.k
         self._busy = True
         try:
-            out = engine.add(seq)
+            out = engine.admit(prompt_ids, params, self.drafter, k, self.new_policy(), result=result)
             while True:
                 if out.chunk.token_ids or out.chunk.text:
                     yield out.chunk
@@ -111,7 +112,8 @@ class Engine:
                     return
                 (out,) = engine.step()
         finally:
-            engine.remove(seq)
+            if engine.sequences:  # the one row, when admit gave it one
+                engine.remove(engine.sequences[0])
             self._busy = False
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -119,3 +121,38 @@ class Engine:
         for _ in self.stream(prompt_ids, params, result):
             pass
         return result
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams, max_rows: int = 8) -> list[Generation]:
+        """Generate for several prompts together: up to `max_rows` sequences share each target pass
+        (the server's batched step), each drafted by its own fork of this engine's drafter; a
+        sequence that finishes leaves its row to the next prompt. The results are in the prompts'
+        order, each as :meth:`generate` would give it on the native backend (its rows are bitwise
+        their sequences' alone; on hf, float32 products may round a near tie otherwise)."""
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        budgets = [self._budget(ids, params) for ids in prompts]  # every prompt checked before any runs
+        if len(prompts) <= 1:
+            return [self.generate(ids, params) for ids in prompts]
+        if self._busy:
+            raise RuntimeError("this engine is already generating: finish or close the previous stream first")
+        engine = self._batch_engine(min(max_rows, len(prompts)), max(len(ids) + b for ids, b in zip(prompts, budgets)))
+        results = [Generation(prompt_ids=list(ids)) for ids in prompts]
+        waiting = list(range(len(prompts)))[::-1]
+        self._busy = True
+        try:
+            while waiting or engine.sequences:
+                while waiting and engine.running < engine.max_rows:
+                    i = waiting.pop()
+                    drafter = self.drafter.fork() if self.drafter is not None else None
+                    k = PREDICTION_K if params.prediction else self.k
+                    out = engine.admit(prompts[i], params, drafter, k, self.new_policy(), result=results[i])
+                    if out.finished:
+                        engine.remove(out.sequence)
+                for out in engine.step():
+                    if out.finished:
+                        engine.remove(out.sequence)
+        finally:
+            while engine.sequences:
+                engine.remove(engine.sequences[-1])
+            self._busy = False
+        return results

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec.config import SamplingParams, StructuredOutput
 from specdec.drafters.base import CacheStats
 from specdec.drafters.prediction import PREDICTION_K
+from specdec.engine.batch import check_prompt
 from specdec.engine.stats import RequestStats
 from specdec.engine.text import TokenBytes
 from specdec.errors import ConfigError, PromptError
@@ -223,11 +224,11 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, ch
 
 
 def _check_length(state: ServerState, prompt_ids: list[int], param: str) -> None:
-    if not prompt_ids:
-        raise APIError(400, "prompt is empty", param=param)
-    if len(prompt_ids) >= state.max_model_len:
-        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens; the prompt has "
-                            f"{len(prompt_ids)} tokens, leaving no room for output", param=param, code="context_length_exceeded")
+    """The engine's prompt check (:func:`~specdec.engine.batch.check_prompt`), as the client's 400."""
+    try:
+        check_prompt(prompt_ids, state.max_model_len, "This model")
+    except PromptError as exc:
+        raise APIError(400, str(exc), param=param, code="context_length_exceeded" if exc.too_long else None) from None
 
 
 def _check_budget(state: ServerState, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:

@@ -22,7 +22,6 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
-from specdec.drafters.prediction import PredictionDrafter
 from specdec.engine.adaptive import AdaptiveStates, SpeculationPolicy
 from specdec.engine.batch import BatchEngine, Sequence, SequenceOutput
 from specdec.engine.stats import RequestStats
@@ -207,25 +206,20 @@ class Scheduler:
         while self._waiting and self.engine.running < self.engine.max_rows:
             request = self._waiting.popleft()
             prototype = self.drafters.get(request.route.name)
-            if request.params.prediction and request.k > 0:  # the request's own drafter: its expected output
-                drafter, policy = PredictionDrafter(list(request.params.prediction)), None
-            else:
-                drafter = fork_drafter(prototype) if prototype is not None and request.k > 0 else None
-                policy = self._policy(request, drafter)
-            seq = Sequence(request.prompt_ids, request.params, drafter, k=request.k, policy=policy, grammar=request.grammar)
-            request.sequence = seq
+            drafter = fork_drafter(prototype) if prototype is not None and request.k > 0 else None
             try:
-                out = self.engine.add(seq)
+                out = self.engine.admit(request.prompt_ids, request.params, drafter, request.k,
+                                        self._policy(request, drafter), grammar=request.grammar)
             except (SpecDecError, ValueError) as exc:  # the handler checks prompts; this is a backstop
                 request.sink(Event("error", request.index, message=str(exc)))
                 self._finish(request, "error", notify=False)
                 continue
             except Exception:  # noqa: BLE001  a failed prefill fails its request, not the thread
                 log.exception("prefill failed")
-                self.engine.remove(seq)  # in case it got a row before failing
                 request.sink(Event("error", request.index, message="internal error during prefill"))
                 self._finish(request, "error", notify=False)
                 continue
+            seq = request.sequence = out.sequence
             self._running[seq.id] = request
             self.metrics.route_running.labels(request.route.name).inc()
             self._deliver(request, out, prefill=True)

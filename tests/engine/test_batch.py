@@ -18,7 +18,7 @@ from specdec.drafters import Drafter, Proposal
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
-from specdec.models import LoadedModel
+from specdec.models import LoadedModel, load_model
 
 PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 200], [1, 700, 800, 900], [1, 42] * 6, [1, 300, 301, 302, 303, 304]]
 MAX_TOKENS = 24
@@ -210,3 +210,24 @@ def test_batched_masks_hold_under_every_attention_implementation(tiny_model_dir,
     while not all(s.finished for s in seqs):
         engine.step()
     assert [s.result.token_ids for s in seqs] == alone
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_llm_generate_batches_its_prompts_as_one_by_one(tiny_model_dir, temperature: float,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Several prompts share each target pass (rows of the batched step, each with its own fork of
+    # the drafter), and each gets what it gets alone: int8 products are row-invariant.
+    from specdec import LLM
+
+    target = load_model(str(tiny_model_dir), backend="native", dtype="int8")
+    llm = LLM(loaded=target, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+              prefix_cache_mb=0)
+    prompts = ["one two three one two three", "the cat sat on the mat", "a b c d a b c", "red green blue red", "x y z"]
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=5, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate(prompts, params, max_batch=1)]
+    rows = []
+    forward = target.backend.forward
+    monkeypatch.setattr(target.backend, "forward", lambda cache, ids, *a, **kw: rows.append(ids.shape[0]) or forward(cache, ids, *a, **kw))
+    together = [o.token_ids for o in llm.generate(prompts, params, max_batch=3)]
+    assert together == alone
+    assert max(rows) == 3  # three rows at once, the others joining as rows came free

@@ -302,6 +302,7 @@ def test_speculative_stats_follow_their_definitions(default_model: LoadedModel) 
     assert as_dict["target_forward_passes"] == stats.target_forward_passes
     assert set(as_dict) == {
         "prompt_tokens",
+        "cached_tokens",
         "generated_tokens",
         "drafted_tokens",
         "accepted_tokens",
