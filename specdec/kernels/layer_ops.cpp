@@ -133,3 +133,54 @@ at::Tensor silu_mul(const at::Tensor& h) {
     at::parallel_for(0, h.size(0), 4, [&](int64_t begin, int64_t end) { silu_mul_range(hp, op, begin, end, inter); });
     return out;
 }
+
+at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8) {
+    // packed: [units, blocks, record] uint8 (packing.pack_q8 or pack_q4: per block, the 16 rows'
+    // quants interleaved, then their float16 scales, and for q4 their mins); ids [n] int64 ->
+    // [n, blocks * 32] float32, each value d * q (q8) or d * q + m (q4) in float32, two roundings
+    // as GGUF's own dequantization (the build contracts no multiply-add). No parallel region: a
+    // step looks up a few rows.
+    constexpr int64_t unit = 16, block = 32;
+    const int64_t record = q8 ? 544 : 320;
+    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == record && packed.is_contiguous(),
+                "packed must be a contiguous [units, blocks, ", record, "] uint8 tensor");
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [n] int64");
+    const int64_t units = packed.size(0), blocks = packed.size(1), n = ids.size(0);
+    const at::Tensor idc = ids.contiguous();
+    const int64_t* idp = idc.data_ptr<int64_t>();
+    const uint8_t* base = packed.data_ptr<uint8_t>();
+    auto out = at::empty({n, blocks * block}, at::kFloat);
+    float* op = out.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+        const int64_t id = idp[r];
+        TORCH_CHECK(id >= 0 && id < units * unit, "row ", id, " is outside the matrix's ", units * unit);
+        const int64_t u = id / unit, c = id % unit;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* rec = base + (u * blocks + b) * record;
+            float* o = op + r * blocks * block + b * block;
+            if (q8) {
+                // quants: [j (8), column (16), i (4)] int8; value j * 4 + i of the block
+                const float d = static_cast<float>(reinterpret_cast<const at::Half*>(rec + 512)[c]);
+                for (int j = 0; j < 8; ++j) {
+                    for (int i = 0; i < 4; ++i) {
+                        o[j * 4 + i] = d * static_cast<float>(static_cast<int8_t>(rec[(j * unit + c) * 4 + i]));
+                    }
+                }
+            } else {
+                // bytes: [p (4), column (16), i (4)], low nibble value p * 4 + i, high nibble 16 + p * 4 + i
+                const float d = static_cast<float>(reinterpret_cast<const at::Half*>(rec + 256)[c]);
+                const float m = static_cast<float>(reinterpret_cast<const at::Half*>(rec + 288)[c]);
+                for (int p = 0; p < 4; ++p) {
+                    for (int i = 0; i < 4; ++i) {
+                        const uint8_t byte = rec[(p * unit + c) * 4 + i];
+                        const float low = d * static_cast<float>(byte & 0x0F);
+                        const float high = d * static_cast<float>(byte >> 4);
+                        o[p * 4 + i] = low + m;
+                        o[16 + p * 4 + i] = high + m;
+                    }
+                }
+            }
+        }
+    }
+    return out;
+}

@@ -34,6 +34,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                         int64_t rows, int64_t heads, int64_t kv_heads);
 at::Tensor silu_mul(const at::Tensor& h);
+at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8);
 // forward.cpp
 std::vector<at::Tensor> forward_layers(
     at::Tensor x, const std::vector<at::Tensor>& attn_norm, const std::vector<at::Tensor>& qkv,

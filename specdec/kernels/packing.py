@@ -86,6 +86,26 @@ def unpack_q8(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, to
     return q, _unhalves(packed[..., 512:544], out_features)
 
 
+def q4_rows(packed: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [n] of a :func:`pack_q4` matrix, unpacked: q [n, in] int32, d and m [n, blocks]
+    float32 (an embedding's lookup: a few rows of the table it may share with the LM head)."""
+    units, blocks, _ = packed.shape
+    unit, column = rows // UNIT, rows % UNIT
+    bytes_ = packed[..., :256].reshape(units, blocks, 4, UNIT, 4)[unit, :, :, column]  # [n, block, p, i]
+    q = torch.stack([bytes_ & 0x0F, bytes_ >> 4], dim=2).reshape(len(rows), blocks * BLOCK).to(torch.int32)
+    halves = packed[..., 256:].view(torch.float16).reshape(units, blocks, 2, UNIT)  # d, then m
+    return q, halves[unit, :, 0, column].float(), halves[unit, :, 1, column].float()
+
+
+def q8_rows(packed: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [n] of a :func:`pack_q8` matrix, unpacked: q [n, in] int32, d [n, blocks] float32."""
+    units, blocks, _ = packed.shape
+    unit, column = rows // UNIT, rows % UNIT
+    bytes_ = packed[..., :512].view(torch.int8).reshape(units, blocks, 8, UNIT, 4)[unit, :, :, column]  # [n, block, j, i]
+    d = packed[..., 512:].view(torch.float16).reshape(units, blocks, UNIT)[unit, :, column]
+    return bytes_.reshape(len(rows), blocks * BLOCK).to(torch.int32), d.float()
+
+
 def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A float matrix [out, in] as Q4_1 blocks (min to max, d and m rounded to float16 first)."""
     out_features, in_features = weight.shape

@@ -9,7 +9,8 @@ in one of four formats, so a step costs about the bytes of its weights instead o
 The residual stream, norms, rotary embedding and attention run in float32 whatever the weight
 format; only the matrix products run in the format's kernel (int4, int8 and bfloat16 take bfloat16
 activations; q4 and q8, specdec's own kernels, take float32 and quantize it per block of 32).
-The embedding table is kept dequantized in float32: a lookup reads one row.
+The embedding table stays in the file's blocks (the tied LM head's table, where they are one matrix):
+a lookup dequantizes the rows it reads, bitwise the float32 rows (`qlinear.Embedding`).
 
 Weights come from a GGUF file (:mod:`specdec.models.weights`: Q4_0/Q4_1 and Q8_0 blocks kept
 exactly, other types dequantized) or from a Hugging Face directory's safetensors.
@@ -31,7 +32,7 @@ from specdec.errors import ModelLoadError
 from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_token
 from specdec.models.batch_cache import BatchCacheLayer
 from specdec.models.cache import PreallocatedLayer
-from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear, RawWeight
+from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, Embedding, PackedLinear, RawWeight
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -162,10 +163,12 @@ class NativeBackend:
         self._fused_weights: dict[tuple[int, ...], list] = {}
         self._weights, self._format = weights, weight_format
 
-        self.embed = self._tensor("model.embed_tokens.weight")  # [vocab, hidden] float32
         self.layers = [self._load_layer(i) for i in range(self.num_layers)]
         self.norm = self._tensor("model.norm.weight")
         self.lm_head = self._linear("lm_head.weight")
+        # Kept as the file stores it (the tied LM head's table where they are one): a lookup
+        # dequantizes its rows, so the weights in memory stay about the file's size.
+        self.embed = Embedding.of(self._weights.raw("model.embed_tokens.weight"), self.lm_head)
         decoder = sorted({lin.fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)})
         self.weight_format = "+".join(decoder)
         if self.lm_head.fmt != self.weight_format:
@@ -246,13 +249,13 @@ class NativeBackend:
 
     def weight_bytes(self) -> int:
         norms = self.norm.numel() + sum(layer.attn_norm.numel() + layer.mlp_norm.numel() for layer in self.layers)
-        return self.matrix_bytes() + self.embed.numel() * self.embed.element_size() + 4 * norms
+        return self.matrix_bytes() + self.embed.nbytes + 4 * norms
 
     def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
         return kv_bytes_per_token(self, layers)
 
     def input_embeddings(self) -> torch.Tensor:
-        return self.embed
+        return self.embed.full()
 
     def output_embeddings(self) -> torch.Tensor:
         return self.lm_head.dequantized()[: self.vocab_size]
@@ -280,7 +283,7 @@ class NativeBackend:
             mask = None
         elif mask is None:  # a long block (prefill) of one row: causal over the cache, built once
             mask = causal_mask(cached, new, input_ids.device)
-        x = self.embed[input_ids].view(rows * new, -1)  # [rows * new, hidden] float32
+        x = self.embed(input_ids).view(rows * new, -1)  # [rows * new, hidden] float32
         cos = self.cos[positions].view(rows * new, -1)  # [rows * new, head_dim]
         sin = self.sin[positions].view(rows * new, -1)
         states: dict[int, torch.Tensor] = {}

@@ -233,6 +233,61 @@ class PackedLinear:
         return sum(v.numel() * v.element_size() for v in self.tensors.values())
 
 
+class Embedding:
+    """The token embedding as the file stores it: Q8_0 or Q4_0/Q4_1 blocks (packed as q8 or q4; the
+    tied LM head's own when they are one matrix, so that the table is held once), each lookup
+    gathering its rows and dequantizing them as GGUF does (bitwise the float32 table's rows); any
+    other format as a float32 table."""
+
+    def __init__(self, table: PackedLinear | torch.Tensor, shared: bool = False) -> None:
+        self.table = table  # PackedLinear (q4, q8) or float32 [vocab, hidden]
+        self.shared = shared  # the LM head's: its bytes are counted there
+        # specdec's kernels gather and dequantize in one call (a few us); PyTorch's indexing, the
+        # same values, where they are not built.
+        self._ops = kernels.load() if not isinstance(table, torch.Tensor) and kernels.available() else None
+
+    @classmethod
+    def of(cls, raw: RawWeight, lm_head: PackedLinear) -> Embedding:
+        if not isinstance(raw, (Int4Groups, Int8Groups)):
+            return cls(raw.detach().float())
+        packed = PackedLinear.pack(raw, "q8" if isinstance(raw, Int8Groups) else "q4")
+        tied = (lm_head.fmt == packed.fmt and lm_head.out_features == packed.out_features
+                and torch.equal(lm_head.tensors["weight"], packed.tensors["weight"]))
+        return cls(lm_head, shared=True) if tied else cls(packed)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., hidden] float32."""
+        table = self.table
+        if isinstance(table, torch.Tensor):
+            return table[ids]
+        flat = ids.reshape(-1)
+        if self._ops is not None:
+            rows = self._ops.embed_rows(table.tensors["weight"], flat, table.fmt == "q8")
+        elif table.fmt == "q8":
+            q, d = packing.q8_rows(table.tensors["weight"], flat)
+            rows = d[:, :, None] * q.view(len(flat), -1, INT4_GROUP).float()  # GGUF's d * q
+        else:
+            q, d, m = packing.q4_rows(table.tensors["weight"], flat)
+            rows = d[:, :, None] * q.view(len(flat), -1, INT4_GROUP).float() + m[:, :, None]  # GGUF's d * q + m
+        return rows.reshape(*ids.shape, -1)
+
+    def full(self) -> torch.Tensor:
+        """[vocab, hidden] float32, the whole table (for heads that keep their own copy)."""
+        return self.table if isinstance(self.table, torch.Tensor) else self.table.dequantized()
+
+    @property
+    def format(self) -> str:
+        return "float32" if isinstance(self.table, torch.Tensor) else self.table.fmt
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it adds to the model's (none when it is the LM head's table)."""
+        if self.shared:
+            return 0
+        table = self.table
+        return table.numel() * table.element_size() if isinstance(table, torch.Tensor) else table.nbytes
+
+
 def unpack_q4_blocks(raw: np.ndarray, out_features: int, in_features: int, with_min: bool) -> Int4Groups:
     """GGUF Q4_0 / Q4_1 blocks of one matrix as :class:`Int4Groups`.
 

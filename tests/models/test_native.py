@@ -3,6 +3,8 @@ float references, with a tolerance stated per format."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,10 +12,11 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quantize
 
 from specdec import LLM, SamplingParams
+from specdec.kernels import packing
 from specdec.models import LoadedModel, ModelRunner
 from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import default_model_path
-from specdec.models.qlinear import Int4Groups, PackedLinear, unpack_q4_blocks, unpack_q8_blocks
+from specdec.models.qlinear import Embedding, Int4Groups, Int8Groups, PackedLinear, unpack_q4_blocks, unpack_q8_blocks
 from specdec.models.weights import GGUFWeights, TensorReader
 
 PROMPTS = [
@@ -184,3 +187,37 @@ def test_tensor_reader_reads_what_the_gguf_reader_reads() -> None:
         else:
             assert [bytes(p) for p in field.parts] == [bytes(p) for p in other.parts] and field.data == other.data, name
     assert arrays >= 3  # the tokenizer's tokens, types and merges at least
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4_0", "q4_1", "float32"])
+def test_the_embedding_keeps_the_files_blocks_and_looks_up_their_exact_rows(kind: str) -> None:
+    # Rows gathered from the packed blocks and dequantized (specdec's kernel `embed_rows`, or
+    # PyTorch's indexing) are bitwise the float32 table's, and a table that is the tied LM head's
+    # is held once.
+    torch.manual_seed(3)
+    weight = torch.randn(40, 96)
+    if kind == "q8":
+        raw = Int8Groups(*packing.quantize_q8(weight))
+    elif kind == "float32":
+        raw = weight
+    else:
+        q, d, m = packing.quantize_q4(weight)
+        raw = Int4Groups(q, d, -8 * d if kind == "q4_0" else m)
+    table = raw if isinstance(raw, torch.Tensor) else raw.dequantize()
+    ids = torch.tensor([[0, 7, 39], [16, 16, 1]])
+    own = Embedding.of(raw, PackedLinear.pack(torch.randn(40, 96), "float32"))
+    assert torch.equal(own(ids), table[ids]) and torch.equal(own.full(), table)
+    own._ops = None  # PyTorch's gather, where specdec's kernels are not built: the same bits
+    assert torch.equal(own(ids), table[ids])
+    assert own.nbytes == (table.numel() * 4 if kind == "float32" else own.table.nbytes) and not own.shared
+    if kind != "float32":
+        lm_head = PackedLinear.pack(raw, "q8" if kind == "q8" else "q4")
+        tied = Embedding.of(raw, lm_head)
+        assert tied.table is lm_head and tied.nbytes == 0 and torch.equal(tied(ids), table[ids])
+
+
+@pytest.mark.real
+def test_the_default_models_weights_are_about_its_files_size(default_model: LoadedModel) -> None:
+    size = Path(default_model_path()).stat().st_size
+    assert default_model.backend.embed.shared  # SmolLM2's embedding is its LM head's table
+    assert default_model.backend.weight_bytes() <= 1.3 * size
