@@ -38,7 +38,7 @@ at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8);
 // forward.cpp
 std::vector<at::Tensor> forward_layers(
     at::Tensor x, const std::vector<at::Tensor>& attn_norm, const std::vector<at::Tensor>& qkv,
-    const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
+    const std::vector<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
     std::vector<int64_t> widths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     const at::Tensor& write_rows, const at::Tensor& write_slots, const at::Tensor& cos,

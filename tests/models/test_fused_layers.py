@@ -7,20 +7,43 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specdec import kernels
-from specdec.models import LoadedModel
+from specdec.models import LoadedModel, load_model
 from specdec.models.batch_cache import BatchCache
 from specdec.models.cache import PreallocatedCache
 from specdec.models.runner import ModelRunner
+from tests.conftest import tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built here")
 
 
-@pytest.fixture(scope="module", params=["q4", "q8"])
-def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel) -> LoadedModel:
-    loaded = tiny_model.native(request.param)
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A random 2-layer Qwen2 (its query/key/value bias nonzero) with the tiny tokenizer."""
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(7)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return load_model(str(path), backend="hf")
+
+
+@pytest.fixture(scope="module", params=["q4", "q8", "qwen2-q8"])
+def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel, tiny_qwen2: LoadedModel) -> LoadedModel:
+    # Llama, and Qwen2 (its bias added in the fused call).
+    loaded = tiny_qwen2.native("q8") if request.param == "qwen2-q8" else tiny_model.native(request.param)
     assert loaded.backend._layers_fusable()
+    assert (loaded.backend.layers[0].qkv_bias is not None) == (request.param == "qwen2-q8")
     return loaded
 
 
