@@ -212,10 +212,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int, heads: int,
-                 kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 kv_heads: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [rows * new, (heads + 2 kv_heads) * head_dim], cos and sin [rows * new, head_dim] ->
-    q [rows, heads, new, head_dim], k and v [rows, kv_heads, new, head_dim], q and k rotated."""
-    q, k, v = load().rotary_split(qkv, cos, sin, rows, heads, kv_heads)
+    q [rows, heads, new, head_dim], k and v [rows, kv_heads, new, head_dim], q and k rotated
+    (each head RMS-normed first with q_norm, k_norm [head_dim] where given: Qwen3)."""
+    none = torch.empty(0)
+    q, k, v = load().rotary_split(qkv, cos, sin, rows, heads, kv_heads, none if q_norm is None else q_norm,
+                                  none if k_norm is None else k_norm, eps)
     return q, k, v
 
 

@@ -40,21 +40,24 @@ void write_cache(const at::Tensor& states, at::Tensor& buf, const int64_t* row_o
 }  // namespace
 
 // x [rows * new, hidden] float32 through the given layers. Per layer i: attn_norm[i], qkv[i] (packed),
-// qkv_bias[i] (Qwen2's, added to the product as the loop's `qkv + bias`; an empty tensor for none), o[i], mlp_norm[i], gate_up[i], down[i], and its cache buffers keys[i], values[i] [R, kv_heads, S,
+// qkv_bias[i] (Qwen2's, added to the product as the loop's `qkv + bias`; an empty tensor for none),
+// q_norm[i], k_norm[i] (Qwen3's per-head norms, as `rotary_split` applies them; empty for none), o[i], mlp_norm[i], gate_up[i], down[i], and its cache buffers keys[i], values[i] [R, kv_heads, S,
 // head_dim]; token t = r * new + j writes slot write_slots[t] of buffer row write_rows[t], and
 // attends as `attend_cached` does (counts, slots) over the first `rows` buffer rows. widths: the
 // outputs of qkv, o, gate_up and down. Returns x after the last layer, then x after each layer
 // listed in `keep` (positions in the given list).
 std::vector<at::Tensor> forward_layers(
     at::Tensor x, const std::vector<at::Tensor>& attn_norm, const std::vector<at::Tensor>& qkv,
-    const std::vector<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
+    const std::vector<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& q_norm, const std::vector<at::Tensor>& k_norm,
+    const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
     std::vector<int64_t> widths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     const at::Tensor& write_rows, const at::Tensor& write_slots, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& counts, const at::Tensor& slots, int64_t rows,
     int64_t heads, int64_t kv_heads, double eps, double scale, int64_t isa, const std::vector<int64_t>& keep) {
     const size_t layers = attn_norm.size();
-    TORCH_CHECK(qkv.size() == layers && qkv_bias.size() == layers && o.size() == layers && mlp_norm.size() == layers && gate_up.size() == layers &&
+    TORCH_CHECK(qkv.size() == layers && qkv_bias.size() == layers && q_norm.size() == layers && k_norm.size() == layers &&
+                o.size() == layers && mlp_norm.size() == layers && gate_up.size() == layers &&
                     down.size() == layers && keys.size() == layers && values.size() == layers,
                 "one entry per layer in every list");
     TORCH_CHECK(widths.size() == 4, "widths: qkv, o, gate_up, down");
@@ -71,7 +74,7 @@ std::vector<at::Tensor> forward_layers(
     for (size_t i = 0; i < layers; ++i) {
         at::Tensor h = product(rms_norm(x, attn_norm[i], eps), qkv[i], widths[0], isa);
         if (qkv_bias[i].numel()) h = at::add(h, qkv_bias[i]);
-        const std::vector<at::Tensor> qkv_rotated = rotary_split(h, cos, sin, rows, heads, kv_heads);
+        const std::vector<at::Tensor> qkv_rotated = rotary_split(h, cos, sin, rows, heads, kv_heads, q_norm[i], k_norm[i], eps);
         write_cache(qkv_rotated[1], keys[i], wr.data_ptr<int64_t>(), ws.data_ptr<int64_t>());
         write_cache(qkv_rotated[2], values[i], wr.data_ptr<int64_t>(), ws.data_ptr<int64_t>());
         const at::Tensor attended = attend_cached(qkv_rotated[0], keys[i].narrow(0, 0, rows),

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -61,29 +62,43 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                        int64_t rows, int64_t heads, int64_t kv_heads) {
+                                        int64_t rows, int64_t heads, int64_t kv_heads, const at::Tensor& q_norm,
+                                        const at::Tensor& k_norm, double eps) {
     // qkv [rows * new, (heads + 2 kv_heads) * head_dim]; cos, sin [rows * new, head_dim] (halves
     // repeated) -> q [rows, heads, new, head_dim] and k [rows, kv_heads, new, head_dim] rotated
     // (x cos - x_other sin on the first half, x cos + x_other sin on the second: the same float
-    // operations as rotating by concatenation), v [rows, kv_heads, new, head_dim] copied.
+    // operations as rotating by concatenation), v [rows, kv_heads, new, head_dim] copied. With
+    // q_norm and k_norm [head_dim] (Qwen3's; empty tensors for none), each query and key head is
+    // RMS-normed first, as `rms_norm` norms a row.
     TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat, "qkv must be [tokens, width] float32");
     const int64_t tokens = qkv.size(0), width = qkv.size(1), all = heads + 2 * kv_heads;
     TORCH_CHECK(width % all == 0 && tokens % rows == 0, "qkv does not split into heads and rows");
     const int64_t head_dim = width / all, half = head_dim / 2, nq = tokens / rows;
     TORCH_CHECK(cos.sizes() == at::IntArrayRef({tokens, head_dim}) && sin.sizes() == cos.sizes(),
                 "cos and sin must be [tokens, head_dim]");
+    const bool normed = q_norm.numel() > 0;
+    TORCH_CHECK(!normed || (q_norm.numel() == head_dim && k_norm.numel() == head_dim && q_norm.scalar_type() == at::kFloat
+                            && k_norm.scalar_type() == at::kFloat), "q_norm and k_norm must both be [head_dim] float32");
+    TORCH_CHECK(!normed || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")), "this CPU has no AVX2 and FMA");
     const at::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+    const at::Tensor qn = normed ? q_norm.contiguous() : q_norm, kn = normed ? k_norm.contiguous() : k_norm;
+    const float e = static_cast<float>(eps);
     auto q = at::empty({rows, heads, nq, head_dim}, at::kFloat);
     auto k = at::empty({rows, kv_heads, nq, head_dim}, at::kFloat);
     auto v = at::empty({rows, kv_heads, nq, head_dim}, at::kFloat);
     const float *xp = x.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
     float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> normed_head(normed ? head_dim : 0);
         for (int64_t t = begin; t < end; ++t) {
             const int64_t r = t / nq, i = t % nq;
             const float *ct = cp + t * head_dim, *st = sp + t * head_dim;
             for (int64_t h = 0; h < all; ++h) {
                 const float* src = xp + t * width + h * head_dim;
+                if (normed && h < heads + kv_heads) {
+                    rms_norm_range(src, (h < heads ? qn : kn).data_ptr<float>(), normed_head.data(), 0, 1, head_dim, e);
+                    src = normed_head.data();
+                }
                 float* dst;
                 if (h < heads) dst = qp + ((r * heads + h) * nq + i) * head_dim;
                 else if (h < heads + kv_heads) dst = kp + ((r * kv_heads + h - heads) * nq + i) * head_dim;

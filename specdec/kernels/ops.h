@@ -32,13 +32,15 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
 // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                        int64_t rows, int64_t heads, int64_t kv_heads);
+                                        int64_t rows, int64_t heads, int64_t kv_heads, const at::Tensor& q_norm,
+                                        const at::Tensor& k_norm, double eps);
 at::Tensor silu_mul(const at::Tensor& h);
 at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8);
 // forward.cpp
 std::vector<at::Tensor> forward_layers(
     at::Tensor x, const std::vector<at::Tensor>& attn_norm, const std::vector<at::Tensor>& qkv,
-    const std::vector<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
+    const std::vector<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& q_norm, const std::vector<at::Tensor>& k_norm,
+    const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
     std::vector<int64_t> widths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     const at::Tensor& write_rows, const at::Tensor& write_slots, const at::Tensor& cos,

@@ -66,7 +66,7 @@ class NativeLayer:
 # so a prompt's positions are bitwise what decoding them one by one would give.
 PER_QUERY_MAX = 32
 _NO_SLOTS = torch.empty(0, dtype=torch.int32)  # every query sees a prefix
-_NO_BIAS = torch.empty(0)  # a layer's query/key/value product without Qwen2's bias
+_NONE = torch.empty(0)  # a layer without Qwen2's bias or Qwen3's query and key norms, to the kernels
 
 
 @dataclass
@@ -310,8 +310,7 @@ class NativeBackend:
     def _layers_fusable(self) -> bool:
         if self._fusable_for[0] is not self.layers:  # checked once per set of layers
             linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            able = (self.fused and all(lin.fmt in KERNEL_FORMATS for lin in linears) and self.kv_dtype == torch.float32
-                    and all(layer.q_norm is None for layer in self.layers))
+            able = self.fused and all(lin.fmt in KERNEL_FORMATS for lin in linears) and self.kv_dtype == torch.float32
             self._fusable_for = (self.layers, able)
             self._fused_weights = {}
         return self.fuse_layers and self._fusable_for[1]
@@ -323,7 +322,9 @@ class NativeBackend:
             layers = [self.layers[i] for i in ids]
             self._fused_weights[key] = [
                 [layer.attn_norm for layer in layers], [layer.qkv.tensors["weight"] for layer in layers],
-                [layer.qkv_bias if layer.qkv_bias is not None else _NO_BIAS for layer in layers],
+                [layer.qkv_bias if layer.qkv_bias is not None else _NONE for layer in layers],
+                [layer.q_norm if layer.q_norm is not None else _NONE for layer in layers],
+                [layer.k_norm if layer.k_norm is not None else _NONE for layer in layers],
                 [layer.o.tensors["weight"] for layer in layers], [layer.mlp_norm for layer in layers],
                 [layer.gate_up.tensors["weight"] for layer in layers], [layer.down.tensors["weight"] for layer in layers],
                 [layers[0].qkv.out_features, layers[0].o.out_features, layers[0].gate_up.out_features,
@@ -334,9 +335,9 @@ class NativeBackend:
                       visible: Visible, hidden_layers: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
         """Every layer of a short pass in one call of the kernels (`forward_layers`: the same
         kernels on the same values as the loop below, so the same bits, without its Python and
-        the cache's copies; Qwen2's query/key/value bias is added there); None where it does not
-        apply (no kernels, a layer outside the q4/q8 formats or with Qwen3's query and key norms, a
-        cache it cannot write), and the loop runs instead."""
+        the cache's copies; Qwen2's query/key/value bias and Qwen3's query and key norms too); None
+        where it does not apply (no kernels, a layer outside the q4/q8 formats, a cache it cannot
+        write), and the loop runs instead."""
         if not self._layers_fusable():
             return None
         new = x.shape[0] // rows
@@ -390,8 +391,10 @@ class NativeBackend:
         qkv = layer.qkv(x).float()  # [rows * new, (heads + 2 kv_heads) * head_dim]
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
-        if self.fused and layer.q_norm is None:
-            q, k, v = self._ops.rotary_split(qkv, cos, sin, rows, self.heads, self.kv_heads)  # [rows, h, new, head_dim]
+        if self.fused:  # Qwen3's query and key norms too, each head normed as the kernels' rms_norm does
+            q_norm, k_norm = (_NONE, _NONE) if layer.q_norm is None else (layer.q_norm, layer.k_norm)
+            q, k, v = self._ops.rotary_split(qkv, cos, sin, rows, self.heads, self.kv_heads, q_norm, k_norm,
+                                             self.eps)  # [rows, h, new, head_dim]
         else:
             qkv = qkv.view(rows, new, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
             q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)  # [rows, h, new, head_dim]

@@ -114,6 +114,23 @@ def test_rotary_split_is_the_rotation_bit_for_bit() -> None:
     assert torch.equal(v, want_v)
 
 
+def test_rotary_split_norms_each_query_and_key_head_first() -> None:
+    # Qwen3: each query and key head RMS-normed (as the kernels' rms_norm norms a row), then rotated.
+    rows, new = 2, 3
+    qkv = torch.randn(rows * new, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    angles = torch.rand(rows * new, HEAD_DIM // 2) * 6
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q_norm, k_norm = torch.rand(HEAD_DIM) + 0.5, torch.rand(HEAD_DIM) + 0.5
+    q, k, v = kernels.rotary_split(qkv, cos, sin, rows, HEADS, KV_HEADS, q_norm, k_norm, 1e-6)
+    split = qkv.view(rows, new, HEADS + 2 * KV_HEADS, HEAD_DIM).transpose(1, 2)
+    want_q, want_k, want_v = split.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    cos4, sin4 = cos.view(rows, 1, new, -1), sin.view(rows, 1, new, -1)
+    assert torch.equal(q, _rotate(kernels.rms_norm(want_q, q_norm, 1e-6), cos4, sin4))
+    assert torch.equal(k, _rotate(kernels.rms_norm(want_k, k_norm, 1e-6), cos4, sin4))
+    assert torch.equal(v, want_v)
+    torch.testing.assert_close(q, _rotate(_rms_norm(want_q, q_norm, 1e-6), cos4, sin4), rtol=1e-5, atol=1e-5)
+
+
 def test_silu_mul_is_pytorchs_and_row_invariant() -> None:
     h = 6 * torch.randn(7, 2 * 1536)
     out = kernels.silu_mul(h)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from specdec import kernels
 from specdec.models import LoadedModel, load_model
@@ -19,32 +19,55 @@ from tests.conftest import tiny_tokenizer
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built here")
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """A random 2-layer Qwen2 (its query/key/value bias nonzero) with the tiny tokenizer."""
+def _tiny_qwen(kind: str, path) -> LoadedModel:
+    """A random 2-layer Qwen2 (its query/key/value bias nonzero) or Qwen3 (its query and key norms
+    away from 1) with the tiny tokenizer, on the hf backend."""
     tokenizer = tiny_tokenizer()
     torch.manual_seed(7)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                 eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16))
     with torch.no_grad():
         for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0.0, 0.5)
-    path = tmp_path_factory.mktemp("tiny-qwen2")
+            attn = layer.self_attn
+            if kind == "qwen2":
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+            else:
+                attn.q_norm.weight.uniform_(0.5, 1.5)
+                attn.k_norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return load_model(str(path), backend="hf")
 
 
-@pytest.fixture(scope="module", params=["q4", "q8", "qwen2-q8"])
-def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel, tiny_qwen2: LoadedModel) -> LoadedModel:
-    # Llama, and Qwen2 (its bias added in the fused call).
-    loaded = tiny_qwen2.native("q8") if request.param == "qwen2-q8" else tiny_model.native(request.param)
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def tiny_qwen(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return _tiny_qwen(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
+
+
+@pytest.fixture(scope="module", params=["q4", "q8", "qwen2-q8", "qwen3-q8"])
+def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel, tmp_path_factory) -> LoadedModel:
+    # Llama, Qwen2 (its bias added in the fused call) and Qwen3 (its norms in rotary_split).
+    if request.param.startswith("qwen"):
+        kind = request.param.split("-")[0]
+        loaded = _tiny_qwen(kind, tmp_path_factory.mktemp(f"fused-{kind}")).native("q8")
+    else:
+        loaded = tiny_model.native(request.param)
     assert loaded.backend._layers_fusable()
-    assert (loaded.backend.layers[0].qkv_bias is not None) == (request.param == "qwen2-q8")
     return loaded
+
+
+def test_qwen_on_the_native_backend_is_the_hf_model(tiny_qwen: LoadedModel) -> None:
+    # float32 weights, the kernels' norms and rotation (Qwen3's per-head norms in rotary_split).
+    native = tiny_qwen.native("float32")
+    tokens = torch.randint(3, tiny_qwen.vocab_size, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    torch.testing.assert_close(ModelRunner(native).score(tokens), ModelRunner(tiny_qwen).score(tokens),
+                               rtol=1e-4, atol=1e-4)
 
 
 def _single_passes(loaded: LoadedModel, fuse: bool, layers: list[int] | None = None) -> list[torch.Tensor]:
