@@ -151,6 +151,9 @@ class NativeBackend:
         self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // self.heads)
         self.vocab_size = int(config.vocab_size)
         self.eps = float(config.rms_norm_eps)
+        # Mistral's sliding window: a query sees the keys of the last `window` positions only.
+        window = getattr(config, "sliding_window", None) if model_type == "mistral" else None
+        self.window = int(window) if window else None
         self.kv_dtype = torch.float32
         # specdec's fused layer operations where the kernels are built (see `_norm`).
         self.fused = kernels.available()
@@ -279,6 +282,8 @@ class NativeBackend:
     ) -> ForwardOutput:
         rows, new = input_ids.shape
         cached = cache.layers[(layers or [0])[0]].get_seq_length()  # before this pass writes
+        if self.window is not None and cached + new > self.window:
+            mask = self._windowed(mask, cached, new, positions)
         visible = _visible_slots(mask, cached, new, long_blocks=self.fused)
         if visible is not None:
             mask = None
@@ -306,6 +311,17 @@ class NativeBackend:
         normed = self._norm(x, self.norm)  # [rows, new or 1, hidden]
         logits = self.lm_head(normed.view(-1, self.hidden_size)).float().view(rows, -1, self.vocab_size)
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)
+
+    def _windowed(self, mask: torch.Tensor | None, cached: int, new: int, positions: torch.Tensor) -> torch.Tensor:
+        """The pass's mask [rows, 1, new, span] with the sliding window applied: query at position
+        p sees slot s only where s > p - window (as transformers' Mistral). A slot's index is its
+        position for every cached token; a tree's nodes sit past the row's length, within any
+        window, so their slot indices stand in for their positions."""
+        if mask is None:
+            mask = causal_mask(cached, new, positions.device)  # [1, 1, new, cached + new]
+        slots = torch.arange(mask.shape[-1], device=mask.device)
+        inside = slots[None, None, :] > positions[:, :, None] - self.window  # [rows, new, span]
+        return mask & inside[:, None]
 
     def _layers_fusable(self) -> bool:
         if self._fusable_for[0] is not self.layers:  # checked once per set of layers

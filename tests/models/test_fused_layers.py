@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from specdec import kernels
 from specdec.models import LoadedModel, load_model
@@ -19,9 +20,9 @@ from tests.conftest import tiny_tokenizer
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built here")
 
 
-def _tiny_qwen(kind: str, path) -> LoadedModel:
-    """A random 2-layer Qwen2 (its query/key/value bias nonzero) or Qwen3 (its query and key norms
-    away from 1) with the tiny tokenizer, on the hf backend."""
+def _tiny_other(kind: str, path) -> LoadedModel:
+    """A random 2-layer Qwen2 (its query/key/value bias nonzero), Qwen3 (its query and key norms
+    away from 1) or Mistral (a sliding window of 8) with the tiny tokenizer, on the hf backend."""
     tokenizer = tiny_tokenizer()
     torch.manual_seed(7)
     shape = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -29,11 +30,15 @@ def _tiny_qwen(kind: str, path) -> LoadedModel:
                  eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shape))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shape, sliding_window=8))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16))
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn
+            if kind == "mistral":
+                continue
             if kind == "qwen2":
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0.0, 0.5)
@@ -45,29 +50,36 @@ def _tiny_qwen(kind: str, path) -> LoadedModel:
     return load_model(str(path), backend="hf")
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
-def tiny_qwen(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return _tiny_qwen(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral"])
+def tiny_other(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return _tiny_other(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
 
 
-@pytest.fixture(scope="module", params=["q4", "q8", "qwen2-q8", "qwen3-q8"])
+@pytest.fixture(scope="module", params=["q4", "q8", "qwen2-q8", "qwen3-q8", "mistral-q8"])
 def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel, tmp_path_factory) -> LoadedModel:
-    # Llama, Qwen2 (its bias added in the fused call) and Qwen3 (its norms in rotary_split).
-    if request.param.startswith("qwen"):
+    # Llama, Qwen2 (its bias added in the fused call), Qwen3 (its norms in rotary_split) and
+    # Mistral (its window in the slots each query sees: the passes below cover 40 positions).
+    if "-" in request.param:
         kind = request.param.split("-")[0]
-        loaded = _tiny_qwen(kind, tmp_path_factory.mktemp(f"fused-{kind}")).native("q8")
+        loaded = _tiny_other(kind, tmp_path_factory.mktemp(f"fused-{kind}")).native("q8")
     else:
         loaded = tiny_model.native(request.param)
     assert loaded.backend._layers_fusable()
     return loaded
 
 
-def test_qwen_on_the_native_backend_is_the_hf_model(tiny_qwen: LoadedModel) -> None:
-    # float32 weights, the kernels' norms and rotation (Qwen3's per-head norms in rotary_split).
-    native = tiny_qwen.native("float32")
-    tokens = torch.randint(3, tiny_qwen.vocab_size, (12,), generator=torch.Generator().manual_seed(2)).tolist()
-    torch.testing.assert_close(ModelRunner(native).score(tokens), ModelRunner(tiny_qwen).score(tokens),
-                               rtol=1e-4, atol=1e-4)
+def test_qwen_and_mistral_on_the_native_backend_are_the_hf_model(tiny_other: LoadedModel) -> None:
+    # float32 weights, the kernels' norms and rotation (Qwen3's per-head norms in rotary_split),
+    # Mistral's window over 30 positions: a prompt, then plain steps past the window.
+    native = tiny_other.native("float32")
+    tokens = torch.randint(3, tiny_other.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = ModelRunner(tiny_other).score(tokens)
+    torch.testing.assert_close(ModelRunner(native).score(tokens), want, rtol=1e-4, atol=1e-4)
+    runner = ModelRunner(native)
+    cache = runner.new_cache(len(tokens))
+    stepped = [runner.forward(cache, tokens[:6]).logits]
+    stepped += [runner.forward(cache, [t]).logits for t in tokens[6:]]
+    torch.testing.assert_close(torch.cat(stepped), want, rtol=1e-4, atol=1e-4)
 
 
 def _single_passes(loaded: LoadedModel, fuse: bool, layers: list[int] | None = None) -> list[torch.Tensor]:
