@@ -1,4 +1,4 @@
-"""The native backend: a Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM) written for decoding.
+"""The native backend: a Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, SmolLM) written for decoding.
 
 In the spirit of gpt-fast's `model.py`: the query, key and value projections are one matrix, so
 are the MLP's gate and up projections; rotary tables are computed once at load and indexed per
@@ -34,7 +34,7 @@ from specdec.models.batch_cache import BatchCacheLayer
 from specdec.models.cache import PreallocatedLayer
 from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, Embedding, PackedLinear, RawWeight
 
-NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "phi3", "qwen2", "qwen3"})
 
 
 class WeightSource(Protocol):
@@ -141,6 +141,11 @@ class NativeBackend:
             )
         if torch.device(device).type != "cpu":
             raise ModelLoadError("the native backend's packed kernels run on the CPU; use --backend hf on other devices")
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if model_type == "phi3" and (rope.get("rope_type", "default") != "default"
+                                     or rope.get("partial_rotary_factor", 1.0) != 1.0):
+            raise ModelLoadError(f"the native backend runs Phi-3 with its default rotary embedding; this one's is "
+                                 f"{rope.get('rope_type')!r} (long-context scaling): use --backend hf")
         self.config = config
         self.model_type = model_type
         self.device = torch.device(device)
@@ -151,8 +156,8 @@ class NativeBackend:
         self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // self.heads)
         self.vocab_size = int(config.vocab_size)
         self.eps = float(config.rms_norm_eps)
-        # Mistral's sliding window: a query sees the keys of the last `window` positions only.
-        window = getattr(config, "sliding_window", None) if model_type == "mistral" else None
+        # Mistral's and Phi-3's sliding window: a query sees the keys of the last `window` positions only.
+        window = getattr(config, "sliding_window", None) if model_type in ("mistral", "phi3") else None
         self.window = int(window) if window else None
         self.kv_dtype = torch.float32
         # specdec's fused layer operations where the kernels are built (see `_norm`).
@@ -200,16 +205,17 @@ class NativeBackend:
     def _load_layer(self, i: int) -> NativeLayer:
         prefix = f"model.layers.{i}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        qwen2, qwen3 = self.model_type == "qwen2", self.model_type == "qwen3"
+        qwen2, qwen3, phi3 = (self.model_type == kind for kind in ("qwen2", "qwen3", "phi3"))
         return NativeLayer(
             attn_norm=self._tensor(prefix + "input_layernorm.weight"),
-            qkv=self._linear(*(attn + f"{p}_proj.weight" for p in "qkv")),
+            # Phi-3 stores them fused already: query/key/value and gate/up, in this order.
+            qkv=self._linear(*([attn + "qkv_proj.weight"] if phi3 else (attn + f"{p}_proj.weight" for p in "qkv"))),
             qkv_bias=torch.cat([self._tensor(attn + f"{p}_proj.bias") for p in "qkv"]) if qwen2 else None,
             o=self._linear(attn + "o_proj.weight"),
             q_norm=self._tensor(attn + "q_norm.weight") if qwen3 else None,
             k_norm=self._tensor(attn + "k_norm.weight") if qwen3 else None,
             mlp_norm=self._tensor(prefix + "post_attention_layernorm.weight"),
-            gate_up=self._linear(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+            gate_up=self._linear(*([mlp + "gate_up_proj.weight"] if phi3 else (mlp + "gate_proj.weight", mlp + "up_proj.weight"))),
             down=self._linear(mlp + "down_proj.weight"),
         )
 

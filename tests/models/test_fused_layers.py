@@ -5,13 +5,18 @@ subset of layers and a batch of rows at different lengths."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
-from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from specdec import kernels
+from specdec.errors import ModelLoadError
 from specdec.models import LoadedModel, load_model
+from specdec.models.loader import resolve_backend
 from specdec.models.batch_cache import BatchCache
 from specdec.models.cache import PreallocatedCache
 from specdec.models.runner import ModelRunner
@@ -22,7 +27,8 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="specdec's kerne
 
 def _tiny_other(kind: str, path) -> LoadedModel:
     """A random 2-layer Qwen2 (its query/key/value bias nonzero), Qwen3 (its query and key norms
-    away from 1) or Mistral (a sliding window of 8) with the tiny tokenizer, on the hf backend."""
+    away from 1), Mistral (a sliding window of 8) or Phi-3 (fused query/key/value and gate/up, a
+    window of 8) with the tiny tokenizer, on the hf backend."""
     tokenizer = tiny_tokenizer()
     torch.manual_seed(7)
     shape = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -32,12 +38,14 @@ def _tiny_other(kind: str, path) -> LoadedModel:
         model = Qwen2ForCausalLM(Qwen2Config(**shape))
     elif kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**shape, sliding_window=8))
+    elif kind == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**shape, sliding_window=8, pad_token_id=tokenizer.pad_token_id))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16))
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn
-            if kind == "mistral":
+            if kind in ("mistral", "phi3"):
                 continue
             if kind == "qwen2":
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
@@ -50,12 +58,12 @@ def _tiny_other(kind: str, path) -> LoadedModel:
     return load_model(str(path), backend="hf")
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "phi3"])
 def tiny_other(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return _tiny_other(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
 
 
-@pytest.fixture(scope="module", params=["q4", "q8", "qwen2-q8", "qwen3-q8", "mistral-q8"])
+@pytest.fixture(scope="module", params=["q4", "q8", "qwen2-q8", "qwen3-q8", "mistral-q8", "phi3-q8"])
 def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel, tmp_path_factory) -> LoadedModel:
     # Llama, Qwen2 (its bias added in the fused call), Qwen3 (its norms in rotary_split) and
     # Mistral (its window in the slots each query sees: the passes below cover 40 positions).
@@ -68,7 +76,7 @@ def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel, tmp_path_
     return loaded
 
 
-def test_qwen_and_mistral_on_the_native_backend_are_the_hf_model(tiny_other: LoadedModel) -> None:
+def test_qwen_mistral_and_phi3_on_the_native_backend_are_the_hf_model(tiny_other: LoadedModel) -> None:
     # float32 weights, the kernels' norms and rotation (Qwen3's per-head norms in rotary_split),
     # Mistral's window over 30 positions: a prompt, then plain steps past the window.
     native = tiny_other.native("float32")
@@ -149,3 +157,16 @@ def test_formats_without_the_kernels_run_the_loop(tiny_model: LoadedModel) -> No
     # float32 matrices are not the fused call's: the loop runs, and answers as before.
     backend = tiny_model.native("float32").backend
     assert not backend._layers_fusable()
+
+
+def test_phi3_with_long_context_rope_or_from_gguf_runs_on_hf(tmp_path) -> None:
+    loaded = _tiny_other("phi3", tmp_path)
+    config = copy.deepcopy(loaded.config)
+    config.rope_parameters = dict(config.rope_parameters, rope_type="longrope")
+    with pytest.raises(ModelLoadError, match="long-context"):
+        dataclasses.replace(loaded, config=config).native("float32")
+    # Its fused tensors' GGUF names are not mapped yet: a Phi-3 GGUF file goes to hf.
+    assert resolve_backend("auto", loaded.config, "cpu") == "native"
+    assert resolve_backend("auto", loaded.config, "cpu", gguf=True) == "hf"
+    with pytest.raises(ModelLoadError, match="not yet from a GGUF file"):
+        resolve_backend("native", loaded.config, "cpu", gguf=True)
