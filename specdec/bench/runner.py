@@ -51,6 +51,7 @@ class Tally:
     tokens: int = 0
     seconds: float = 0.0
     speculation: RequestStats = field(default_factory=RequestStats)  # summed over specdec runs
+    timed_turns: int = 0  # runs that said when their first token came (specdec's)
 
     def add(self, results: list[RunResult], identical: bool | None) -> None:
         self.prompts += 1
@@ -60,6 +61,7 @@ class Tally:
             self.seconds += r.seconds
             if r.stats is not None:
                 self.speculation.merge(r.stats)
+                self.timed_turns += 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,6 +79,8 @@ class Tally:
             out["speedup"] = round(self.tokens_per_s / baseline.tokens_per_s, 3) if baseline.tokens_per_s else 0.0
             out["tokens_per_s_baseline"] = round(baseline.tokens_per_s, 2)
         stats = self.speculation
+        if self.timed_turns:  # mean time to first token a turn: the prefill and the first token
+            out["ttft_s"] = round(stats.prefill_time_s / self.timed_turns, 4)
         if stats.target_steps:
             out["acceptance_rate"] = round(stats.acceptance_rate, 4)
             out["mean_accepted_length"] = round(stats.mean_accepted_length, 4)

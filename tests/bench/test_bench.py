@@ -11,6 +11,7 @@ import pytest
 
 from specdec.bench.data import BenchDataError, Record, load_records, select
 from specdec.bench.runner import RunResult, System, run_bench, run_conversation
+from specdec.engine.stats import RequestStats
 
 SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "norm" / "spec_bench.jsonl"
 
@@ -71,7 +72,8 @@ def test_second_turn_sees_the_systems_own_first_answer() -> None:
 
 def test_tallies_speedup_and_identity_against_own_baseline() -> None:
     def system(name: str, seconds: float, tokens: list[int], baseline: str | None = None) -> System:
-        return System(name, lambda messages: RunResult(tokens, "t", seconds), baseline)
+        stats = RequestStats(prefill_time_s=seconds / 4) if name == "fast" else None  # a specdec run says it
+        return System(name, lambda messages: RunResult(tokens, "t", seconds, stats), baseline)
 
     raw = run_bench(
         [system("plain", 2.0, [1, 2, 3, 4]), system("fast", 1.0, [1, 2, 3, 4], "plain"), system("wrong", 1.0, [9], "plain")],
@@ -85,6 +87,8 @@ def test_tallies_speedup_and_identity_against_own_baseline() -> None:
     # Per turn: both records have a first turn, one a second.
     assert raw["turns_by_system"]["1"]["fast"]["tokens"] == 8 and raw["turns_by_system"]["2"]["fast"]["tokens"] == 4
     assert raw["turns_by_system"]["2"]["fast"]["speedup"] == pytest.approx(2.0)
+    # Time to first token, a turn's mean, where the system reports it.
+    assert fast["ttft_s"] == pytest.approx(0.25) and "ttft_s" not in raw["overall_by_system"]["plain"]
 
 
 @pytest.mark.real  # the real model, in a subprocess
@@ -114,6 +118,7 @@ def test_bench_cli_writes_report(tmp_path: Path) -> None:
     for category in report["categories"].values():
         assert {"speedup", "identical", "prompts", "acceptance_rate", "mean_accepted_length"} <= set(category)
     assert report["speculative_config"]["num_speculative_tokens"] == 3
+    assert 0 < report["systems"]["specdec plain"]["ttft_s"] < 60
     assert "overall" in result.stdout
     # The compared config ran on the same prompts, measured against the same plain decoding.
     compared = report["systems"]["specdec layer_skip k=2 adaptive"]
