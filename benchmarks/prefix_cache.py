@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ from specdec.models.backend import cpu_model
 from specdec.models.loader import load_model
 from specdec.server.runtime import wait_healthy
 
+from serve_load import free_port  # the sibling script's (run as a script, its folder is on the path)
+
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "norm" / "spec_bench.jsonl"
 FOLLOW_UP = "Now give three key facts from the text as a short list."
 CONFIG = """
@@ -46,14 +47,8 @@ load_schedule = false
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start(config: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "specdec.cli.main", "serve", "--config", str(config),
                                 "--port", str(port), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

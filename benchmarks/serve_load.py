@@ -117,7 +117,7 @@ def summarise(mode: str, concurrency: int, runs: list[tuple[list[RequestResult],
                        round(statistics.median(r.ttft_s for r in results), 3))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -141,7 +141,7 @@ load_schedule = {{ {schedule} }}
 """
     path = Path(tempfile.mkdtemp(prefix="serve_load_")) / "server.toml"
     path.write_text(config)
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "specdec.cli.main", "serve", "--config", str(path), "--port", str(port)]
     if args.model:
         command += ["--model", args.model]

@@ -179,7 +179,3 @@ class PrefixCache:
             self.nbytes -= block.nbytes
             self.stats.evicted_blocks += 1
 
-    def clear(self) -> None:
-        self._blocks.clear()
-        self.nbytes = 0
-

@@ -276,10 +276,6 @@ class Embedding:
         return self.table if isinstance(self.table, torch.Tensor) else self.table.dequantized()
 
     @property
-    def format(self) -> str:
-        return "float32" if isinstance(self.table, torch.Tensor) else self.table.fmt
-
-    @property
     def nbytes(self) -> int:
         """Bytes it adds to the model's (none when it is the LM head's table)."""
         if self.shared:
