@@ -44,6 +44,7 @@ from specdec.methods import TreeOptions
 from specdec.models.qlinear import FORMATS, PackedLinear
 from specdec.sampling.invariant import invariant_tokens
 from specdec.sampling.params import SamplingParams
+from specdec.sampling.probs import sample
 
 if TYPE_CHECKING:
     from specdec.config import SpeculativeConfig
@@ -390,7 +391,7 @@ class EagleDrafter(Drafter):
                 if params.drafter_invariant:  # the target's noise at this position: a deterministic draft
                     token = invariant_tokens(full[None], generator.initial_seed(), len(context) + j)[0]
                 else:
-                    index = int(torch.multinomial(draft_probs, 1, generator=generator))
+                    index = int(sample(draft_probs[None], generator)[0])
                     token = int(head.d2t[index]) + index
                     probs.append(full)
             drafted.append(token)

@@ -34,6 +34,7 @@ from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import FORMATS, PackedLinear
 from specdec.sampling.invariant import invariant_tokens
 from specdec.sampling.params import SamplingParams
+from specdec.sampling.probs import sample
 
 if TYPE_CHECKING:
     from specdec.config import SpeculativeConfig
@@ -240,7 +241,7 @@ class MedusaDrafter(Drafter):
         full[:, ids] = draft_probs
         if params.drafter_invariant:  # the target's noise at each position: a deterministic draft
             return Proposal(tokens=invariant_tokens(full, generator.initial_seed(), len(context)))
-        indices = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+        indices = sample(draft_probs, generator)
         return Proposal(tokens=ids[indices].tolist(), probs=full)
 
     def _propose_tree(self, logits: torch.Tensor) -> Proposal:

@@ -31,7 +31,7 @@ import torch
 
 from specdec.sampling.invariant import perturbed_log_probs
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.probs import logits_to_probs
+from specdec.sampling.probs import logits_to_probs, sample
 from specdec.sampling.tree import TokenTree, TreeRule, accept_tree, accept_tree_sampling
 
 PAD_TOKEN = -1
@@ -102,29 +102,39 @@ def speculative_accept(
     """
     batch, k = _check_shapes(target_probs, draft_tokens)
     vocab = target_probs.shape[-1]
-    if draft_probs is None:
-        draft_probs = torch.nn.functional.one_hot(draft_tokens, vocab).to(target_probs.dtype)
-    elif draft_probs.shape != (batch, k, vocab):
+    if draft_probs is not None and draft_probs.shape != (batch, k, vocab):
         raise ValueError(f"draft_probs must be [{batch}, {k}, {vocab}], got shape {tuple(draft_probs.shape)}")
 
     # 1. Accept position i with probability min(1, target/draft) at the drafted token.
     index = draft_tokens[..., None]  # [batch, k, 1]
     target_at_draft = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [batch, k]
-    draft_at_draft = draft_probs.gather(-1, index).squeeze(-1)  # [batch, k]
     uniform = torch.rand((batch, k), generator=generator, device=target_probs.device)
-    accepted = uniform * draft_at_draft < target_at_draft  # u < target/draft without dividing by 0
+    if draft_probs is None:  # a deterministic draft: one-hot at each token, so draft = 1 there
+        accepted = uniform < target_at_draft
+    else:
+        draft_at_draft = draft_probs.gather(-1, index).squeeze(-1)  # [batch, k]
+        accepted = uniform * draft_at_draft < target_at_draft  # u < target/draft without dividing by 0
     num_accepted = _leading_true(accepted)  # [batch]
 
     # 2. The final token: from the residual at the first rejection, from the target after a full accept.
     rows = torch.arange(batch, device=target_probs.device)
     final_target = target_probs[rows, num_accepted]  # [batch, vocab]
-    padded_draft = torch.cat([draft_probs, draft_probs.new_zeros((batch, 1, vocab))], dim=1)  # [batch, k + 1, vocab]
-    residual = (final_target - padded_draft[rows, num_accepted]).clamp_min(0)  # bonus rows: draft row is 0
+    rejected = num_accepted < k
+    if draft_probs is None:
+        # max(0, target - one-hot): the target with the rejected token's probability zeroed
+        # (p - 1 <= 0 there, p - 0 = p elsewhere), the same floats without a [k, vocab] one-hot.
+        residual = final_target.clone()
+        if bool(rejected.any()):
+            at = rows[rejected]
+            residual[at, draft_tokens[at, num_accepted[at]]] = 0
+    else:
+        padded_draft = torch.cat([draft_probs, draft_probs.new_zeros((batch, 1, vocab))], dim=1)  # [batch, k + 1, vocab]
+        residual = (final_target - padded_draft[rows, num_accepted]).clamp_min(0)  # bonus rows: draft row is 0
     mass = residual.sum(dim=-1, keepdim=True)
     # A zero residual means target == draft there, so rejection had probability 0; only float
     # round-off reaches it. Falling back to the target keeps the draw well defined.
     final_dist = torch.where(mass > 0, residual / mass.clamp_min(1e-30), final_target)
-    final_token = torch.multinomial(final_dist, 1, generator=generator).squeeze(1)  # [batch]
+    final_token = sample(final_dist, generator)  # [batch]
     return _commit(draft_tokens, num_accepted, final_token)
 
 

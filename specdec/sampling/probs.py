@@ -59,7 +59,23 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row. probs: [batch, vocab] -> tokens: [batch]."""
+    """Draw one token per row. probs: [batch, vocab] (need not sum to 1) -> tokens: [batch].
+
+    By the inverse of each row's cumulative distribution, summed in float64: one uniform a row,
+    where torch.multinomial draws a random number per vocabulary entry (1 ms a row for a 49k
+    vocabulary here, as long as a plain decoding step). A token of probability 0 is never drawn:
+    the first index whose running sum exceeds u lies where the sum rose.
+    """
     if probs.dim() != 2:
         raise ValueError(f"probs must be [batch, vocab], got shape {tuple(probs.shape)}")
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.double().cumsum(dim=-1)  # [batch, vocab]
+    total = cdf[:, -1:]
+    if not bool((total > 0).all()):
+        raise ValueError("every row of probs needs some positive mass")
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [batch]
+    vocab = probs.shape[-1]
+    if bool((tokens >= vocab).any()):  # u rounded up to the total: the last token with mass
+        last = vocab - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+        tokens = torch.where(tokens >= vocab, last, tokens)
+    return tokens

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.sampling.invariant import perturbed_at_depths
-from specdec.sampling.probs import logits_to_probs
+from specdec.sampling.probs import logits_to_probs, sample
 
 if TYPE_CHECKING:
     from specdec.sampling.params import SamplingParams
@@ -130,7 +130,7 @@ def accept_tree_sampling(target_probs: torch.Tensor, tree: TokenTree, draft_prob
             # A zero residual: remaining <= q everywhere, so rejection had probability 0 (round-off).
             remaining = residual / mass if mass > 0 else remaining
         if accepted is None:
-            final = int(torch.multinomial(remaining, 1, generator=generator))
+            final = int(sample(remaining[None], generator)[0])
             return path, final
         path.append(accepted)
         node = accepted

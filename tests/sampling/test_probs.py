@@ -1,5 +1,6 @@
 """logits_to_probs: temperature, top-k, top-p and min-p on hand-made logits, and properties on
-random logits. sample: shape checks and seeded determinism."""
+random logits. sample: shape checks, seeded determinism and its
+distribution."""
 
 from __future__ import annotations
 
@@ -210,6 +211,33 @@ def test_sample_is_seeded_and_follows_zeros() -> None:
     assert set(first.tolist()) == {1, 2}
     assert not torch.equal(first, sample(probs, torch.Generator().manual_seed(8)))
     assert math.isclose(first.float().mean().item(), 1.5, abs_tol=0.05)
+
+
+def test_sample_follows_the_distribution_of_each_row() -> None:
+    """Frequencies over 40,000 draws per row within a few standard errors of the row's
+    probabilities, rows unnormalized and different; zero-probability tokens, the first and the
+    last among them, never drawn."""
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.tensor([[0.0, 2.0, 0.5, 0.0, 1.5, 0.0], [1.0, 0.0, 0.0, 3.0, 0.0, 4.0]])
+    draws = 40_000
+    tokens = sample(weights.repeat_interleave(draws, dim=0), gen).view(2, draws)
+    for row, w in zip(tokens, weights):
+        p = (w / w.sum()).double()
+        freq = torch.bincount(row, minlength=len(w)).double() / draws
+        assert torch.all(freq[p == 0] == 0)
+        assert torch.all((freq - p).abs() <= 5 * (p * (1 - p) / draws).sqrt() + 1e-12)
+
+
+def test_sample_needs_positive_mass() -> None:
+    with pytest.raises(ValueError, match="positive mass"):
+        sample(torch.zeros(1, 4), None)
+
+
+def test_sample_draws_a_last_token_of_tiny_mass() -> None:
+    """A row whose only mass sits in its last token draws it every time."""
+    probs = torch.zeros(500, 8)
+    probs[:, -1] = 1e-30
+    assert set(sample(probs, torch.Generator().manual_seed(0)).tolist()) == {7}
 
 
 # --- extreme temperatures ------------------------------------------------------------------------
