@@ -758,7 +758,7 @@ def serve(
     port: Annotated[int, typer.Option("--port")] = 8000,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Longest prompt + output per sequence (overrides the config).")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="Most sequences in the batch (overrides the config).")] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads of the model work (overrides the config; default: auto, one core fewer than torch's default while one sequence runs, all of them for more).")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads of the model work (overrides the config; default: auto, torch's default; one fewer while one sequence runs on PyTorch's products).")] = None,
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",

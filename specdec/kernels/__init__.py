@@ -7,7 +7,8 @@ bit for bit. `attention.cpp` attends a few queries per row over the KV cache in 
 `layer_ops.cpp` fuses RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate)
 * up (tested against PyTorch within float32 rounding, the rotary bitwise, and all of them bitwise
 across pass shapes: a row's result never depends on the other rows). `forward.cpp` runs the decoder
-layers of a pass in one call of those same kernels; `bindings.cpp` holds the module's Python
+layers of a pass in one call of those same kernels; `pool.cpp` is the thread pool they share
+(work claimed in chunks, so a descheduled thread stalls nobody); `bindings.cpp` holds the module's Python
 functions (`ops.h` declares what the sources share; only the bindings include pybind11). The
 extension is compiled once per machine, torch installation and version of its sources with the
 compiler on the machine; where it cannot be built (no compiler, no AVX2), :func:`load` says why
@@ -36,7 +37,8 @@ from specdec.paths import cache_dir
 log = logging.getLogger("specdec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("quant.cpp", "amx.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "bindings.cpp")]
+           for name in ("quant.cpp", "amx.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "pool.cpp",
+                        "bindings.cpp")]
 # The instruction sets a product may be asked to run on: auto picks the best this CPU has.
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3}
 # The paths, slowest first: AVX2 (every supported CPU), AVX-512 VNNI, and AMX tiles for products
@@ -51,7 +53,7 @@ class KernelsUnavailable(RuntimeError):
     """The extension cannot be built or run on this machine."""
 
 
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "quant.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "quant.h", "pool.h")]
 
 
 def _sources_digest() -> str:
@@ -130,10 +132,8 @@ def _compile(directory: Path) -> ModuleType:
         # Baseline x86-64 code; the AVX2, AVX-512 and AMX functions carry their own target
         # attributes and are chosen at run time. No FMA contraction: the reference's float
         # operations are separate multiplies and adds, and the kernels must round alike.
-        # OpenMP: at::parallel_for is a pragma in torch's headers; the library it links
-        # (libgomp.so.1) resolves to the one torch has loaded, so both share one thread pool.
-        extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
-        extra_ldflags=["-fopenmp"], verbose=False)
+        # No OpenMP: the kernels run on their own pool (pool.cpp).
+        extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno"], verbose=False)
 
 
 def load() -> ModuleType:

@@ -8,7 +8,7 @@
 // AVX2 + FMA path (every supported CPU has it) and an AVX-512 one, chosen as the products' path is;
 // the exponential is simd.h's polynomial, not the C library's.
 
-#include <ATen/Parallel.h>
+#include "pool.h"
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 
@@ -263,12 +263,14 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
     // Tasks differ in length (a prompt's later queries see more keys, rows of a batch hold
     // prefixes of their own): each thread takes every threads-th task, so that each gets its share
     // of long and short ones, where contiguous ranges left one thread a prompt's longest queries.
+    // Lanes, 4 a thread, are claimed as the threads come (a descheduled thread holds up no more
+    // than the lane it runs).
     const int64_t tasks = rows * nq * kv_heads * sets;
-    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
-    at::parallel_for(0, threads, 1, [&](int64_t first_lane, int64_t last_lane) {
+    const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(4 * specdec::kernel_threads(), tasks));
+    specdec::parallel_chunks(lanes, 1, [&](int64_t first_lane, int64_t last_lane) {
         std::vector<float> buffer;
         for (int64_t lane = first_lane; lane < last_lane; ++lane) {
-            for (int64_t task = lane; task < tasks; task += threads) {
+            for (int64_t task = lane; task < tasks; task += lanes) {
                 const int64_t set = task % sets, kvh = (task / sets) % kv_heads;
                 const int64_t i = (task / (sets * kv_heads)) % nq, r = task / (sets * kv_heads * nq);
                 const int64_t first = kvh * group + set * group / sets, last = kvh * group + (set + 1) * group / sets;

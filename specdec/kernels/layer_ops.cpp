@@ -2,7 +2,7 @@
 // RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate) * up. Each row
 // (token) is computed alone in a fixed order, so a row's bits never depend on the rest of the pass.
 
-#include <ATen/Parallel.h>
+#include "pool.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <immintrin.h>
@@ -55,7 +55,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const float e = static_cast<float>(eps);
-    at::parallel_for(0, xc.numel() / dim, 16, [&](int64_t begin, int64_t end) {
+    specdec::parallel_chunks(xc.numel() / dim, 16, [&](int64_t begin, int64_t end) {
         rms_norm_range(xp, wp, op, begin, end, dim, e);
     });
     return out;
@@ -88,7 +88,7 @@ std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& co
     auto v = at::empty({rows, kv_heads, nq, head_dim}, at::kFloat);
     const float *xp = x.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
     float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    specdec::parallel_chunks(tokens, 16, [&](int64_t begin, int64_t end) {
         std::vector<float> normed_head(normed ? head_dim : 0);
         for (int64_t t = begin; t < end; ++t) {
             const int64_t r = t / nq, i = t % nq;
@@ -145,7 +145,7 @@ at::Tensor silu_mul(const at::Tensor& h) {
     const float* hp = hc.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t inter = h.size(1) / 2;
-    at::parallel_for(0, h.size(0), 4, [&](int64_t begin, int64_t end) { silu_mul_range(hp, op, begin, end, inter); });
+    specdec::parallel_chunks(h.size(0), 4, [&](int64_t begin, int64_t end) { silu_mul_range(hp, op, begin, end, inter); });
     return out;
 }
 

@@ -23,7 +23,7 @@
 #include "ops.h"
 #include "quant.h"
 
-#include <ATen/Parallel.h>
+#include "pool.h"
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 
@@ -110,7 +110,7 @@ void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int32_t* s, floa
 // competing for registers in the inner loop).
 void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s, float* sf) {
     const int64_t G = K / QK;
-    at::parallel_for(0, rows * G, 256, [&](int64_t begin, int64_t end) {
+    specdec::parallel_chunks(rows * G, 256, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const int64_t r = i / G, g = i % G, j = g * rows + r;
             quantize_block_avx2(x + r * K + g * QK, q + j * QK, d + j, s + j, sf + j);
@@ -404,8 +404,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
         plan.emplace_back(row, vnni_tile(size));
         row += size;
     }
-    const int64_t grain = std::max<int64_t>(1, units / (4 * at::get_num_threads()));
-    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    specdec::parallel_chunks(units, 1, [&](int64_t begin, int64_t end) {
         if (amx) specdec::amx_begin();
         for (int64_t u = begin; u < end; ++u) {
             const uint8_t* unit = w + u * G * record;

@@ -283,11 +283,13 @@ class ServerConfig:
     grammar_timeout_s: float = 10.0
     max_grammar_bytes: int = 64 << 20
     drift: DriftConfig = field(default_factory=DriftConfig)
-    # torch intra-op threads of the scheduler thread, which does all the model work. None is
-    # auto: with one sequence running, one core fewer than torch's default (one per core), so
-    # the HTTP event loop (and, on a small machine, the client) does not preempt a spinning
-    # OpenMP worker at every step; with more, all of them. Measured on 2 cores at concurrency 1:
-    # 22.4 tok/s with 1 thread against 17.8 with 2; at concurrency 8: 61.4 against 70.2.
+    # torch intra-op threads of the scheduler thread, which does all the model work (specdec's
+    # kernels use as many). None is auto: torch's default (one per core), except for one
+    # sequence on PyTorch's products (the hf backend, or no kernels), which runs on one core
+    # fewer, so that the HTTP event loop (and, on a small machine, the client) does not preempt
+    # a spinning OpenMP worker at every step (hf on 2 cores at concurrency 1: 22.4 tok/s with 1
+    # thread against 17.8 with 2). The kernels' own pool has no such stall: one stream on the
+    # native backend ran at 156 tok/s with 2 threads against 97 with 1.
     threads: int | None = None
     # The target's backend and weight format (`specdec serve --backend/--dtype` override them).
     backend: str = "auto"

@@ -237,7 +237,9 @@ class Scheduler:
         `ServerConfig.threads`)."""
         if self.threads is not None:
             return self.threads
-        return max(1, self._all_threads - 1) if running <= 1 else self._all_threads
+        if running <= 1 and self.engine.target.kernel_path == "pytorch":
+            return max(1, self._all_threads - 1)
+        return self._all_threads
 
     def _set_threads(self, threads: int) -> None:
         if threads != self.torch_threads:

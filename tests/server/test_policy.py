@@ -250,12 +250,16 @@ def test_the_scheduler_thread_runs_with_the_configured_torch_threads(tmp_path: P
         torch.set_num_threads(before)
 
 
-def test_auto_threads_leave_a_core_free_for_one_sequence_and_use_all_for_a_batch(tmp_path: Path, tiny_model: LoadedModel) -> None:
+def test_auto_threads_leave_a_core_free_for_one_sequence_on_pytorch_and_use_all_on_the_kernels(
+        tmp_path: Path, tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "server.toml"
     path.write_text(CONFIG)
     scheduler = build_state(load_config(path), loaded=tiny_model).scheduler
     scheduler._all_threads = 4  # as on a four-core machine
+    monkeypatch.setattr(scheduler.engine.target.backend, "kernel_path", "pytorch")
     assert [scheduler.threads_for(n) for n in (0, 1, 2, 8)] == [3, 3, 4, 4]
+    monkeypatch.setattr(scheduler.engine.target.backend, "kernel_path", "avx2")
+    assert [scheduler.threads_for(n) for n in (0, 1, 2, 8)] == [4, 4, 4, 4]
     scheduler._all_threads = 1
     assert scheduler.threads_for(1) == 1
     path.write_text("threads = 2\n" + CONFIG)

@@ -1,0 +1,20 @@
+// pool.cpp: the kernels' thread pool (see there for why not OpenMP).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace specdec {
+
+using Body = std::function<void(int64_t begin, int64_t end)>;
+
+// body(begin, end) over [0, n) in chunks of at least `grain` items, run by the calling thread
+// and the pool's workers, kernel_threads() of them at most; returns when all are done and
+// rethrows the first exception a chunk threw. A chunk is whatever thread claims it first.
+void parallel_chunks(int64_t n, int64_t grain, const Body& body);
+
+// The threads a kernel call uses: torch's intra-op thread count as the calling thread sees it
+// (torch.set_num_threads, the server's --threads).
+int kernel_threads();
+
+}  // namespace specdec
