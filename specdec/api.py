@@ -71,11 +71,13 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         loaded: LoadedModel | None = None,
         prefix_cache_mb: float = 256,
+        kv_dtype: str = "auto",
     ) -> None:
         if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) or not prefix_cache_mb >= 0:
             raise ConfigError(f"prefix_cache_mb must be a number >= 0, got {prefix_cache_mb!r}")
         self.speculative_config = _as_config(speculative_config)
-        self.target = loaded if loaded is not None else load_model(model, device=device, backend=backend, dtype=dtype)
+        self.target = loaded if loaded is not None else load_model(model, device=device, backend=backend, dtype=dtype,
+                                                                    kv_dtype=kv_dtype)
         self._encoder = PromptEncoder(self.target)
         # One prefix cache for both engines: they run the same target, so they share its KV.
         self.prefix_cache = PrefixCache.for_backend(self.target.backend, int(prefix_cache_mb * (1 << 20)))

@@ -6,7 +6,8 @@
 // verification pass identical to plain decoding. The heads that share a key/value head are computed
 // together (each key and value loaded once for them), each with its own unchanged arithmetic. An
 // AVX2 + FMA path (every supported CPU has it) and an AVX-512 one, chosen as the products' path is;
-// the exponential is simd.h's polynomial, not the C library's.
+// the exponential is simd.h's polynomial, not the C library's. Keys and values are float32 or
+// float16 (the cache's format; each element widened exactly on load, then the same arithmetic).
 
 #include "pool.h"
 #include <ATen/ops/empty.h>
@@ -25,6 +26,17 @@ namespace {
 
 using specdec::exp8;
 using specdec::horizontal_sum;  // the softmax's sum
+
+// 8 or 16 keys' or values' elements as float32: a float32 cache's as they are, a float16 cache's
+// (uint16_t bits) widened exactly.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 load16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // Scores -> exp(score - highest) in place, 8 at a time, and 1 / their sum (summed in 8 lanes in
 // order, then folded in a fixed order): the softmax's weights, normalized at the end.
@@ -55,20 +67,25 @@ float softmax_weights(float* sc, int64_t n, float highest) {
 // One query of one row, for HG query heads that share a key/value head (grouped-query attention):
 // each key and value is loaded once for all HG heads. Every head's arithmetic is the same
 // sequence of operations as it would be alone, so the bits do not depend on the grouping.
-template <int HG>
+template <typename T>
+struct Element {
+    using type = T;
+};
+
+template <int HG, typename T>
 struct Heads {
     const float* q[HG];      // [head_dim] each
     float* out[HG];          // [head_dim] each
-    const float* keys;       // slot s at keys + s * slot_stride
-    const float* values;
+    const T* keys;           // slot s at keys + s * slot_stride (T: float, or uint16_t for float16)
+    const T* values;
     int64_t slot_stride;
     const int32_t* slots;    // the slots seen, or null for 0 .. n - 1
     int64_t n;               // slots seen, at least 1 (the caller gives a query that sees none zeros)
 };
 
-template <int HG>
-__attribute__((target("avx2,fma")))
-void attend_heads(const Heads<HG>& it, int64_t head_dim, float scale, std::vector<float>& buffer) {
+template <int HG, typename T>
+__attribute__((target("avx2,fma,f16c")))
+void attend_heads(const Heads<HG, T>& it, int64_t head_dim, float scale, std::vector<float>& buffer) {
     const int64_t stride = it.n + 8;  // room for a tail block's copies
     buffer.resize(static_cast<size_t>(HG * stride));
     float* scores[HG];
@@ -82,14 +99,14 @@ void attend_heads(const Heads<HG>& it, int64_t head_dim, float scale, std::vecto
     __m128 top[HG];
     for (int h = 0; h < HG; ++h) top[h] = _mm_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 < it.n; j0 += 4) {
-        const float* k[4];
+        const T* k[4];
         for (int jj = 0; jj < 4; ++jj) k[jj] = it.keys + slot(std::min<int64_t>(j0 + jj, it.n - 1)) * it.slot_stride;
         __m256 acc[HG][4];
         for (int h = 0; h < HG; ++h)
             for (int jj = 0; jj < 4; ++jj) acc[h][jj] = _mm256_setzero_ps();
         for (int64_t c = 0; c < chunks; ++c) {
             for (int jj = 0; jj < 4; ++jj) {
-                const __m256 kc = _mm256_loadu_ps(k[jj] + 8 * c);
+                const __m256 kc = load8(k[jj] + 8 * c);
                 for (int h = 0; h < HG; ++h) acc[h][jj] = _mm256_fmadd_ps(_mm256_loadu_ps(it.q[h] + 8 * c), kc, acc[h][jj]);
             }
         }
@@ -119,8 +136,8 @@ void attend_heads(const Heads<HG>& it, int64_t head_dim, float scale, std::vecto
         for (int h = 0; h < HG; ++h) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
         if (width == 2) {
             for (int64_t j = 0; j < it.n; ++j) {
-                const float* v = it.values + slot(j) * it.slot_stride + 8 * c0;
-                const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+                const T* v = it.values + slot(j) * it.slot_stride + 8 * c0;
+                const __m256 v0 = load8(v), v1 = load8(v + 8);
                 for (int h = 0; h < HG; ++h) {
                     const __m256 w = _mm256_broadcast_ss(scores[h] + j);
                     acc[h][0] = _mm256_fmadd_ps(w, v0, acc[h][0]);
@@ -129,7 +146,7 @@ void attend_heads(const Heads<HG>& it, int64_t head_dim, float scale, std::vecto
             }
         } else {
             for (int64_t j = 0; j < it.n; ++j) {
-                const __m256 v0 = _mm256_loadu_ps(it.values + slot(j) * it.slot_stride + 8 * c0);
+                const __m256 v0 = load8(it.values + slot(j) * it.slot_stride + 8 * c0);
                 for (int h = 0; h < HG; ++h) acc[h][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores[h] + j), v0, acc[h][0]);
             }
         }
@@ -165,9 +182,9 @@ inline __m512 lane_sums(const __m512* v) {
                          _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-template <int HG, int CH>
-__attribute__((target("avx512f,avx2,fma")))
-void attend_heads_avx512(const Heads<HG>& it, float scale, std::vector<float>& buffer) {
+template <int HG, int CH, typename T>
+__attribute__((target("avx512f,avx2,fma,f16c")))
+void attend_heads_avx512(const Heads<HG, T>& it, float scale, std::vector<float>& buffer) {
     const int64_t stride = it.n + 16;  // room for a tail block's copies
     buffer.resize(static_cast<size_t>(HG * stride));
     auto slot = [&](int64_t j) { return it.slots ? it.slots[j] : j; };
@@ -182,9 +199,9 @@ void attend_heads_avx512(const Heads<HG>& it, float scale, std::vector<float>& b
         for (int64_t j0 = 0; j0 < it.n; j0 += 16) {
             __m512 acc[16];
             for (int jj = 0; jj < 16; ++jj) {
-                const float* k = it.keys + slot(std::min<int64_t>(j0 + jj, it.n - 1)) * it.slot_stride;
-                __m512 a = _mm512_fmadd_ps(q[0], _mm512_loadu_ps(k), _mm512_setzero_ps());
-                for (int c = 1; c < CH; ++c) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), a);
+                const T* k = it.keys + slot(std::min<int64_t>(j0 + jj, it.n - 1)) * it.slot_stride;
+                __m512 a = _mm512_fmadd_ps(q[0], load16(k), _mm512_setzero_ps());
+                for (int c = 1; c < CH; ++c) a = _mm512_fmadd_ps(q[c], load16(k + 16 * c), a);
                 acc[jj] = a;
             }
             const __m512 dots = _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale));
@@ -202,9 +219,9 @@ void attend_heads_avx512(const Heads<HG>& it, float scale, std::vector<float>& b
         for (int h = 0; h < HG; ++h)
             for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < it.n; ++j) {
-            const float* v = it.values + slot(j) * it.slot_stride + 16 * c0;
+            const T* v = it.values + slot(j) * it.slot_stride + 16 * c0;
             __m512 vc[4];
-            for (int c = 0; c < 4; ++c) vc[c] = _mm512_loadu_ps(v + 16 * c);
+            for (int c = 0; c < 4; ++c) vc[c] = load16(v + 16 * c);
             for (int h = 0; h < HG; ++h) {
                 const __m512 w = _mm512_set1_ps(buffer[h * stride + j]);
                 for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_fmadd_ps(w, vc[c], acc[h][c]);
@@ -226,8 +243,10 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
     // isa as the products take it (the AVX-512 path for head_dim 64 or 128, else AVX2)
     TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
     TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q must be [rows, heads, new, head_dim] float32");
-    TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
-                    values.scalar_type() == at::kFloat, "keys and values must be one [rows, kv_heads, S, head_dim] float32 shape");
+    TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() &&
+                    (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) &&
+                    values.scalar_type() == keys.scalar_type(),
+                "keys and values must be one [rows, kv_heads, S, head_dim] shape, both float32 or both float16");
     TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(),
                 "keys and values must share strides, with contiguous head dimensions");
     const int64_t rows = q.size(0), heads = q.size(1), nq = q.size(2), head_dim = q.size(3);
@@ -250,8 +269,7 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
     }
     auto out = at::empty({rows, nq, heads * head_dim}, at::kFloat);
     const float* qp = qc.data_ptr<float>();
-    const float* kp = keys.data_ptr<float>();
-    const float* vp = values.data_ptr<float>();
+    const bool half = keys.scalar_type() == at::kHalf;
     float* op = out.data_ptr<float>();
     const int64_t group = heads / kv_heads;
     // Each task: one query of one row and a set of up to 3 heads sharing a key/value head (the
@@ -276,29 +294,34 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
                 const int64_t first = kvh * group + set * group / sets, last = kvh * group + (set + 1) * group / sets;
                 const float* qbase = qp + ((r * heads) * nq + i) * head_dim;
                 float* obase = op + (r * nq + i) * heads * head_dim;
-                const float* kb = kp + r * keys.stride(0) + kvh * keys.stride(1);
-                const float* vb = vp + r * values.stride(0) + kvh * values.stride(1);
                 const int32_t* sl = listed ? sc.data_ptr<int32_t>() + (r * nq + i) * sc.size(2) : nullptr;
                 const int64_t n = count[r * nq + i];
-                auto run = [&](auto heads_tag) {
+                auto run = [&](auto heads_tag, auto element) {
                     constexpr int HG = decltype(heads_tag)::value;
-                    Heads<HG> it{};
+                    using T = typename decltype(element)::type;
+                    Heads<HG, T> it{};
                     for (int h = 0; h < HG; ++h) {
                         it.q[h] = qbase + (first + h) * qs;
                         it.out[h] = obase + (first + h) * head_dim;
                     }
-                    it.keys = kb; it.values = vb; it.slot_stride = keys.stride(2); it.slots = sl; it.n = n;
+                    it.keys = static_cast<const T*>(keys.data_ptr()) + r * keys.stride(0) + kvh * keys.stride(1);
+                    it.values = static_cast<const T*>(values.data_ptr()) + r * values.stride(0) + kvh * values.stride(1);
+                    it.slot_stride = keys.stride(2); it.slots = sl; it.n = n;
                     if (n == 0) {  // a padding query that sees nothing: zeros, not NaN
                         for (int h = 0; h < HG; ++h) std::fill(it.out[h], it.out[h] + head_dim, 0.0f);
-                    } else if (!wide) attend_heads<HG>(it, head_dim, fscale, buffer);
-                    else if (head_dim == 64) attend_heads_avx512<HG, 4>(it, fscale, buffer);
-                    else attend_heads_avx512<HG, 8>(it, fscale, buffer);
+                    } else if (!wide) attend_heads<HG, T>(it, head_dim, fscale, buffer);
+                    else if (head_dim == 64) attend_heads_avx512<HG, 4, T>(it, fscale, buffer);
+                    else attend_heads_avx512<HG, 8, T>(it, fscale, buffer);
                 };
-                switch (last - first) {
-                    case 1: run(std::integral_constant<int, 1>{}); break;
-                    case 2: run(std::integral_constant<int, 2>{}); break;
-                    default: run(std::integral_constant<int, 3>{}); break;
-                }
+                auto grouped = [&](auto element) {
+                    switch (last - first) {
+                        case 1: run(std::integral_constant<int, 1>{}, element); break;
+                        case 2: run(std::integral_constant<int, 2>{}, element); break;
+                        default: run(std::integral_constant<int, 3>{}, element); break;
+                    }
+                };
+                if (half) grouped(Element<uint16_t>{});
+                else grouped(Element<float>{});
             }
         }
     });

@@ -5,6 +5,7 @@
 // cache's copies, written here straight from the rotary embedding's output.
 
 #include <ATen/ops/add.h>
+#include <c10/util/Half.h>
 
 #include "ops.h"
 
@@ -21,19 +22,28 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_fe
     return quantized_matmul(x, packed, out_features, isa, packed.size(2) == Q4_RECORD, residual);
 }
 
-// k or v [rows, kv_heads, new, head_dim] into buf [R, kv_heads, S, head_dim] at (row, slot) per token.
+// k or v [rows, kv_heads, new, head_dim] into buf [R, kv_heads, S, head_dim] at (row, slot) per
+// token; a float16 buffer takes each element rounded to nearest even, as torch's .half() does.
 void write_cache(const at::Tensor& states, at::Tensor& buf, const int64_t* row_of, const int64_t* slot_of) {
     const int64_t rows = states.size(0), kv_heads = states.size(1), nq = states.size(2), head_dim = states.size(3);
     TORCH_CHECK(buf.size(1) == kv_heads && buf.size(3) == head_dim && buf.stride(3) == 1, "a cache buffer does not match");
+    const bool half = buf.scalar_type() == at::kHalf;
+    TORCH_CHECK(half || buf.scalar_type() == at::kFloat, "a cache buffer must be float32 or float16");
     const float* src = states.data_ptr<float>();
-    float* dst = buf.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t i = 0; i < nq; ++i) {
             const int64_t t = r * nq + i, row = row_of[t], slot = slot_of[t];
             TORCH_CHECK(row >= 0 && row < buf.size(0) && slot >= 0 && slot < buf.size(2), "a cache write is out of range");
-            for (int64_t h = 0; h < kv_heads; ++h)
-                std::memcpy(dst + row * buf.stride(0) + h * buf.stride(1) + slot * buf.stride(2),
-                            src + ((r * kv_heads + h) * nq + i) * head_dim, sizeof(float) * head_dim);
+            for (int64_t h = 0; h < kv_heads; ++h) {
+                const int64_t at_ = row * buf.stride(0) + h * buf.stride(1) + slot * buf.stride(2);
+                const float* from = src + ((r * kv_heads + h) * nq + i) * head_dim;
+                if (half) {
+                    at::Half* dst = buf.data_ptr<at::Half>() + at_;
+                    for (int64_t e = 0; e < head_dim; ++e) dst[e] = at::Half(from[e]);
+                } else {
+                    std::memcpy(buf.data_ptr<float>() + at_, from, sizeof(float) * head_dim);
+                }
+            }
         }
 }
 

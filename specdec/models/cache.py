@@ -64,14 +64,15 @@ class PreallocatedLayer(CacheLayerMixin):
         self.length = end
         return self._key_buf[:, :, :end], self._value_buf[:, :, :end]
 
-    def claim(self, rows: int, new: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    def claim(self, rows: int, new: int, kv_heads: int, head_dim: int,
+              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """For a pass that writes the buffers itself (the native backend's fused layers): the key
-        and value buffers and the first slot it will write (then :meth:`advance`); None where the
-        buffers hold another shape."""
+        and value buffers (of `dtype`) and the first slot it will write (then :meth:`advance`);
+        None where the buffers hold another shape or format."""
         if not self.is_initialized:
-            empty = torch.empty(rows, kv_heads, 0, head_dim)
+            empty = torch.empty(rows, kv_heads, 0, head_dim, dtype=dtype)
             self.lazy_initialization(empty, empty)
-        if tuple(self._key_buf.shape) != (rows, kv_heads, self.max_len, head_dim) or self._key_buf.dtype != torch.float32:
+        if tuple(self._key_buf.shape) != (rows, kv_heads, self.max_len, head_dim) or self._key_buf.dtype != dtype:
             return None
         if self.length + new > self.max_len:
             raise ContextOverflowError(f"context of {self.length + new} tokens exceeds the cache's {self.max_len}")

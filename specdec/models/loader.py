@@ -69,13 +69,15 @@ class LoadedModel:
         """An in-memory transformers model on the hf backend."""
         return cls(HFBackend(model), tokenizer, name, source, model.config, getattr(model, "generation_config", None))
 
-    def native(self, dtype: str = "float32") -> LoadedModel:
-        """The same model on the native backend, from the hf backend's tensors, in `dtype`."""
+    def native(self, dtype: str = "float32", kv_dtype: str = "auto") -> LoadedModel:
+        """The same model on the native backend, from the hf backend's tensors, in `dtype` (its KV
+        cache in `kv_dtype`)."""
         model = self.model
         if model is None:
             raise ModelLoadError(f"{self.name} is not on the hf backend")
         weights = StateDictWeights(dict(model.state_dict()), bool(getattr(self.config, "tie_word_embeddings", False)))
-        return dataclasses.replace(self, backend=NativeBackend(self.config, weights, dtype, device=self.device))
+        return dataclasses.replace(self, backend=NativeBackend(self.config, weights, dtype, device=self.device,
+                                                              kv_dtype=kv_dtype))
 
     @property
     def model(self) -> PreTrainedModel | None:
@@ -214,13 +216,14 @@ def _hf_backend(path: Path, dtype: str, device: str | torch.device) -> HFBackend
     return HFBackend(model.to(device).eval().requires_grad_(False))
 
 
-def _native_backend(config: PretrainedConfig, weights_path: Path, dtype: str, device: str | torch.device) -> NativeBackend:
+def _native_backend(config: PretrainedConfig, weights_path: Path, dtype: str, device: str | torch.device,
+                    kv_dtype: str = "auto") -> NativeBackend:
     if weights_path.is_file():
         source = GGUFWeights(weights_path, int(config.num_attention_heads),
                              int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
     else:
         source = SafetensorsWeights(weights_path, bool(getattr(config, "tie_word_embeddings", False)))
-    return NativeBackend(config, source, dtype, device=device)
+    return NativeBackend(config, source, dtype, device=device, kv_dtype=kv_dtype)
 
 
 # Architectures the native backend runs from Hugging Face directories but not yet from GGUF files
@@ -251,6 +254,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     backend: str = "auto",
     fast_kernels: bool = True,
+    kv_dtype: str = "auto",
 ) -> LoadedModel:
     """Load a model and its tokenizer; see the module docstring for the accepted names.
 
@@ -259,6 +263,8 @@ def load_model(
     quantization on `native`, and in float32 on `hf`.
     fast_kernels: on `hf`, use specdec's thin-matrix kernels (:mod:`specdec.models.linear`).
     Off gives the model exactly as transformers builds it.
+    kv_dtype: the native backend's KV cache, `auto` (float16 on specdec's kernels, else float32;
+    $SPECDEC_KV_DTYPE overrides), `float16` or `float32`; hf keeps its weights' format.
     """
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -273,7 +279,7 @@ def load_model(
         directory, config, tokenizer, generation_config = _metadata(path)
         chosen = resolve_backend(backend, config, device, gguf=path.is_file())
         if chosen == "native":
-            runtime: Backend = _native_backend(config, path if path.is_file() else directory, dtype, device)
+            runtime: Backend = _native_backend(config, path if path.is_file() else directory, dtype, device, kv_dtype)
         else:
             runtime = _hf_backend(_convert_gguf(path, weights=True) if path.is_file() else directory, dtype, device)
             if fast_kernels:

@@ -18,6 +18,7 @@ exactly, other types dequantized) or from a Hugging Face directory's safetensors
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -66,6 +67,10 @@ class NativeLayer:
 # so a prompt's positions are bitwise what decoding them one by one would give.
 PER_QUERY_MAX = 32
 _NO_SLOTS = torch.empty(0, dtype=torch.int32)  # every query sees a prefix
+# The KV cache's formats (see NativeBackend._choose_kv_dtype), and the variable that picks one for `auto`.
+KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+ENV_KV_DTYPE = "SPECDEC_KV_DTYPE"
+
 _NONE = torch.empty(0)  # a layer without Qwen2's bias or Qwen3's query and key norms, to the kernels
 
 
@@ -130,7 +135,7 @@ class NativeBackend:
     name = "native"
 
     def __init__(self, config: PretrainedConfig, weights: WeightSource, weight_format: str = "auto",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kv_dtype: str = "auto") -> None:
         if weight_format not in ("auto", *FORMATS, *KERNEL_FORMATS):
             raise ModelLoadError(f"unknown weight format {weight_format!r}; choose one of: auto, {', '.join(FORMATS)}")
         model_type = getattr(config, "model_type", "?")
@@ -183,6 +188,7 @@ class NativeBackend:
         if self.lm_head.fmt != self.weight_format:
             self.weight_format += f" (LM head {self.lm_head.fmt})"
         self.kernel_path = self._products_path()
+        self.kv_dtype = self._choose_kv_dtype(kv_dtype)
         del self._weights
 
         # Rotary tables for every position, computed once (HF's inverse frequencies and scaling).
@@ -235,6 +241,25 @@ class NativeBackend:
         copy.kernel_path = copy._products_path()
         return copy
 
+    def _choose_kv_dtype(self, wanted: str) -> torch.dtype:
+        """The KV cache's format: `auto` ($SPECDEC_KV_DTYPE, else float16 where the kernels run
+        the products and attention, as llama.cpp keeps its cache, else float32), `float16` or
+        `float32`. float16 halves what attention reads (at 16 rows of 300 tokens, more than the
+        weights a step) and what a cached token holds; a position's keys and values are rounded
+        once, when written, and every pass reads the same rounded values, so passes stay
+        bitwise alike."""
+        if wanted == "auto":
+            wanted = os.environ.get(ENV_KV_DTYPE, "auto")
+        if wanted not in ("auto", *KV_DTYPES):
+            raise ModelLoadError(f"unknown KV cache format {wanted!r} (from kv_dtype or ${ENV_KV_DTYPE}); choose one "
+                                 f"of: auto, {', '.join(KV_DTYPES)}")
+        if wanted == "float16" and not self.fused:
+            raise ModelLoadError("a float16 KV cache needs specdec's kernels (their attention reads it), which are "
+                                 f"not built here: {kernels.missing_reason('auto')}")
+        if wanted == "auto":
+            wanted = "float16" if self.kernel_path != "pytorch" else "float32"
+        return KV_DTYPES[wanted]
+
     def _products_path(self) -> str:
         """The kernels' path where any matrix runs on them (q4, q8), else `pytorch`."""
         formats = {lin.fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
@@ -248,7 +273,7 @@ class NativeBackend:
         block attends per query (the kernels) and every decoder product is row-invariant (not
         float32's MKL product). What makes a prefix cache exact."""
         formats = {lin.fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
-        return self.fused and "float32" not in formats and self.kv_dtype == torch.float32
+        return self.fused and "float32" not in formats
 
     def matrix_bytes(self) -> int:
         """Bytes of the packed matrices alone (what a requantized copy adds)."""
@@ -332,7 +357,7 @@ class NativeBackend:
     def _layers_fusable(self) -> bool:
         if self._fusable_for[0] is not self.layers:  # checked once per set of layers
             linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            able = self.fused and all(lin.fmt in KERNEL_FORMATS for lin in linears) and self.kv_dtype == torch.float32
+            able = self.fused and all(lin.fmt in KERNEL_FORMATS for lin in linears)
             self._fusable_for = (self.layers, able)
             self._fused_weights = {}
         return self.fuse_layers and self._fusable_for[1]
@@ -373,7 +398,7 @@ class NativeBackend:
             write_rows, write_slots = row_index.reshape(-1), slot_index.reshape(-1)
             advance = None
         elif all(isinstance(layer, PreallocatedLayer) for layer in held):
-            claims = [layer.claim(rows, new, self.kv_heads, self.head_dim) for layer in held]
+            claims = [layer.claim(rows, new, self.kv_heads, self.head_dim, self.kv_dtype) for layer in held]
             if any(claim is None for claim in claims) or len({claim[2] for claim in claims}) != 1:
                 return None
             keys, values = [claim[0] for claim in claims], [claim[1] for claim in claims]
@@ -424,7 +449,7 @@ class NativeBackend:
                 q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
             cos4, sin4 = cos.view(rows, 1, new, -1), sin.view(rows, 1, new, -1)  # [rows, 1, new, head_dim]
             q, k = _rotate(q, cos4, sin4), _rotate(k, cos4, sin4)
-        keys, values = cache_layer.update(k, v)  # [rows, kv_heads, cached + new, head_dim]
+        keys, values = cache_layer.update(k.to(self.kv_dtype), v.to(self.kv_dtype))  # [rows, kv_heads, cached + new, head_dim]
         if visible is not None and self.fused:
             # Each query of each row attends alone over its row's visible slots, exactly as a
             # one-token step of that sequence alone would (specdec's kernel: one call a layer).

@@ -44,6 +44,28 @@ def test_attention_over_prefixes_is_pytorchs(isa: str, head_dim: int) -> None:
             torch.testing.assert_close(out[r, i], _sdpa(q, keys, values, r, i, int(counts[r, i])), rtol=1e-5, atol=1e-6)
 
 
+def test_attention_over_a_float16_cache_is_attention_over_its_widened_values(isa: str) -> None:
+    # A float16 cache's elements widen exactly; the arithmetic after is the float32 path's, bit for
+    # bit, for a prefix and for listed slots, at each head_dim the paths specialise.
+    for head_dim in (64, 128, 32):
+        keys, values = _cache(2, 300, seed=4, head_dim=head_dim)
+        keys16, values16 = keys.half(), values.half()
+        q = torch.randn(2, HEADS, 3, head_dim)
+        counts = torch.tensor([[290, 7, 1], [100, 299, 300]], dtype=torch.int32)
+        assert torch.equal(kernels.attend_cached(q, keys16, values16, counts, isa=isa),
+                           kernels.attend_cached(q, keys16.float(), values16.float(), counts, isa=isa))
+        slots = torch.tensor([[[0, 5, 9], [1, 2, 3], [7, 0, 0]]] * 2, dtype=torch.int32)
+        listed = torch.tensor([[3, 3, 1], [2, 3, 1]], dtype=torch.int32)
+        assert torch.equal(kernels.attend_cached(q, keys16, values16, listed, slots, isa=isa),
+                           kernels.attend_cached(q, keys16.float(), values16.float(), listed, slots, isa=isa))
+
+
+def test_attention_refuses_keys_and_values_of_two_formats() -> None:
+    keys, values = _cache(1, 10, seed=5)
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        kernels.attend_cached(torch.randn(1, HEADS, 1, HEAD_DIM), keys.half(), values, torch.tensor([[4]], dtype=torch.int32))
+
+
 def test_attention_over_listed_slots_is_pytorchs(isa: str) -> None:
     # A token tree: each node sees its own slots (listed in order, padded past its count).
     keys, values = _cache(1, 64, seed=1)

@@ -63,11 +63,14 @@ def tiny_other(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return _tiny_other(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
 
 
-@pytest.fixture(scope="module", params=["q4", "q8", "qwen2-q8", "qwen3-q8", "mistral-q8", "phi3-q8"])
+@pytest.fixture(scope="module", params=["q4", "q8", "q8-kv32", "qwen2-q8", "qwen3-q8", "mistral-q8", "phi3-q8"])
 def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel, tmp_path_factory) -> LoadedModel:
     # Llama, Qwen2 (its bias added in the fused call), Qwen3 (its norms in rotary_split) and
-    # Mistral (its window in the slots each query sees: the passes below cover 40 positions).
-    if "-" in request.param:
+    # Mistral (its window in the slots each query sees: the passes below cover 40 positions);
+    # the KV cache in float16 (the default on the kernels), and once in float32.
+    if request.param == "q8-kv32":
+        loaded = tiny_model.native("q8", kv_dtype="float32")
+    elif "-" in request.param:
         kind = request.param.split("-")[0]
         loaded = _tiny_other(kind, tmp_path_factory.mktemp(f"fused-{kind}")).native("q8")
     else:
@@ -170,3 +173,36 @@ def test_phi3_with_long_context_rope_or_from_gguf_runs_on_hf(tmp_path) -> None:
     assert resolve_backend("auto", loaded.config, "cpu", gguf=True) == "hf"
     with pytest.raises(ModelLoadError, match="not yet from a GGUF file"):
         resolve_backend("native", loaded.config, "cpu", gguf=True)
+
+
+def test_the_kv_cache_is_float16_on_the_kernels_and_float32_elsewhere(tiny_model: LoadedModel,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    q8, f32 = tiny_model.native("q8").backend, tiny_model.native("float32").backend
+    assert q8.kv_dtype == torch.float16 and f32.kv_dtype == torch.float32
+    assert q8.kv_bytes_per_token() * 2 == f32.kv_bytes_per_token()
+    assert tiny_model.native("q8", kv_dtype="float32").backend.kv_dtype == torch.float32
+    monkeypatch.setenv("SPECDEC_KV_DTYPE", "float32")
+    assert tiny_model.native("q8").backend.kv_dtype == torch.float32
+    assert tiny_model.native("q8", kv_dtype="float16").backend.kv_dtype == torch.float16  # the argument wins
+    monkeypatch.setenv("SPECDEC_KV_DTYPE", "bfloat16")
+    with pytest.raises(ModelLoadError, match="unknown KV cache format 'bfloat16'"):
+        tiny_model.native("q8")
+
+
+def test_a_float16_cache_holds_the_float32_caches_keys_rounded_to_nearest(tiny_model: LoadedModel) -> None:
+    # Layer 0's keys and values come before any attention: the float16 cache holds exactly the
+    # float32 cache's, rounded as torch's .half() rounds (to nearest, ties to even), fused or not.
+    runs = {}
+    for kv in ("float16", "float32"):
+        for fuse in (True, False):
+            backend = tiny_model.native("q8", kv_dtype=kv).backend
+            backend.fuse_layers = fuse
+            cache = PreallocatedCache(backend.num_layers, 32)
+            tokens = torch.randint(3, tiny_model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+            with torch.inference_mode():
+                backend.forward(cache, tokens, torch.arange(12)[None])
+            runs[kv, fuse] = cache.layers[0].keys, cache.layers[0].values
+    for fuse in (True, False):
+        assert runs["float16", fuse][0].dtype == torch.float16
+        assert torch.equal(runs["float16", fuse][0], runs["float32", fuse][0].half())
+        assert torch.equal(runs["float16", fuse][1], runs["float32", fuse][1].half())
