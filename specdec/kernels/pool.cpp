@@ -35,6 +35,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto SPIN = std::chrono::microseconds(1000);
+constexpr int YIELD_AFTER = 256;  // pauses before a waiting worker starts yielding
 constexpr int64_t MAX_CHUNKS = 0xFFFF;
 
 // The job word: generation (32 bits) | chunks (16) | next chunk to claim (16). A claim is a
@@ -119,7 +120,10 @@ class Pool {
         for (;;) {
             const auto start = Clock::now();
             for (int spins = 0; gen_of(state_.load(std::memory_order_acquire)) == seen; ++spins) {
-                _mm_pause();
+                // Pause a while, then give the core to any runnable thread between looks (another
+                // process's work, on a busy machine) until SPIN has passed.
+                if (spins < YIELD_AFTER) _mm_pause();
+                else std::this_thread::yield();
                 if (spins % 64 == 0 && Clock::now() - start > SPIN) {
                     std::unique_lock<std::mutex> lock(sleep_m_);
                     sleepers_.fetch_add(1, std::memory_order_seq_cst);
