@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 import openai
-import torch
+
+import specdec  # noqa: F401  before torch, as the CLI: it sets libgomp's spin before torch loads it
+import torch  # noqa: E402
 
 from specdec.api import LLM
 from specdec.bench.data import load_records
@@ -35,7 +37,7 @@ from specdec.config import SamplingParams
 from specdec.server.runtime import wait_healthy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import DEFAULT_DATA, _free_port, server_threads  # noqa: E402  (a sibling script)
+from serve_load import DEFAULT_DATA, free_port, server_threads  # noqa: E402  (a sibling script)
 
 CONFIG = """
 max_model_len = {max_model_len}
@@ -53,7 +55,7 @@ MODES = {"off": ("spec-off", False), "ngram": ("spec-on", True)}
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     path = Path(tempfile.mkdtemp(prefix="serve_vs_library_")) / "server.toml"
     path.write_text(CONFIG.format(max_model_len=args.max_model_len, k=args.k))
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "specdec.cli.main", "serve", "--config", str(path), "--port", str(port)]
     if args.threads:
         command += ["--threads", str(args.threads)]
