@@ -21,6 +21,7 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <chrono>
@@ -49,8 +50,15 @@ thread_local bool in_job = false;
 class Pool {
    public:
     static Pool& get() {
-        static Pool* pool = new Pool();  // never destroyed: its workers may be asleep at exit
-        return *pool;
+        // Never destroyed: its workers may be asleep at exit. A forked child has none of its
+        // threads, and maybe a lock a worker held: it starts a pool of its own.
+        static const bool started = [] {
+            current = new Pool();
+            pthread_atfork(nullptr, nullptr, [] { current = new Pool(); });
+            return true;
+        }();
+        (void)started;
+        return *current;
     }
 
     void run(int64_t n, int64_t chunk, int threads, const Body& body) {
@@ -137,6 +145,7 @@ class Pool {
         }
     }
 
+    static inline Pool* current = nullptr;
     std::mutex submit_;
     std::vector<std::thread> workers_;
     uint64_t generation_ = 0;

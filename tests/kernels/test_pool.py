@@ -4,6 +4,7 @@ thread computes the same bits."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 
 import pytest
@@ -74,3 +75,24 @@ def test_attention_is_bitwise_the_same_from_any_thread_and_thread_count(isa: str
     for threads in (2, 3, 5):
         assert torch.equal(_with_threads(threads, attend), want), threads
         assert torch.equal(_in_thread(lambda: _with_threads(threads, attend)), want), threads
+
+
+def _product_in_child(packed: torch.Tensor, x: torch.Tensor, want: torch.Tensor, isa: str, done) -> None:
+    torch.set_num_threads(2)
+    done.put(bool(torch.equal(kernels.q4_matmul(x, packed, 3072, isa), want)))
+
+
+def test_a_forked_child_runs_the_kernels_after_its_parent_did(isa: str) -> None:
+    # The parent's workers do not exist in a child (a DataLoader's, say): its products finish, on
+    # two threads, with the parent's bits. (A lock a worker held at the fork, which the child's
+    # fresh pool avoids, is a window too narrow to hit here.)
+    packed = _packed("q4", 3072, 576)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(14))
+    want = _with_threads(2, lambda: kernels.q4_matmul(x, packed, 3072, isa))  # the parent's pool has run
+    context = multiprocessing.get_context("fork")
+    done = context.Queue()
+    child = context.Process(target=_product_in_child, args=(packed, x, want, isa, done))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0, "the child hung or failed"
+    assert done.get(timeout=5) is True
