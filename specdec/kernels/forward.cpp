@@ -6,6 +6,7 @@
 
 #include <ATen/ops/add.h>
 #include <c10/util/Half.h>
+#include <immintrin.h>
 
 #include "ops.h"
 
@@ -20,6 +21,16 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_fe
     TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == Q4_RECORD || packed.size(2) == Q8_RECORD),
                 "a layer's matrices must be packed q4 or q8");
     return quantized_matmul(x, packed, out_features, isa, packed.size(2) == Q4_RECORD, residual);
+}
+
+// n floats to float16 bits, rounded to nearest even (F16C's conversion, as torch's .half()).
+__attribute__((target("avx2,f16c")))
+void to_half(const float* src, at::Half* dst, int64_t n) {
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; e < n; ++e) dst[e] = at::Half(src[e]);
 }
 
 // k or v [rows, kv_heads, new, head_dim] into buf [R, kv_heads, S, head_dim] at (row, slot) per
@@ -38,8 +49,7 @@ void write_cache(const at::Tensor& states, at::Tensor& buf, const int64_t* row_o
                 const int64_t at_ = row * buf.stride(0) + h * buf.stride(1) + slot * buf.stride(2);
                 const float* from = src + ((r * kv_heads + h) * nq + i) * head_dim;
                 if (half) {
-                    at::Half* dst = buf.data_ptr<at::Half>() + at_;
-                    for (int64_t e = 0; e < head_dim; ++e) dst[e] = at::Half(from[e]);
+                    to_half(from, buf.data_ptr<at::Half>() + at_, head_dim);
                 } else {
                     std::memcpy(buf.data_ptr<float>() + at_, from, sizeof(float) * head_dim);
                 }
