@@ -64,14 +64,15 @@ float softmax_weights(float* sc, int64_t n, float highest) {
     return 1.0f / horizontal_sum(total);
 }
 
-// One query of one row, for HG query heads that share a key/value head (grouped-query attention):
-// each key and value is loaded once for all HG heads. Every head's arithmetic is the same
-// sequence of operations as it would be alone, so the bits do not depend on the grouping.
+// The element type of a cache (float, or uint16_t for float16) as a value, to choose a template.
 template <typename T>
 struct Element {
     using type = T;
 };
 
+// One query of one row, for HG query heads that share a key/value head (grouped-query attention):
+// each key and value is loaded once for all HG heads. Every head's arithmetic is the same
+// sequence of operations as it would be alone, so the bits do not depend on the grouping.
 template <int HG, typename T>
 struct Heads {
     const float* q[HG];      // [head_dim] each
@@ -279,10 +280,10 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
     const bool wide = resolve_isa(isa) != ISA_AVX2 && (head_dim == 64 || head_dim == 128);
     const int64_t qs = qc.stride(1);  // between heads
     // Tasks differ in length (a prompt's later queries see more keys, rows of a batch hold
-    // prefixes of their own): each thread takes every threads-th task, so that each gets its share
-    // of long and short ones, where contiguous ranges left one thread a prompt's longest queries.
-    // Lanes, 4 a thread, are claimed as the threads come (a descheduled thread holds up no more
-    // than the lane it runs).
+    // prefixes of their own): lane j takes every lanes-th task from the j-th, so that each lane
+    // holds its share of long and short ones, where contiguous ranges left one thread a prompt's
+    // longest queries. Lanes, 4 a thread, are claimed as the threads come (a descheduled thread
+    // holds up no more than the lane it runs).
     const int64_t tasks = rows * nq * kv_heads * sets;
     const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(4 * specdec::kernel_threads(), tasks));
     specdec::parallel_chunks(lanes, 1, [&](int64_t first_lane, int64_t last_lane) {

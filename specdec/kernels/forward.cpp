@@ -46,13 +46,10 @@ void write_cache(const at::Tensor& states, at::Tensor& buf, const int64_t* row_o
             const int64_t t = r * nq + i, row = row_of[t], slot = slot_of[t];
             TORCH_CHECK(row >= 0 && row < buf.size(0) && slot >= 0 && slot < buf.size(2), "a cache write is out of range");
             for (int64_t h = 0; h < kv_heads; ++h) {
-                const int64_t at_ = row * buf.stride(0) + h * buf.stride(1) + slot * buf.stride(2);
+                const int64_t offset = row * buf.stride(0) + h * buf.stride(1) + slot * buf.stride(2);
                 const float* from = src + ((r * kv_heads + h) * nq + i) * head_dim;
-                if (half) {
-                    to_half(from, buf.data_ptr<at::Half>() + at_, head_dim);
-                } else {
-                    std::memcpy(buf.data_ptr<float>() + at_, from, sizeof(float) * head_dim);
-                }
+                if (half) to_half(from, buf.data_ptr<at::Half>() + offset, head_dim);
+                else std::memcpy(buf.data_ptr<float>() + offset, from, sizeof(float) * head_dim);
             }
         }
 }

@@ -9,11 +9,11 @@
 // Why not OpenMP: libgomp throttles its workers' spinning to almost nothing once a process holds
 // more OpenMP threads than the machine has cores, which a second thread that calls torch (a
 // server's scheduler thread, after the main thread loaded the model) reaches at once: every
-// parallel region then waits out a futex wake-up, 15 -> 86 us for one product here, and a served
-// stream ran at a quarter of the library's speed.
+// parallel region then waits out a futex wake-up, several times a small product's own time.
 //
-// Workers spin for SPIN after a job (a pass's products follow each other microseconds apart),
-// then sleep on a condition variable until the next job. One job at a time: a thread that finds
+// Workers wait SPIN for the next job (a pass's products follow each other microseconds apart),
+// pausing, then yielding their core between looks (on a busy machine another process's work
+// runs meanwhile), then sleep on a condition variable. One job at a time: a thread that finds
 // the pool busy (a second engine in another thread) runs its job alone, as does a job submitted
 // from inside a job.
 
@@ -36,7 +36,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto SPIN = std::chrono::microseconds(1000);
-constexpr int YIELD_AFTER = 256;  // pauses before a waiting worker starts yielding
+constexpr int YIELD_AFTER = 256;          // pauses before a waiting worker starts yielding
+constexpr int CALLER_YIELD_AFTER = 2000;  // pauses before a caller waiting for chunks does
 constexpr int64_t MAX_CHUNKS = 0xFFFF;
 
 // The job word: generation (32 bits) | chunks (16) | next chunk to claim (16). A claim is a
@@ -86,7 +87,7 @@ class Pool {
         // preempted mid-chunk gets it back (on two cores the caller's spinning could be what keeps
         // it off).
         for (int spins = 0; done_.load(std::memory_order_acquire) < chunks; ++spins) {
-            if (spins < 2000) _mm_pause();
+            if (spins < CALLER_YIELD_AFTER) _mm_pause();
             else std::this_thread::yield();
         }
         if (error_) std::rethrow_exception(error_);

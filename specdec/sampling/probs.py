@@ -62,8 +62,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """Draw one token per row. probs: [batch, vocab] (need not sum to 1) -> tokens: [batch].
 
     By the inverse of each row's cumulative distribution, summed in float64: one uniform a row,
-    where torch.multinomial draws a random number per vocabulary entry (1 ms a row for a 49k
-    vocabulary here, as long as a plain decoding step). A token of probability 0 is never drawn:
+    where torch.multinomial draws a random number per vocabulary entry (for a large vocabulary,
+    about as long as a plain decoding step). A token of probability 0 is never drawn:
     the first index whose running sum exceeds u lies where the sum rose.
     """
     if probs.dim() != 2:

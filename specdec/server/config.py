@@ -287,9 +287,8 @@ class ServerConfig:
     # kernels use as many). None is auto: torch's default (one per core), except for one
     # sequence on PyTorch's products (the hf backend, or no kernels), which runs on one core
     # fewer, so that the HTTP event loop (and, on a small machine, the client) does not preempt
-    # a spinning OpenMP worker at every step (hf on 2 cores at concurrency 1: 22.4 tok/s with 1
-    # thread against 17.8 with 2). The kernels' own pool has no such stall: one stream on the
-    # native backend ran at 156 tok/s with 2 threads against 97 with 1.
+    # a spinning OpenMP worker at every step. The kernels' own pool waits for no preempted
+    # thread, so there every core pays (docs/server.md has the measurements).
     threads: int | None = None
     # The target's backend and weight format (`specdec serve --backend/--dtype` override them).
     backend: str = "auto"
