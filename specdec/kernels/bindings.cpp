@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "x [..., dim] float32 -> RMSNorm(x) * weight");
     m.def("rotary_split", &rotary_split, "qkv [tokens, width] -> rotated q, k and v [rows, heads, new, head_dim]");
     m.def("silu_mul", &silu_mul, "h [rows, 2 * inter] -> silu(gate) * up [rows, inter]");
+    m.def("gelu_mul", &gelu_mul, "h [rows, 2 * inter] -> gelu_tanh(gate) * up [rows, inter]");
     m.def("embed_rows", &embed_rows, "rows ids [n] of a packed q8 or q4 matrix, dequantized -> [n, in] float32");
     m.def("forward_layers", &forward_layers, "decoder layers of a short pass in one call (see forward.cpp)");
     m.def("instruction_sets", &instruction_sets, "the kernel paths this CPU can run");

@@ -18,9 +18,11 @@ namespace {
 
 at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t isa,
                       const c10::optional<at::Tensor>& residual = c10::nullopt) {
-    TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == Q4_RECORD || packed.size(2) == Q8_RECORD),
+    TORCH_CHECK(packed.dim() == 3, "a layer's matrices must be packed q4 or q8");
+    const int64_t record = packed.size(2);
+    TORCH_CHECK(record == Q4_RECORD || record == Q4F_RECORD || record == Q8_RECORD || record == Q6_RECORD,
                 "a layer's matrices must be packed q4 or q8");
-    return quantized_matmul(x, packed, out_features, isa, packed.size(2) == Q4_RECORD, residual);
+    return quantized_matmul(x, packed, out_features, isa, record == Q4_RECORD || record == Q4F_RECORD, residual);
 }
 
 // n floats to float16 bits, rounded to nearest even (F16C's conversion, as torch's .half()).

@@ -133,10 +133,31 @@ void silu_mul_range(const float* h, float* out, int64_t begin, int64_t end, int6
     }
 }
 
-}  // namespace
+// GELU's tanh approximation, 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), written
+// as g / (1 + exp(-2u)) (the same function; no cancellation near 0), times up.
+__attribute__((target("avx2,fma")))
+void gelu_mul_range(const float* h, float* out, int64_t begin, int64_t end, int64_t inter) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 cubic = _mm256_set1_ps(0.044715f);
+    const __m256 minus_two_c = _mm256_set1_ps(-1.5957691216057308f);  // -2 sqrt(2 / pi)
+    for (int64_t r = begin; r < end; ++r) {
+        const float* gate = h + r * 2 * inter;
+        const float* up = gate + inter;
+        float* o = out + r * inter;
+        for (int64_t i = 0; i < inter; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+            const __m256 inner = _mm256_add_ps(g, _mm256_mul_ps(cubic, g3));
+            const __m256 e = exp8(_mm256_mul_ps(minus_two_c, inner));
+            const __m256 gelu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+        }
+    }
+}
 
-at::Tensor silu_mul(const at::Tensor& h) {
-    // h [rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]
+// h [rows, 2 * inter] (gate, then up) -> act(gate) * up [rows, inter], rows split between threads.
+template <void (*Range)(const float*, float*, int64_t, int64_t, int64_t)>
+at::Tensor gated(const at::Tensor& h) {
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.size(1) % 2 == 0, "h must be [rows, 2 * inter] float32");
     TORCH_CHECK(h.size(1) % 16 == 0, "inter must be a multiple of 8");
     TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
@@ -145,19 +166,29 @@ at::Tensor silu_mul(const at::Tensor& h) {
     const float* hp = hc.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t inter = h.size(1) / 2;
-    specdec::parallel_chunks(h.size(0), 4, [&](int64_t begin, int64_t end) { silu_mul_range(hp, op, begin, end, inter); });
+    specdec::parallel_chunks(h.size(0), 4, [&](int64_t begin, int64_t end) { Range(hp, op, begin, end, inter); });
     return out;
 }
 
+}  // namespace
+
+at::Tensor silu_mul(const at::Tensor& h) { return gated<silu_mul_range>(h); }
+
+at::Tensor gelu_mul(const at::Tensor& h) { return gated<gelu_mul_range>(h); }
+
 at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8) {
     // packed: [units, blocks, record] uint8 (packing.pack_q8 or pack_q4: per block, the 16 rows'
-    // quants interleaved, then their float16 scales, and for q4 their mins); ids [n] int64 ->
+    // quants interleaved, then their scales, and for q4 their mins, float16 or, in q4's 384-byte
+    // records and q8's 640-byte ones (a scale per 16 inputs), float32); ids [n] int64 ->
     // [n, blocks * 32] float32, each value d * q (q8) or d * q + m (q4) in float32, two roundings
     // as GGUF's own dequantization (the build contracts no multiply-add). No parallel region: a
     // step looks up a few rows.
     constexpr int64_t unit = 16, block = 32;
-    const int64_t record = q8 ? 544 : 320;
-    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == record && packed.is_contiguous(),
+    TORCH_CHECK(packed.dim() == 3, "packed must be [units, blocks, record]");
+    const bool f32 = !q8 && packed.size(2) == Q4F_RECORD;
+    const bool q6 = q8 && packed.size(2) == Q6_RECORD;
+    const int64_t record = q8 ? (q6 ? Q6_RECORD : Q8_RECORD) : f32 ? Q4F_RECORD : Q4_RECORD;
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) == record && packed.is_contiguous(),
                 "packed must be a contiguous [units, blocks, ", record, "] uint8 tensor");
     TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [n] int64");
     const int64_t units = packed.size(0), blocks = packed.size(1), n = ids.size(0);
@@ -175,16 +206,20 @@ at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8) 
             float* o = op + r * blocks * block + b * block;
             if (q8) {
                 // quants: [j (8), column (16), i (4)] int8; value j * 4 + i of the block
-                const float d = static_cast<float>(reinterpret_cast<const at::Half*>(rec + 512)[c]);
+                const float d = q6 ? 0.0f : static_cast<float>(reinterpret_cast<const at::Half*>(rec + 512)[c]);
                 for (int j = 0; j < 8; ++j) {
+                    // q6: inputs 0..15 (j < 4) and 16..31 each have their own float32 scale
+                    const float dj = q6 ? reinterpret_cast<const float*>(rec + (j < 4 ? 512 : 576))[c] : d;
                     for (int i = 0; i < 4; ++i) {
-                        o[j * 4 + i] = d * static_cast<float>(static_cast<int8_t>(rec[(j * unit + c) * 4 + i]));
+                        o[j * 4 + i] = dj * static_cast<float>(static_cast<int8_t>(rec[(j * unit + c) * 4 + i]));
                     }
                 }
             } else {
                 // bytes: [p (4), column (16), i (4)], low nibble value p * 4 + i, high nibble 16 + p * 4 + i
-                const float d = static_cast<float>(reinterpret_cast<const at::Half*>(rec + 256)[c]);
-                const float m = static_cast<float>(reinterpret_cast<const at::Half*>(rec + 288)[c]);
+                const float d = f32 ? reinterpret_cast<const float*>(rec + 256)[c]
+                                    : static_cast<float>(reinterpret_cast<const at::Half*>(rec + 256)[c]);
+                const float m = f32 ? reinterpret_cast<const float*>(rec + 320)[c]
+                                    : static_cast<float>(reinterpret_cast<const at::Half*>(rec + 288)[c]);
                 for (int p = 0; p < 4; ++p) {
                     for (int i = 0; i < 4; ++i) {
                         const uint8_t byte = rec[(p * unit + c) * 4 + i];

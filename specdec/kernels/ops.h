@@ -11,13 +11,15 @@
 
 // Bytes per (unit of 16 output columns, block of 32 inputs) of the packed weights (quant.cpp).
 constexpr int Q4_RECORD = 256 + 64;  // nibbles, then 16 float16 d and 16 float16 m
+constexpr int Q4F_RECORD = 256 + 128;  // nibbles, then 16 float32 d and 16 float32 m (Q4_K's scales)
 constexpr int Q8_RECORD = 512 + 32;  // int8, then 16 float16 d
+constexpr int Q6_RECORD = 512 + 128;  // int8, then 16 float32 d of inputs 0..15 and 16 of 16..31 (Q6_K)
 
 // The kernel paths, as the `isa` arguments name them (specdec.kernels.ISAS on the Python side).
 // ISA_AMX: AMX tiles for products of several rows, the AVX-512 VNNI path for the rest and for attention.
 enum Isa : int64_t { ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
 
-// quant.cpp: x [rows, in] float32 times packed q4 (Q4_0/Q4_1) or q8 (Q8_0) weights, plus the
+// quant.cpp: x [rows, in] float32 times packed q4 (Q4_0/Q4_1/Q4_K) or q8 (Q8_0/Q5_0/Q6_K) weights, plus the
 // residual where given -> [rows, out] float32; isa: an Isa.
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                                int64_t isa, bool q4, const c10::optional<at::Tensor>& residual);
@@ -35,6 +37,7 @@ std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& co
                                         int64_t rows, int64_t heads, int64_t kv_heads, const at::Tensor& q_norm,
                                         const at::Tensor& k_norm, double eps);
 at::Tensor silu_mul(const at::Tensor& h);
+at::Tensor gelu_mul(const at::Tensor& h);
 at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8);
 // forward.cpp
 std::vector<at::Tensor> forward_layers(

@@ -5,9 +5,12 @@ unit's weights front to back and applies each vector to every activation row:
 
 - q4 (Q4_0/Q4_1 values q in 0..15, w = d q + m): 4 x 64 bytes of nibbles, byte `64 p + 4 c + i`
   holding input `4 p + i` in its low nibble and input `16 + 4 p + i` in its high one, for column
-  c; then the 16 columns' d and m as float16 (320 bytes);
+  c; then the 16 columns' d and m as float16 (320 bytes), or as float32 (384 bytes) where float16
+  cannot hold them exactly (Q4_K: d = d_super * scale and m = -dmin * min, 17-bit products);
 - q8 (Q8_0 values q in -128..127, w = d q): 8 x 64 bytes, byte `64 j + 4 c + i` holding input
-  `4 j + i` of column c; then 16 float16 d (544 bytes).
+  `4 j + i` of column c; then 16 float16 d (544 bytes), or, with a scale per 16 inputs (Q6_K:
+  d = d_super * scale, exact in float32 only), 16 float32 d of inputs 0..15 and 16 of inputs
+  16..31 (640 bytes).
 
 Columns past the matrix (out_features not a multiple of 16) are zeros and never stored.
 """
@@ -19,7 +22,9 @@ import torch
 BLOCK = 32  # inputs per block: GGUF's Q4_0, Q4_1 and Q8_0 blocks
 UNIT = 16  # output columns per record
 Q4_RECORD = 320
+Q4F_RECORD = 384  # q4 with float32 scales
 Q8_RECORD = 544
+Q6_RECORD = 640  # q8 with a float32 scale per 16 inputs
 
 
 def _pad_columns(t: torch.Tensor) -> torch.Tensor:
@@ -28,26 +33,31 @@ def _pad_columns(t: torch.Tensor) -> torch.Tensor:
 
 
 def _halves(t: torch.Tensor) -> torch.Tensor:
-    # float16 [out, blocks] -> the records' bytes [units, blocks, 32]
-    units = t.shape[0] // UNIT
-    return t.reshape(units, UNIT, -1).transpose(1, 2).contiguous().view(torch.uint8).reshape(units, -1, 2 * UNIT)
+    # float16 or float32 [out, blocks] -> the records' bytes [units, blocks, 32 or 64]
+    units, blocks = t.shape[0] // UNIT, t.shape[1]
+    return t.reshape(units, UNIT, -1).transpose(1, 2).contiguous().view(torch.uint8).reshape(units, blocks, -1)
 
 
 def _unhalves(b: torch.Tensor, out_features: int) -> torch.Tensor:
-    # the records' bytes [units, blocks, 32] -> float32 [out, blocks]
-    units, blocks, _ = b.shape
-    return b.contiguous().view(torch.float16).reshape(units, blocks, UNIT).transpose(1, 2).reshape(-1, blocks)[
+    # the records' bytes [units, blocks, 32 (float16) or 64 (float32)] -> float32 [out, blocks]
+    units, blocks, width = b.shape
+    dtype = torch.float16 if width == 2 * UNIT else torch.float32
+    return b.contiguous().view(dtype).reshape(units, blocks, UNIT).transpose(1, 2).reshape(-1, blocks)[
         :out_features].float()
 
 
+def _is_half(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t.float()))
+
+
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """q [out, in] integers 0..15, d and m [out, in / 32] (float16 values) -> [units, blocks, 320] uint8."""
+    """q [out, in] integers 0..15, d and m [out, in / 32] float32 -> [units, blocks, 320] uint8 with
+    float16 scales where float16 holds every d and m exactly, else [units, blocks, 384] with float32 ones."""
     out_features, in_features = q.shape
     if in_features % BLOCK:
         raise ValueError(f"q4 needs in_features divisible by {BLOCK}, got {in_features}")
-    if not (torch.equal(d.half().float(), d.float()) and torch.equal(m.half().float(), m.float())):
-        raise ValueError("q4 scales and mins must be float16 values (round them before quantizing)")
-    q, d, m = _pad_columns(q.to(torch.uint8)), _pad_columns(d.half()), _pad_columns(m.half())
+    scale_type = torch.float16 if _is_half(d) and _is_half(m) else torch.float32
+    q, d, m = _pad_columns(q.to(torch.uint8)), _pad_columns(d.to(scale_type)), _pad_columns(m.to(scale_type))
     units, blocks = q.shape[0] // UNIT, in_features // BLOCK
     # [units, column, block, half (low/high nibble), p, i] -> [units, block, p, column, i, half]
     nib = q.reshape(units, UNIT, blocks, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
@@ -61,28 +71,41 @@ def unpack_q4(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, to
     bytes_ = packed[..., :256].reshape(units, blocks, 4, UNIT, 4)
     nib = torch.stack([bytes_ & 0x0F, bytes_ >> 4], dim=-1)  # [units, block, p, column, i, half]
     q = nib.permute(0, 3, 1, 5, 2, 4).reshape(units * UNIT, blocks * BLOCK)[:out_features].to(torch.int32)
-    return q, _unhalves(packed[..., 256:288], out_features), _unhalves(packed[..., 288:320], out_features)
+    width = (packed.shape[-1] - 256) // 2  # each of d and m: 32 bytes (float16) or 64 (float32)
+    return (q, _unhalves(packed[..., 256 : 256 + width], out_features),
+            _unhalves(packed[..., 256 + width :], out_features))
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """q [out, in] integers -128..127, d [out, in / 32] (float16 values) -> [units, blocks, 544] uint8."""
+    """q [out, in] integers -128..127, d [out, in / 32] (float16 values) -> [units, blocks, 544] uint8,
+    or d [out, in / 16] (a scale per 16 inputs, float32) -> [units, blocks, 640]."""
     out_features, in_features = q.shape
     if in_features % BLOCK:
         raise ValueError(f"q8 needs in_features divisible by {BLOCK}, got {in_features}")
-    if not torch.equal(d.half().float(), d.float()):
-        raise ValueError("q8 scales must be float16 values (round them before quantizing)")
-    q, d = _pad_columns(q.to(torch.int8)), _pad_columns(d.half())
+    per16 = d.shape[1] == 2 * (in_features // BLOCK)
+    if not per16 and not _is_half(d):
+        raise ValueError("q8 scales per 32 inputs must be float16 values (round them before quantizing)")
+    q = _pad_columns(q.to(torch.int8))
     units, blocks = q.shape[0] // UNIT, in_features // BLOCK
     # [units, column, block, j, i] -> [units, block, j, column, i]
     bytes_ = q.reshape(units, UNIT, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(units, blocks, 512)
-    return torch.cat([bytes_.view(torch.uint8), _halves(d)], dim=-1).contiguous()
+    if per16:  # each block's scales of inputs 0..15, then of 16..31
+        d = _pad_columns(d.float())
+        scales = [_halves(d[:, 0::2].contiguous()), _halves(d[:, 1::2].contiguous())]
+    else:
+        scales = [_halves(_pad_columns(d.half()))]
+    return torch.cat([bytes_.view(torch.uint8), *scales], dim=-1).contiguous()
 
 
 def unpack_q8(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`pack_q8`: q [out, in] int32, d [out, blocks] float32."""
-    units, blocks, _ = packed.shape
+    """The inverse of :func:`pack_q8`: q [out, in] int32, d [out, blocks] (or [out, 2 blocks], a
+    scale per 16 inputs) float32."""
+    units, blocks, record = packed.shape
     bytes_ = packed[..., :512].contiguous().view(torch.int8).reshape(units, blocks, 8, UNIT, 4)
     q = bytes_.permute(0, 3, 1, 2, 4).reshape(units * UNIT, blocks * BLOCK)[:out_features].to(torch.int32)
+    if record == Q6_RECORD:
+        low, high = _unhalves(packed[..., 512:576], out_features), _unhalves(packed[..., 576:640], out_features)
+        return q, torch.stack([low, high], dim=-1).reshape(out_features, 2 * blocks)
     return q, _unhalves(packed[..., 512:544], out_features)
 
 
@@ -93,17 +116,23 @@ def q4_rows(packed: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, tor
     unit, column = rows // UNIT, rows % UNIT
     bytes_ = packed[..., :256].reshape(units, blocks, 4, UNIT, 4)[unit, :, :, column]  # [n, block, p, i]
     q = torch.stack([bytes_ & 0x0F, bytes_ >> 4], dim=2).reshape(len(rows), blocks * BLOCK).to(torch.int32)
-    halves = packed[..., 256:].view(torch.float16).reshape(units, blocks, 2, UNIT)  # d, then m
+    dtype = torch.float16 if packed.shape[-1] == Q4_RECORD else torch.float32
+    halves = packed[..., 256:].view(dtype).reshape(units, blocks, 2, UNIT)  # d, then m
     return q, halves[unit, :, 0, column].float(), halves[unit, :, 1, column].float()
 
 
 def q8_rows(packed: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows [n] of a :func:`pack_q8` matrix, unpacked: q [n, in] int32, d [n, blocks] float32."""
-    units, blocks, _ = packed.shape
+    """Rows [n] of a :func:`pack_q8` matrix, unpacked: q [n, in] int32, d [n, blocks] (or
+    [n, 2 blocks], a scale per 16 inputs) float32."""
+    units, blocks, record = packed.shape
     unit, column = rows // UNIT, rows % UNIT
     bytes_ = packed[..., :512].view(torch.int8).reshape(units, blocks, 8, UNIT, 4)[unit, :, :, column]  # [n, block, j, i]
+    q = bytes_.reshape(len(rows), blocks * BLOCK).to(torch.int32)
+    if record == Q6_RECORD:
+        halves = packed[..., 512:].view(torch.float32).reshape(units, blocks, 2, UNIT)  # low, then high
+        return q, halves[unit, :, :, column].reshape(len(rows), 2 * blocks)
     d = packed[..., 512:].view(torch.float16).reshape(units, blocks, UNIT)[unit, :, column]
-    return bytes_.reshape(len(rows), blocks * BLOCK).to(torch.int32), d.float()
+    return q, d.float()
 
 
 def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,8 +17,13 @@
 // Packed layouts (U = output columns / 16, G = inputs / 32), one contiguous record per (unit, block):
 //   q4: 256 bytes of nibbles, then 16 float16 d, then 16 float16 m           (320 bytes)
 //       byte 64 p + 4 c + i: low nibble input 4 p + i, high nibble input 16 + 4 p + i, column c
+//       or, for scales that float16 cannot hold (Q4_K's d * scale and dmin * min), the same
+//       nibbles, then 16 float32 d, then 16 float32 m                       (384 bytes)
 //   q8: 512 bytes of int8, then 16 float16 d                                   (544 bytes)
 //       byte 64 j + 4 c + i: input 4 j + i, column c
+//       or, with a scale per 16 inputs (Q6_K's d * scale), the same bytes, then 16 float32 d of
+//       inputs 0..15 and 16 of inputs 16..31                                (640 bytes); a block's
+//       two halves then sum apart, each scaled: t = s_lo d_lo + s_hi d_hi
 
 #include "ops.h"
 #include "quant.h"
@@ -66,12 +71,21 @@ bool has_avx2() {
     return yes;
 }
 
+// The 8 lanes' sum (integers: any order).
+__attribute__((target("avx2")))
+inline int32_t fold(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+
 // ---------------------------------------------------------------------------------------------
 // One block of 32: d = amax / 127, q = round(x * (1 / d)) half to even (the default rounding mode,
 // as nearbyint), and the sum of q. The maximum is exact in any order and each element's multiply
-// and rounding are single IEEE operations, so this is bitwise the scalar definition.
+// and rounding are single IEEE operations, so this is bitwise the scalar definition. The sum of
+// the first 16 q is kept too (for weights with a scale per 16 inputs).
 __attribute__((target("avx2,fma")))
-void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int32_t* s, float* sf) {
+void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int32_t* s, float* sf, int32_t* s16) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4];
     __m256 top = _mm256_setzero_ps();
@@ -88,10 +102,8 @@ void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int32_t* s, floa
     const __m256 inv = _mm256_set1_ps(inverse);
     __m256i q[4];
     for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // rounds half to even
-    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    const int32_t first = fold(_mm256_add_epi32(q[0], q[1]));
+    const int32_t sum = first + fold(_mm256_add_epi32(q[2], q[3]));
     // Pack 32 int32 (each in -127..127) to int8 in order: packs interleave 128-bit lanes, so fix
     // the order with a permute.
     const __m256i w01 = _mm256_packs_epi32(q[0], q[1]);
@@ -99,21 +111,21 @@ void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int32_t* s, floa
     const __m256i b = _mm256_packs_epi16(w01, w23);
     const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), ordered);
-    const int32_t sum = _mm_cvtsi128_si32(t);
     *d = scale;
     *s = sum;
     *sf = static_cast<float>(sum);
+    *s16 = first;
 }
 
-// Activation quantization: x [rows, K] float -> q [G, rows, 32] int8, d, s, sf [G, rows]. Block-major,
-// so that a tile reads every row's block g from one pointer at fixed offsets (no per-row pointers
-// competing for registers in the inner loop).
-void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s, float* sf) {
+// Activation quantization: x [rows, K] float -> q [G, rows, 32] int8, d, s, sf, s16 [G, rows].
+// Block-major, so that a tile reads every row's block g from one pointer at fixed offsets (no
+// per-row pointers competing for registers in the inner loop).
+void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s, float* sf, int32_t* s16) {
     const int64_t G = K / QK;
     specdec::parallel_chunks(rows * G, 256, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const int64_t r = i / G, g = i % G, j = g * rows + r;
-            quantize_block_avx2(x + r * K + g * QK, q + j * QK, d + j, s + j, sf + j);
+            quantize_block_avx2(x + r * K + g * QK, q + j * QK, d + j, s + j, sf + j, s16 + j);
         }
     });
 }
@@ -133,9 +145,26 @@ inline void store_tile(const __m512* acc, float* out, const float* res, int64_t 
     }
 }
 
-template <int T>
+// A q4 record's 16 d (F32: float32, else float16) and 16 m, as float32.
+template <bool F32>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+inline __m512 q4_scales16(const uint8_t* rec, int which) {
+    if constexpr (F32) return _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 256) + 16 * which);
+    else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256 + 32 * which)));
+}
+
+// The same for columns 8 h .. 8 h + 7.
+template <bool F32>
+__attribute__((target("avx2,fma,f16c")))
+inline __m256 q4_scales8(const uint8_t* rec, int which, int h) {
+    if constexpr (F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 256) + 16 * which + 8 * h);
+    else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 32 * which + 16 * h)));
+}
+
+template <int T, bool F32>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
+    constexpr int RECORD = F32 ? Q4F_RECORD : Q4_RECORD;
     __m512 acc[T];
     for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -143,8 +172,8 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
     const float* xd = x.d + row0;
     const float* xs = x.sf + row0;
     for (int64_t g = 0; g < x.G; ++g, xq += x.rows * QK, xd += x.rows, xs += x.rows) {
-        const uint8_t* rec = unit + g * Q4_RECORD;
-        prefetch_ahead<Q4_RECORD>(rec);
+        const uint8_t* rec = unit + g * RECORD;
+        prefetch_ahead<RECORD>(rec);
         __m512i lo_sum[T], hi_sum[T];  // two dependency chains per row
         for (int r = 0; r < T; ++r) lo_sum[r] = hi_sum[r] = _mm512_setzero_si512();
         for (int p = 0; p < 4; ++p) {
@@ -160,8 +189,8 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
                 hi_sum[r] = _mm512_dpbusd_epi32(hi_sum[r], wh, _mm512_set1_epi32(b));
             }
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
-        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+        const __m512 dw = q4_scales16<F32>(rec, 0);
+        const __m512 mw = q4_scales16<F32>(rec, 1);
         for (int r = 0; r < T; ++r) {
             __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_sum[r], hi_sum[r]));
             t = _mm512_mul_ps(t, dw);
@@ -174,39 +203,55 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
     store_tile<T>(acc, out, res, row0, ldo, mask);
 }
 
-template <int T>
+// Q6: the 640-byte records, a float32 scale per 16 inputs (see the layouts above).
+template <int T, bool Q6>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
+    constexpr int RECORD = Q6 ? Q6_RECORD : Q8_RECORD;
     __m512 acc[T];
     for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     const int8_t* xq = x.q + row0 * QK;
     const float* xd = x.d + row0;
     const int32_t* xs = x.s + row0;
-    for (int64_t g = 0; g < x.G; ++g, xq += x.rows * QK, xd += x.rows, xs += x.rows) {
-        const uint8_t* rec = unit + g * Q8_RECORD;
-        prefetch_ahead<Q8_RECORD>(rec);
-        __m512i even[T], odd[T];
-        for (int r = 0; r < T; ++r) even[r] = odd[r] = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j += 2) {
+    const int32_t* xs16 = x.s16 + row0;
+    for (int64_t g = 0; g < x.G; ++g, xq += x.rows * QK, xd += x.rows, xs += x.rows, xs16 += x.rows) {
+        const uint8_t* rec = unit + g * RECORD;
+        prefetch_ahead<RECORD>(rec);
+        __m512i lo[T], hi[T];  // inputs 0..15 and 16..31: two dependency chains per row
+        for (int r = 0; r < T; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
             // w + 128 as unsigned bytes: sum((w + 128) x) - 128 sum(x) is the exact signed sum.
             const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * j), flip);
-            const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * (j + 1)), flip);
+            const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * (j + 4)), flip);
             for (int r = 0; r < T; ++r) {
                 const int8_t* xb = xq + r * QK;
                 int32_t a, b;
                 std::memcpy(&a, xb + 4 * j, 4);
-                std::memcpy(&b, xb + 4 * (j + 1), 4);
-                even[r] = _mm512_dpbusd_epi32(even[r], w0, _mm512_set1_epi32(a));
-                odd[r] = _mm512_dpbusd_epi32(odd[r], w1, _mm512_set1_epi32(b));
+                std::memcpy(&b, xb + 16 + 4 * j, 4);
+                lo[r] = _mm512_dpbusd_epi32(lo[r], w0, _mm512_set1_epi32(a));
+                hi[r] = _mm512_dpbusd_epi32(hi[r], w1, _mm512_set1_epi32(b));
             }
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
-        for (int r = 0; r < T; ++r) {
-            const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(even[r], odd[r]), _mm512_set1_epi32(128 * xs[r]));
-            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dw);
-            t = _mm512_mul_ps(t, _mm512_set1_ps(xd[r]));
-            acc[r] = _mm512_add_ps(acc[r], t);
+        if constexpr (Q6) {
+            const __m512 dlo = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 512));
+            const __m512 dhi = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 576));
+            for (int r = 0; r < T; ++r) {
+                const __m512i l = _mm512_sub_epi32(lo[r], _mm512_set1_epi32(128 * xs16[r]));
+                const __m512i h = _mm512_sub_epi32(hi[r], _mm512_set1_epi32(128 * (xs[r] - xs16[r])));
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(l), dlo);
+                t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_cvtepi32_ps(h), dhi));
+                t = _mm512_mul_ps(t, _mm512_set1_ps(xd[r]));
+                acc[r] = _mm512_add_ps(acc[r], t);
+            }
+        } else {
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
+            for (int r = 0; r < T; ++r) {
+                const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(lo[r], hi[r]), _mm512_set1_epi32(128 * xs[r]));
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dw);
+                t = _mm512_mul_ps(t, _mm512_set1_ps(xd[r]));
+                acc[r] = _mm512_add_ps(acc[r], t);
+            }
         }
     }
     const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
@@ -228,9 +273,10 @@ inline void store_cols(float* dst, const float* res, __m256 v, int ncols) {
     }
 }
 
-template <int T>
+template <int T, bool F32>
 __attribute__((target("avx2,fma,f16c")))
 void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
+    constexpr int RECORD = F32 ? Q4F_RECORD : Q4_RECORD;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; ++h) {
@@ -240,8 +286,8 @@ void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
         const float* xd = x.d + row0;
         const float* xs = x.sf + row0;
         for (int64_t g = 0; g < x.G; ++g, xq += x.rows * QK, xd += x.rows, xs += x.rows) {
-            const uint8_t* rec = unit + g * Q4_RECORD;
-            if (h == 0) prefetch_ahead<Q4_RECORD>(rec);
+            const uint8_t* rec = unit + g * RECORD;
+            if (h == 0) prefetch_ahead<RECORD>(rec);
             __m256i sum[T];
             for (int r = 0; r < T; ++r) sum[r] = _mm256_setzero_si256();
             for (int p = 0; p < 4; ++p) {
@@ -259,8 +305,8 @@ void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
                     sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(pl, ph));
                 }
             }
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
-            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
+            const __m256 dw = q4_scales8<F32>(rec, 0, h);
+            const __m256 mw = q4_scales8<F32>(rec, 1, h);
             for (int r = 0; r < T; ++r) {
                 __m256 t = _mm256_cvtepi32_ps(sum[r]);
                 t = _mm256_mul_ps(t, dw);
@@ -274,9 +320,10 @@ void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
     }
 }
 
-template <int T>
+template <int T, bool Q6>
 __attribute__((target("avx2,fma,f16c")))
 void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
+    constexpr int RECORD = Q6 ? Q6_RECORD : Q8_RECORD;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; ++h) {
         __m256 acc[T];
@@ -284,10 +331,10 @@ void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
         const int8_t* xq = x.q + row0 * QK;
         const float* xd = x.d + row0;
         for (int64_t g = 0; g < x.G; ++g, xq += x.rows * QK, xd += x.rows) {
-            const uint8_t* rec = unit + g * Q8_RECORD;
-            if (h == 0) prefetch_ahead<Q8_RECORD>(rec);
-            __m256i sum[T];
-            for (int r = 0; r < T; ++r) sum[r] = _mm256_setzero_si256();
+            const uint8_t* rec = unit + g * RECORD;
+            if (h == 0) prefetch_ahead<RECORD>(rec);
+            __m256i lo[T], hi[T];  // inputs 0..15 and 16..31
+            for (int r = 0; r < T; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) {
                 const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
                 const __m256i wabs = _mm256_abs_epi8(w);  // -128 becomes 128 as an unsigned byte
@@ -296,14 +343,27 @@ void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
                     std::memcpy(&a, xq + r * QK + 4 * j, 4);
                     // |w| times x with w's sign: |pair sum| <= 2 * 128 * 127, no saturation.
                     const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
-                    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones);
+                    if (j < 4) lo[r] = _mm256_add_epi32(lo[r], p);
+                    else hi[r] = _mm256_add_epi32(hi[r], p);
                 }
             }
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * h)));
-            for (int r = 0; r < T; ++r) {
-                __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum[r]), dw);
-                t = _mm256_mul_ps(t, _mm256_set1_ps(xd[r]));
-                acc[r] = _mm256_add_ps(acc[r], t);
+            if constexpr (Q6) {
+                const __m256 dlo = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 512) + 8 * h);
+                const __m256 dhi = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 576) + 8 * h);
+                for (int r = 0; r < T; ++r) {
+                    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), dlo);
+                    t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_cvtepi32_ps(hi[r]), dhi));
+                    t = _mm256_mul_ps(t, _mm256_set1_ps(xd[r]));
+                    acc[r] = _mm256_add_ps(acc[r], t);
+                }
+            } else {
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * h)));
+                for (int r = 0; r < T; ++r) {
+                    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo[r], hi[r])), dw);
+                    t = _mm256_mul_ps(t, _mm256_set1_ps(xd[r]));
+                    acc[r] = _mm256_add_ps(acc[r], t);
+                }
             }
         }
         for (int r = 0; r < T; ++r)
@@ -314,21 +374,31 @@ void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
 // ---------------------------------------------------------------------------------------------
 // Dispatch: rows in tiles of the largest size the instruction set keeps in registers.
 
-#define SPECDEC_TILES(NAME)                                                                              \
-    TileFn NAME##_tile(int rows) {                                                                       \
-        static const TileFn table[] = {nullptr, NAME<1>, NAME<2>, NAME<3>, NAME<4>, NAME<5>, NAME<6>, NAME<7>, NAME<8>}; \
-        return table[rows];                                                                              \
-    }
-SPECDEC_TILES(q4_tile_avx512)
-SPECDEC_TILES(q8_tile_avx512)
-#undef SPECDEC_TILES
-
-TileFn q4_tile_avx2_n(int rows) {
-    static const TileFn table[] = {nullptr, q4_tile_avx2<1>, q4_tile_avx2<2>, q4_tile_avx2<3>, q4_tile_avx2<4>};
+template <bool F32>
+TileFn q4_tile_avx512_tile(int rows) {
+    static const TileFn table[] = {nullptr, q4_tile_avx512<1, F32>, q4_tile_avx512<2, F32>, q4_tile_avx512<3, F32>,
+                                   q4_tile_avx512<4, F32>, q4_tile_avx512<5, F32>, q4_tile_avx512<6, F32>,
+                                   q4_tile_avx512<7, F32>, q4_tile_avx512<8, F32>};
     return table[rows];
 }
+template <bool Q6>
+TileFn q8_tile_avx512_tile(int rows) {
+    static const TileFn table[] = {nullptr, q8_tile_avx512<1, Q6>, q8_tile_avx512<2, Q6>, q8_tile_avx512<3, Q6>,
+                                   q8_tile_avx512<4, Q6>, q8_tile_avx512<5, Q6>, q8_tile_avx512<6, Q6>,
+                                   q8_tile_avx512<7, Q6>, q8_tile_avx512<8, Q6>};
+    return table[rows];
+}
+
+template <bool F32>
+TileFn q4_tile_avx2_n(int rows) {
+    static const TileFn table[] = {nullptr, q4_tile_avx2<1, F32>, q4_tile_avx2<2, F32>, q4_tile_avx2<3, F32>,
+                                   q4_tile_avx2<4, F32>};
+    return table[rows];
+}
+template <bool Q6>
 TileFn q8_tile_avx2_n(int rows) {
-    static const TileFn table[] = {nullptr, q8_tile_avx2<1>, q8_tile_avx2<2>, q8_tile_avx2<3>, q8_tile_avx2<4>};
+    static const TileFn table[] = {nullptr, q8_tile_avx2<1, Q6>, q8_tile_avx2<2, Q6>, q8_tile_avx2<3, Q6>,
+                                   q8_tile_avx2<4, Q6>};
     return table[rows];
 }
 
@@ -348,7 +418,11 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, in] float32");
     TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
                 "packed weights must be a contiguous [units, blocks, bytes] uint8 tensor");
-    const int record = q4 ? Q4_RECORD : Q8_RECORD;
+    // q4's records carry float16 or float32 scales, q8's a scale per 32 or per 16 inputs: their
+    // size says which.
+    const bool f32 = q4 && packed.size(2) == Q4F_RECORD;
+    const bool q6 = !q4 && packed.size(2) == Q6_RECORD;
+    const int record = q4 ? (f32 ? Q4F_RECORD : Q4_RECORD) : (q6 ? Q6_RECORD : Q8_RECORD);
     const int64_t units = packed.size(0), G = packed.size(1), K = G * QK;
     TORCH_CHECK(packed.size(2) == record, "packed record size ", packed.size(2), ", expected ", record);
     TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs, the weights ", K);
@@ -360,14 +434,17 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     // The quantized activations live in a per-thread scratch buffer, reused from call to call.
     thread_local std::vector<int8_t> q_buf;
     thread_local std::vector<float> d_buf, sf_buf;
-    thread_local std::vector<int32_t> s_buf;
+    thread_local std::vector<int32_t> s_buf, s16_buf;
     // On AMX a tile loads 16 rows of a block whatever its own size: room for the last block's.
-    const bool amx = isa == ISA_AMX && rows >= specdec::AMX_ROWS;
+    // Records with a scale per 16 inputs run the VNNI tiles under it (the same bits).
+    const bool amx = isa == ISA_AMX && rows >= specdec::AMX_ROWS && !q6;
     q_buf.resize(rows * K + (amx ? specdec::AMX_PAD_BYTES : 0));
     d_buf.resize(rows * G);
     sf_buf.resize(rows * G);
     s_buf.resize(rows * G);
-    quantize_rows(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data());
+    s16_buf.resize(rows * G);
+    quantize_rows(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data(),
+                  s16_buf.data());
     auto out = at::empty({rows, out_features}, at::kFloat);
     at::Tensor res_c;  // the residual stream, added in the tiles' stores
     if (residual) {
@@ -376,21 +453,27 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
         res_c = residual->contiguous();
     }
     const float* res = residual ? res_c.data_ptr<float>() : nullptr;
-    const Rows xr{q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data(), rows, G};
+    const Rows xr{q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data(), s16_buf.data(), rows, G};
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
     auto vnni_tile = [&](int n) {
-        if (isa == ISA_AVX2) return q4 ? q4_tile_avx2_n(n) : q8_tile_avx2_n(n);
-        return q4 ? q4_tile_avx512_tile(n) : q8_tile_avx512_tile(n);
+        if (isa == ISA_AVX2) {
+            if (q4) return f32 ? q4_tile_avx2_n<true>(n) : q4_tile_avx2_n<false>(n);
+            return q6 ? q8_tile_avx2_n<true>(n) : q8_tile_avx2_n<false>(n);
+        }
+        if (q4) return f32 ? q4_tile_avx512_tile<true>(n) : q4_tile_avx512_tile<false>(n);
+        return q6 ? q8_tile_avx512_tile<true>(n) : q8_tile_avx512_tile<false>(n);
+    };
+    auto amx_tile = [&](int n) {
+        return q4 ? (f32 ? specdec::q4f_tile_amx(n) : specdec::q4_tile_amx(n)) : specdec::q8_tile_amx(n);
     };
     std::vector<std::pair<int64_t, TileFn>> plan;  // (first row, tile function)
     int64_t row = 0;
     if (amx) {
-        const TileFn full = q4 ? specdec::q4_tile_amx(specdec::AMX_ROWS) : specdec::q8_tile_amx(specdec::AMX_ROWS);
+        const TileFn full = amx_tile(specdec::AMX_ROWS);
         for (; rows - row >= specdec::AMX_ROWS; row += specdec::AMX_ROWS) plan.emplace_back(row, full);
         if (rows - row >= AMX_MIN_ROWS) {
-            const int rest = static_cast<int>(rows - row);
-            plan.emplace_back(row, q4 ? specdec::q4_tile_amx(rest) : specdec::q8_tile_amx(rest));
+            plan.emplace_back(row, amx_tile(static_cast<int>(rows - row)));
             row = rows;
         }
     }

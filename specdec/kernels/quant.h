@@ -16,6 +16,7 @@ struct Rows {
     const float* d;     // [G, rows]
     const int32_t* s;   // [G, rows]
     const float* sf;    // [G, rows] the sums as floats
+    const int32_t* s16; // [G, rows] the sums of each block's first 16 (q8 records with a scale per 16)
     int64_t rows, G;
 };
 
@@ -33,6 +34,7 @@ constexpr int AMX_ROWS = 16;
 // Tiles of 1 .. 16 rows. A thread runs them between amx_begin() (its tile configuration) and
 // amx_end() (the tile state released).
 TileFn q4_tile_amx(int rows);
+TileFn q4f_tile_amx(int rows);  // q4 records with float32 scales
 TileFn q8_tile_amx(int rows);
 void amx_begin();
 void amx_end();

@@ -49,11 +49,26 @@ def q4_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [rows, in] float32 times w = d q (q [out, in] -128..127, d [out, blocks]) -> [rows, out].
 
-    Per block: t = sum(q_w q_x) d_w; t = t d_x; out = out + t.
+    Per block: t = sum(q_w q_x) d_w; t = t d_x; out = out + t. With a scale per 16 inputs (d
+    [out, 2 blocks]): t = sum_lo d_lo + sum_hi d_hi over the block's two halves, then the same.
     """
+    if d.shape[1] == 2 * (q.shape[1] // BLOCK):
+        return _q8_per16_matmul(x, q, d)
     xq, dx, _ = quantize_rows(x)
     sums = _block_sums(xq, q.reshape(q.shape[0], -1, BLOCK))
     out = torch.zeros(x.shape[0], q.shape[0])
     for g in range(sums.shape[-1]):
         out = out + (sums[..., g].float() * d[None, :, g].float()) * dx[:, None, g]
+    return out
+
+
+def _q8_per16_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    xq, dx, _ = quantize_rows(x)
+    half = BLOCK // 2
+    sums = _block_sums(xq.reshape(x.shape[0], -1, half), q.reshape(q.shape[0], -1, half))  # [rows, out, 2 blocks]
+    out = torch.zeros(x.shape[0], q.shape[0])
+    for g in range(sums.shape[-1] // 2):
+        t = sums[..., 2 * g].float() * d[None, :, 2 * g].float()
+        t = t + sums[..., 2 * g + 1].float() * d[None, :, 2 * g + 1].float()
+        out = out + t * dx[:, None, g]
     return out

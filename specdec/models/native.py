@@ -18,6 +18,7 @@ exactly, other types dequantized) or from a Hugging Face directory's safetensors
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +36,10 @@ from specdec.models.batch_cache import BatchCacheLayer
 from specdec.models.cache import PreallocatedLayer
 from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, Embedding, PackedLinear, RawWeight
 
-NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "phi3", "qwen2", "qwen3"})
+log = logging.getLogger(__name__)
+
+NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "phi3", "qwen2", "qwen3", "gemma3_text"})
+GEMMA3 = "gemma3_text"
 
 
 class WeightSource(Protocol):
@@ -59,6 +63,9 @@ class NativeLayer:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: PackedLinear  # [2 * intermediate, hidden]
     down: PackedLinear  # [hidden, intermediate]
+    # Gemma 3: the attention's and the MLP's outputs normed before they join the residual stream.
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
 
 
 # Without specdec's kernels, blocks of at most this many tokens per row (a plain step, a
@@ -144,6 +151,10 @@ class NativeBackend:
                 f"the native backend runs {', '.join(sorted(NATIVE_MODEL_TYPES))} models; this is a {model_type!r} "
                 "model: use --backend hf"
             )
+        if model_type == GEMMA3 and (getattr(config, "attn_logit_softcapping", None)
+                                     or getattr(config, "final_logit_softcapping", None)):
+            raise ModelLoadError("the native backend runs Gemma 3 without logit soft-capping; this model caps its "
+                                 "logits: use --backend hf")
         if torch.device(device).type != "cpu":
             raise ModelLoadError("the native backend's packed kernels run on the CPU; use --backend hf on other devices")
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -161,9 +172,22 @@ class NativeBackend:
         self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // self.heads)
         self.vocab_size = int(config.vocab_size)
         self.eps = float(config.rms_norm_eps)
-        # Mistral's and Phi-3's sliding window: a query sees the keys of the last `window` positions only.
-        window = getattr(config, "sliding_window", None) if model_type in ("mistral", "phi3") else None
-        self.window = int(window) if window else None
+        self.gemma = model_type == GEMMA3
+        # Gemma scales the query by query_pre_attn_scalar ** -0.5 (its head_dim's for the 270M).
+        self.attn_scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5 \
+            if self.gemma else self.head_dim ** -0.5
+        # Gemma multiplies the embedding by sqrt(hidden), rounded to float32 as its module does.
+        self.embed_scale = torch.tensor(self.hidden_size ** 0.5, dtype=torch.float32) if self.gemma else None
+        # Each layer's sliding window (a query sees the keys of the last `window` positions only;
+        # None: all) and rotary table: one of each for Mistral and Phi-3, Gemma 3's per layer type.
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers) \
+            if self.gemma else ["full_attention"] * self.num_layers
+        window = getattr(config, "sliding_window", None) if model_type in ("mistral", "phi3", GEMMA3) else None
+        self.windows = [int(window) if window and (not self.gemma or kind == "sliding_attention") else None
+                        for kind in layer_types]
+        self.rope_kinds = layer_types
+        self._rotary = {kind: self._inverse_frequencies(config, kind) for kind in set(layer_types)}
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.kv_dtype = torch.float32
         # specdec's fused layer operations where the kernels are built (see `_norm`).
         self.fused = kernels.available()
@@ -178,7 +202,7 @@ class NativeBackend:
         self._weights, self._format = weights, weight_format
 
         self.layers = [self._load_layer(i) for i in range(self.num_layers)]
-        self.norm = self._tensor("model.norm.weight")
+        self.norm = self._norm_weight("model.norm.weight")
         self.lm_head = self._linear("lm_head.weight")
         # Kept as the file stores it (the tied LM head's table where they are one): a lookup
         # dequantizes its rows, so the weights in memory stay about the file's size.
@@ -189,19 +213,53 @@ class NativeBackend:
             self.weight_format += f" (LM head {self.lm_head.fmt})"
         self.kernel_path = self._products_path()
         self.kv_dtype = self._choose_kv_dtype(kv_dtype)
+        widened = getattr(self._weights, "widened", None)
+        if widened:  # a GGUF file's types that no kernel takes yet (Q5_1, Q2_K, IQ*...): said once
+            log.warning("%d matrices run in float32 (4 bytes a weight), dequantized from %s: specdec's kernels "
+                        "do not take that type yet", sum(widened.values()),
+                        ", ".join(f"{kind} ({n})" for kind, n in sorted(widened.items())))
         del self._weights
 
-        # Rotary tables for every position, computed once (HF's inverse frequencies and scaling).
-        rotary = LlamaRotaryEmbedding(config)
-        positions = torch.arange(int(config.max_position_embeddings), dtype=torch.float32)
-        freqs = positions[:, None] * rotary.inv_freq.float()[None, :]  # [max_pos, head_dim / 2]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        self.cos = angles.cos() * rotary.attention_scaling  # [max_pos, head_dim]
-        self.sin = angles.sin() * rotary.attention_scaling
+    def _inverse_frequencies(self, config: PretrainedConfig, kind: str) -> tuple[torch.Tensor, float]:
+        """A rotary table's inverse frequencies and scaling: Hugging Face's for this model (Gemma 3:
+        per layer type, each with its own base)."""
+        if not self.gemma:
+            rotary = LlamaRotaryEmbedding(config)
+            return rotary.inv_freq.float(), float(rotary.attention_scaling)
+        params = (getattr(config, "rope_parameters", None) or {}).get(kind) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in ("default", "linear"):
+            raise ModelLoadError(f"the native backend runs Gemma 3 with default or linear rotary scaling; this one's "
+                                 f"{kind} layers use {rope_type!r}: use --backend hf")
+        dim = self.head_dim
+        inv_freq = 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        if rope_type == "linear":
+            inv_freq = inv_freq / float(params["factor"])
+        return inv_freq, 1.0
+
+    def _rotary_table(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [rows * new, head_dim] of these positions in the `kind` layers' table, which
+        grows (doubling) as positions need: each entry is computed alone, so a table's size never
+        changes its values (a full table of Gemma 3's 32k positions would take 134 MB)."""
+        needed = int(positions.max()) + 1
+        table = self._tables.get(kind)
+        if table is None or table[0].shape[0] < needed:
+            size = max(4096, 1 << (needed - 1).bit_length())
+            inv_freq, scaling = self._rotary[kind]
+            freqs = torch.arange(size, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [size, head_dim / 2]
+            angles = torch.cat([freqs, freqs], dim=-1)
+            table = self._tables[kind] = (angles.cos() * scaling, angles.sin() * scaling)  # [size, head_dim]
+        flat = positions.reshape(-1)
+        return table[0][flat], table[1][flat]
 
     def _tensor(self, name: str) -> torch.Tensor:
         raw = self._weights.raw(name)
         return raw if isinstance(raw, torch.Tensor) else raw.dequantize()
+
+    def _norm_weight(self, name: str) -> torch.Tensor:
+        """A norm's weight as it multiplies: Gemma's norms multiply by 1 + w (in float32)."""
+        weight = self._tensor(name).float()
+        return 1.0 + weight if self.gemma else weight
 
     def _linear(self, *names: str) -> PackedLinear:
         """One matrix, or several fused over their outputs, in the backend's format."""
@@ -212,17 +270,21 @@ class NativeBackend:
         prefix = f"model.layers.{i}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         qwen2, qwen3, phi3 = (self.model_type == kind for kind in ("qwen2", "qwen3", "phi3"))
+        gemma = self.gemma
         return NativeLayer(
-            attn_norm=self._tensor(prefix + "input_layernorm.weight"),
+            attn_norm=self._norm_weight(prefix + "input_layernorm.weight"),
             # Phi-3 stores them fused already: query/key/value and gate/up, in this order.
             qkv=self._linear(*([attn + "qkv_proj.weight"] if phi3 else (attn + f"{p}_proj.weight" for p in "qkv"))),
             qkv_bias=torch.cat([self._tensor(attn + f"{p}_proj.bias") for p in "qkv"]) if qwen2 else None,
             o=self._linear(attn + "o_proj.weight"),
-            q_norm=self._tensor(attn + "q_norm.weight") if qwen3 else None,
-            k_norm=self._tensor(attn + "k_norm.weight") if qwen3 else None,
-            mlp_norm=self._tensor(prefix + "post_attention_layernorm.weight"),
+            q_norm=self._norm_weight(attn + "q_norm.weight") if qwen3 or gemma else None,
+            k_norm=self._norm_weight(attn + "k_norm.weight") if qwen3 or gemma else None,
+            mlp_norm=self._norm_weight(prefix + ("pre_feedforward_layernorm.weight" if gemma else
+                                                 "post_attention_layernorm.weight")),
             gate_up=self._linear(*([mlp + "gate_up_proj.weight"] if phi3 else (mlp + "gate_proj.weight", mlp + "up_proj.weight"))),
             down=self._linear(mlp + "down_proj.weight"),
+            post_attn_norm=self._norm_weight(prefix + "post_attention_layernorm.weight") if gemma else None,
+            post_mlp_norm=self._norm_weight(prefix + "post_feedforward_layernorm.weight") if gemma else None,
         )
 
     def requantized(self, fmt: str) -> NativeBackend:
@@ -233,7 +295,8 @@ class NativeBackend:
         repack = lambda linear: PackedLinear.pack(linear.dequantized(), fmt)  # noqa: E731
         copy.layers = [
             NativeLayer(layer.attn_norm, repack(layer.qkv), layer.qkv_bias, repack(layer.o), layer.q_norm,
-                        layer.k_norm, layer.mlp_norm, repack(layer.gate_up), repack(layer.down))
+                        layer.k_norm, layer.mlp_norm, repack(layer.gate_up), repack(layer.down),
+                        layer.post_attn_norm, layer.post_mlp_norm)
             for layer in self.layers
         ]
         copy.lm_head = repack(self.lm_head)
@@ -283,7 +346,9 @@ class NativeBackend:
     # --- the protocol ------------------------------------------------------------------------
 
     def weight_bytes(self) -> int:
-        norms = self.norm.numel() + sum(layer.attn_norm.numel() + layer.mlp_norm.numel() for layer in self.layers)
+        norms = self.norm.numel() + sum(norm.numel() for layer in self.layers for norm in (
+            layer.attn_norm, layer.mlp_norm, layer.post_attn_norm, layer.post_mlp_norm, layer.q_norm, layer.k_norm)
+            if norm is not None)
         return self.matrix_bytes() + self.embed.nbytes + 4 * norms
 
     def kv_bytes_per_token(self, layers: Sequence[int] | None = None) -> int:
@@ -313,27 +378,35 @@ class NativeBackend:
     ) -> ForwardOutput:
         rows, new = input_ids.shape
         cached = cache.layers[(layers or [0])[0]].get_seq_length()  # before this pass writes
-        if self.window is not None and cached + new > self.window:
-            mask = self._windowed(mask, cached, new, positions)
-        visible = _visible_slots(mask, cached, new, long_blocks=self.fused)
-        if visible is not None:
-            mask = None
-        elif mask is None:  # a long block (prefill) of one row: causal over the cache, built once
-            mask = causal_mask(cached, new, input_ids.device)
-        x = self.embed(input_ids).view(rows * new, -1)  # [rows * new, hidden] float32
-        cos = self.cos[positions].view(rows * new, -1)  # [rows * new, head_dim]
-        sin = self.sin[positions].view(rows * new, -1)
-        states: dict[int, torch.Tensor] = {}
         ids = list(range(self.num_layers) if layers is None else layers)
-        fused = self._fused_layers(cache, ids, x, rows, cos, sin, visible, hidden_layers) if visible is not None else None
+        # Per sliding window among these layers (Gemma 3 has two kinds), what each query sees.
+        views = {window: self._view(mask, cached, new, positions, window) for window in {self.windows[i] for i in ids}}
+        x = self.embed(input_ids).view(rows * new, -1)  # [rows * new, hidden] float32
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        tables = {kind: self._rotary_table(kind, positions) for kind in {self.rope_kinds[i] for i in ids}}
+        states: dict[int, torch.Tensor] = {}
+        fused = None
+        if len(views) == 1 and len(tables) == 1:
+            (_, visible), = views.values()
+            (cos, sin), = tables.values()
+            if visible is not None:
+                fused = self._fused_layers(cache, ids, x, rows, cos, sin, visible, hidden_layers)
         if fused is not None:
             x, states = fused
         for index in ids if fused is None else ():
             layer = self.layers[index]
+            mask, visible = views[self.windows[index]]
+            cos, sin = tables[self.rope_kinds[index]]
             attended = self._attention(layer, cache.layers[index], self._norm(x, layer.attn_norm), rows, cos, sin,
                                        mask, visible)  # [rows * new, heads * head_dim]
-            x = layer.o(attended, residual=x)
-            x = layer.down(self._silu_mul(layer.gate_up(self._norm(x, layer.mlp_norm))), residual=x)
+            if layer.post_attn_norm is None:
+                x = layer.o(attended, residual=x)
+                x = layer.down(self._silu_mul(layer.gate_up(self._norm(x, layer.mlp_norm))), residual=x)
+            else:  # Gemma 3: each sublayer's output normed, then added
+                x = x + self._norm(layer.o(attended).float(), layer.post_attn_norm)
+                h = self._gelu_mul(layer.gate_up(self._norm(x, layer.mlp_norm)))
+                x = x + self._norm(layer.down(h).float(), layer.post_mlp_norm)
             if index in hidden_layers:
                 states[index] = x.view(rows, new, -1)
         x = x.view(rows, new, -1)
@@ -343,21 +416,36 @@ class NativeBackend:
         logits = self.lm_head(normed.view(-1, self.hidden_size)).float().view(rows, -1, self.vocab_size)
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)
 
-    def _windowed(self, mask: torch.Tensor | None, cached: int, new: int, positions: torch.Tensor) -> torch.Tensor:
-        """The pass's mask [rows, 1, new, span] with the sliding window applied: query at position
-        p sees slot s only where s > p - window (as transformers' Mistral). A slot's index is its
-        position for every cached token; a tree's nodes sit past the row's length, within any
-        window, so their slot indices stand in for their positions."""
+    def _view(self, mask: torch.Tensor | None, cached: int, new: int, positions: torch.Tensor,
+              window: int | None) -> tuple[torch.Tensor | None, Visible | None]:
+        """What the pass's queries see in layers with this sliding window: per query slots for the
+        kernels' attention (and PyTorch's per query), else a mask (a long block without kernels)."""
+        if window is not None and cached + new > window:
+            mask = self._windowed(mask, cached, new, positions, window)
+        visible = _visible_slots(mask, cached, new, long_blocks=self.fused)
+        if visible is not None:
+            return None, visible
+        if mask is None:  # a long block (prefill) of one row: causal over the cache, built once
+            mask = causal_mask(cached, new, positions.device)
+        return mask, None
+
+    @staticmethod
+    def _windowed(mask: torch.Tensor | None, cached: int, new: int, positions: torch.Tensor, window: int) -> torch.Tensor:
+        """The pass's mask [rows, 1, new, span] with a sliding window applied: query at position
+        p sees slot s only where s > p - window (as transformers' Mistral and Gemma 3). A slot's
+        index is its position for every cached token; a tree's nodes sit past the row's length,
+        within any window, so their slot indices stand in for their positions."""
         if mask is None:
             mask = causal_mask(cached, new, positions.device)  # [1, 1, new, cached + new]
         slots = torch.arange(mask.shape[-1], device=mask.device)
-        inside = slots[None, None, :] > positions[:, :, None] - self.window  # [rows, new, span]
+        inside = slots[None, None, :] > positions[:, :, None] - window  # [rows, new, span]
         return mask & inside[:, None]
 
     def _layers_fusable(self) -> bool:
         if self._fusable_for[0] is not self.layers:  # checked once per set of layers
             linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            able = self.fused and all(lin.fmt in KERNEL_FORMATS for lin in linears)
+            # forward_layers runs the Llama layout: Gemma 3's post-norms and GeGLU take the loop.
+            able = self.fused and not self.gemma and all(lin.fmt in KERNEL_FORMATS for lin in linears)
             self._fusable_for = (self.layers, able)
             self._fused_weights = {}
         return self.fuse_layers and self._fusable_for[1]
@@ -412,7 +500,7 @@ class NativeBackend:
         outs = self._ops.forward_layers(
             x, *self._layer_weights(ids), keys, values, write_rows, write_slots, cos, sin, visible.counts,
             _NO_SLOTS if visible.slots is None else visible.slots, rows, self.heads, self.kv_heads, self.eps,
-            self.head_dim ** -0.5, self._isa, kept)
+            self.attn_scale, self._isa, kept)
         for layer in advance or ():
             layer.advance(new)
         states = {ids[n]: state.view(rows, new, -1) for n, state in zip(kept, outs[1:])}
@@ -430,6 +518,13 @@ class NativeBackend:
             return self._ops.silu_mul(h.float())
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def _gelu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [tokens, 2 * inter] (gate, then up) -> GELU(gate, tanh approximation) * up [tokens, inter]
+        if self.fused:
+            return self._ops.gelu_mul(h.float())
+        gate, up = h.float().chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def _attention(self, layer: NativeLayer, cache_layer, x: torch.Tensor, rows: int, cos: torch.Tensor,
                    sin: torch.Tensor, mask: torch.Tensor | None, visible: Visible | None) -> torch.Tensor:
@@ -454,9 +549,10 @@ class NativeBackend:
             # Each query of each row attends alone over its row's visible slots, exactly as a
             # one-token step of that sequence alone would (specdec's kernel: one call a layer).
             slots = _NO_SLOTS if visible.slots is None else visible.slots
-            return self._ops.attend_cached(q, keys, values, visible.counts, slots, self.head_dim ** -0.5,
+            return self._ops.attend_cached(q, keys, values, visible.counts, slots, self.attn_scale,
                                           self._isa).view(rows * new, -1)
         gqa = self.heads != self.kv_heads
+        sdpa_scale = self.attn_scale if self.gemma else None  # None: PyTorch's own 1 / sqrt(head_dim)
         if visible is not None:
             # The same with PyTorch's attention, a call per query: its activations are bitwise
             # those of plain decoding, whatever else is in the pass. A tree node's slots (its
@@ -468,12 +564,12 @@ class NativeBackend:
                         q[r : r + 1, :, i : i + 1],
                         keys[r : r + 1, :, :seen] if isinstance(seen, int) else keys[r : r + 1, :, seen],
                         values[r : r + 1, :, :seen] if isinstance(seen, int) else values[r : r + 1, :, seen],
-                        enable_gqa=gqa)
+                        enable_gqa=gqa, scale=sdpa_scale)
                     for i, seen in enumerate(row)
                 ], dim=2)
                 for r, row in enumerate(visible.per_query())
             ])
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=sdpa_scale)
         return out.transpose(1, 2).reshape(rows * new, self.heads * self.head_dim)
 

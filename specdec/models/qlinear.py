@@ -82,9 +82,10 @@ class Int4Groups:
 
 @dataclass(frozen=True)
 class Int8Groups:
-    """A matrix in groups of 32 along the input: w = d * q (GGUF's Q8_0).
+    """A matrix in groups of 32 along the input: w = d * q (GGUF's Q8_0, and Q5_0 as q - 16), or of
+    16 (Q6_K's, d = d_super * scale).
 
-    q: [out, in] integers -128..127; d: [out, in / 32] float32 (float16 values)."""
+    q: [out, in] integers -128..127; d: [out, in / 32] float32 (float16 values) or [out, in / 16]."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -93,9 +94,13 @@ class Int8Groups:
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)  # type: ignore[return-value]
 
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.d.shape[1]
+
     def dequantize(self) -> torch.Tensor:
-        """float32 [out, in]: d * q, exact (as GGUF's own dequantization)."""
-        return self.d.repeat_interleave(INT4_GROUP, dim=1) * self.q.float()
+        """float32 [out, in]: d * q, one rounding (as GGUF's own dequantization)."""
+        return self.d.repeat_interleave(self.group, dim=1) * self.q.float()
 
     @staticmethod
     def cat(parts: list[Int8Groups]) -> Int8Groups:
@@ -265,7 +270,7 @@ class Embedding:
             rows = self._ops.embed_rows(table.tensors["weight"], flat, table.fmt == "q8")
         elif table.fmt == "q8":
             q, d = packing.q8_rows(table.tensors["weight"], flat)
-            rows = d[:, :, None] * q.view(len(flat), -1, INT4_GROUP).float()  # GGUF's d * q
+            rows = d[:, :, None] * q.view(len(flat), d.shape[1], -1).float()  # GGUF's d * q
         else:
             q, d, m = packing.q4_rows(table.tensors["weight"], flat)
             rows = d[:, :, None] * q.view(len(flat), -1, INT4_GROUP).float() + m[:, :, None]  # GGUF's d * q + m
@@ -299,6 +304,72 @@ def unpack_q4_blocks(raw: np.ndarray, out_features: int, in_features: int, with_
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(out_features, in_features)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else -8 * d
     return Int4Groups(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def unpack_q5_0_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int8Groups:
+    """GGUF Q5_0 blocks of one matrix as :class:`Int8Groups`, exactly: w = d * (q - 16) with q in
+    0..31 is Q8_0's w = d * q' with q' = q - 16 in -16..15.
+
+    raw: the tensor's bytes, [out, blocks * 22] uint8; a block is d (f16), 4 bytes holding each
+    element's fifth bit (bit j for element j), and 16 bytes whose low nibbles are elements 0..15 and
+    high nibbles elements 16..31."""
+    groups = in_features // INT4_GROUP
+    blocks = np.ascontiguousarray(raw).reshape(out_features, groups, 22)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, groups]
+    high = blocks[..., 2:6].copy().view(np.uint32)  # [out, groups, 1]
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4  # [out, groups, 32]
+    nibbles = blocks[..., 6:].astype(np.int32)
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # [out, groups, 32]
+    q = (low | fifth) - 16
+    return Int8Groups(torch.from_numpy(q.reshape(out_features, in_features)), torch.from_numpy(d))
+
+
+def unpack_q4_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int4Groups:
+    """GGUF Q4_K blocks of one matrix as :class:`Int4Groups`, exactly: Q4_1's form per group of 32.
+
+    raw: [out, superblocks * 144] uint8. A superblock of 256 inputs is d and dmin (f16), 12 bytes
+    of eight 6-bit scales and eight 6-bit mins (scales 0..3 in the low 6 bits of bytes 0..3, mins
+    0..3 in bytes 4..7; for 4..7 the low 6 bits are byte 8 + j's low (scale) or high (min) nibble
+    with the top two bits of byte j (scale) or j + 4 (min)), then 128 bytes: each 32 hold groups
+    2i (low nibbles) and 2i + 1 (high nibbles). Group g: w = (d scale_g) q - dmin min_g; both
+    products are exact in float32 (an f16 times a 6-bit integer), which float16 could not hold."""
+    supers = in_features // 256
+    blocks = np.ascontiguousarray(raw).reshape(out_features, supers, 144)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, supers]
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 4:16].astype(np.int32)  # [out, supers, 12]
+    low, top = packed[..., 0:4], packed[..., 4:8]
+    mixed = packed[..., 8:12]
+    scale = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1)  # [out, supers, 8]
+    minimum = np.concatenate([top & 0x3F, (mixed >> 4) | ((top >> 6) << 4)], axis=-1)
+    quants = blocks[..., 16:].reshape(out_features, supers, 4, 1, 32)
+    q = np.concatenate([quants & 0x0F, quants >> 4], axis=3)  # [out, supers, 4, 2, 32]: groups 2i, 2i + 1
+    group_d = (d[..., None] * scale.astype(np.float32)).reshape(out_features, supers * 8)
+    group_m = -(dmin[..., None] * minimum.astype(np.float32)).reshape(out_features, supers * 8)
+    return Int4Groups(torch.from_numpy(q.reshape(out_features, in_features).astype(np.int32)),
+                      torch.from_numpy(group_d), torch.from_numpy(group_m))
+
+
+def unpack_q6_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int8Groups:
+    """GGUF Q6_K blocks of one matrix as :class:`Int8Groups` in groups of 16, exactly.
+
+    raw: [out, superblocks * 210] uint8. A superblock of 256 inputs is 128 bytes of low nibbles,
+    64 bytes of high bit pairs, 16 int8 scales and d (f16). In each half of 128 inputs (64 low
+    bytes l, 32 high bytes h): input i < 32 takes l[i]'s low nibble and h[i]'s bits 0-1, 32 + i
+    l[32 + i]'s low nibble and bits 2-3, 64 + i l[i]'s high nibble and bits 4-5, 96 + i l[32 + i]'s
+    high nibble and bits 6-7; q = that 6-bit value - 32. Group g of 16: w = (d scale_g) q, the
+    product exact in float32 (an f16 times an int8)."""
+    supers = in_features // 256
+    blocks = np.ascontiguousarray(raw).reshape(out_features, supers, 210)
+    low = blocks[..., :128].reshape(out_features, supers, 2, 2, 32).astype(np.int32)  # [.., half, l or l + 32, i]
+    high = blocks[..., 128:192].reshape(out_features, supers, 2, 1, 32).astype(np.int32)  # [.., half, 1, i]
+    pairs = (high >> np.array([0, 2, 4, 6], dtype=np.int32).reshape(4, 1)) & 3  # [.., half, 4, i]: bits 0-1 .. 6-7
+    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=3)  # [.., half, 4, i]: inputs i, 32 + i, 64 + i, 96 + i
+    q = (nibbles | (pairs << 4)) - 32
+    scale = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [out, supers, 16]
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [out, supers, 1]
+    return Int8Groups(torch.from_numpy(q.reshape(out_features, in_features)),
+                      torch.from_numpy((d * scale).reshape(out_features, supers * 16)))
 
 
 def unpack_q8_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int8Groups:

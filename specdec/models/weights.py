@@ -3,10 +3,11 @@
 A GGUF file names tensors its own way (`blk.0.attn_q.weight`) and, for Llama models, stores the
 query and key projections with their rows permuted for llama.cpp's interleaved rotary layout;
 :class:`GGUFWeights` maps the names back to Hugging Face's and undoes the permutation (a row
-permutation, so quantized rows move whole). Q4_0 and Q4_1 matrices come back as
-:class:`~specdec.models.qlinear.Int4Groups` and Q8_0 as :class:`~specdec.models.qlinear.Int8Groups`,
-exactly as stored; every other type is dequantized by the `gguf` package to float32, the same
-values transformers loads.
+permutation, so quantized rows move whole). Q4_0, Q4_1 and Q4_K matrices come back as
+:class:`~specdec.models.qlinear.Int4Groups`, Q8_0, Q5_0 and Q6_K as
+:class:`~specdec.models.qlinear.Int8Groups`, exactly as stored (K-quants' group scales as the float32
+products GGUF's dequantization computes); every other type is dequantized by the `gguf` package
+to float32, the same values transformers loads.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from safetensors import safe_open
 
 from specdec import kernels
 from specdec.errors import ModelLoadError
-from specdec.models.qlinear import Int4Groups, Int8Groups, RawWeight, unpack_q4_blocks, unpack_q8_blocks
+from specdec.models.qlinear import (Int4Groups, Int8Groups, RawWeight, unpack_q4_blocks, unpack_q4_k_blocks,
+                                    unpack_q5_0_blocks, unpack_q6_k_blocks, unpack_q8_blocks)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_NAMES = {
@@ -41,12 +43,19 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 3 norms its sublayers' outputs too: its four norms a layer by their GGUF names.
+_GEMMA3_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
 # The format each GGUF type runs in under `--dtype auto`: its own where a kernel takes it
 # (specdec's kernels where they are built, else PyTorch's int4 and int8 ones).
-_AUTO_FORMAT = {GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4",
-                GGMLQuantizationType.Q8_0: "q8", GGMLQuantizationType.BF16: "bfloat16"}
+_AUTO_FORMAT = {GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q4_K: "q4",
+                GGMLQuantizationType.Q8_0: "q8", GGMLQuantizationType.Q5_0: "q8", GGMLQuantizationType.Q6_K: "q8",
+                GGMLQuantizationType.BF16: "bfloat16"}
 _FALLBACK_FORMAT = {"q4": "int4", "q8": "int8"}
 
 
@@ -99,6 +108,8 @@ class GGUFWeights:
         field = self.reader.fields.get("general.architecture")
         self.architecture = bytes(field.parts[field.data[0]]).decode() if field else "?"
         self.heads, self.kv_heads = heads, kv_heads
+        # Matrices of a type no kernel takes, dequantized to float32 under `auto`: {type: count}.
+        self.widened: dict[str, int] = {}
 
     def gguf_name(self, name: str) -> str:
         if name in _TOP_NAMES:
@@ -107,15 +118,19 @@ class GGUFWeights:
                 return "token_embd.weight"  # tied embeddings
             return gguf
         match = _LAYER.match(name)
-        if match and match.group(2) in _LAYER_NAMES:
-            return f"blk.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+        names = {**_LAYER_NAMES, **_GEMMA3_NAMES} if self.architecture == "gemma3" else _LAYER_NAMES
+        if match and match.group(2) in names:
+            return f"blk.{match.group(1)}.{names[match.group(2)]}"
         raise KeyError(name)
 
     def tensor_type(self, name: str) -> GGMLQuantizationType:
         return GGMLQuantizationType(int(self.tensors[self.gguf_name(name)].tensor_type))
 
     def auto_format(self, name: str) -> str:
-        fmt = _AUTO_FORMAT.get(self.tensor_type(name), "float32")
+        kind = self.tensor_type(name)
+        fmt = _AUTO_FORMAT.get(kind, "float32")
+        if fmt == "float32" and kind != GGMLQuantizationType.F32:
+            self.widened[kind.name] = self.widened.get(kind.name, 0) + 1
         return fmt if fmt not in _FALLBACK_FORMAT or kernels.available() else _FALLBACK_FORMAT[fmt]
 
     def raw(self, name: str) -> RawWeight:
@@ -130,6 +145,12 @@ class GGUFWeights:
             value: RawWeight = unpack_q4_blocks(tensor.data, shape[0], shape[1], kind == GGMLQuantizationType.Q4_1)
         elif kind == GGMLQuantizationType.Q8_0 and len(shape) == 2:
             value = unpack_q8_blocks(tensor.data, shape[0], shape[1])
+        elif kind == GGMLQuantizationType.Q4_K and len(shape) == 2:
+            value = unpack_q4_k_blocks(tensor.data, shape[0], shape[1])
+        elif kind == GGMLQuantizationType.Q6_K and len(shape) == 2:
+            value = unpack_q6_k_blocks(tensor.data, shape[0], shape[1])
+        elif kind == GGMLQuantizationType.Q5_0 and len(shape) == 2:
+            value = unpack_q5_0_blocks(tensor.data, shape[0], shape[1])
         else:
             value = torch.from_numpy(np.asarray(dequantize(tensor.data, kind), dtype=np.float32).reshape(shape).copy())
         if self.architecture == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
@@ -141,6 +162,10 @@ class GGUFWeights:
                 value = Int8Groups(value.q[order], value.d[order])
             else:
                 value = value[order]
+        if self.architecture == "gemma3" and gguf_name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norm weights as 1 + w; Hugging Face's model holds w and
+            # multiplies by 1 + w (as transformers' GGUF loader, which subtracts the 1 again).
+            value = value - 1
         return value
 
 

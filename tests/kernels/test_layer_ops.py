@@ -162,6 +162,17 @@ def test_silu_mul_is_pytorchs_and_row_invariant() -> None:
         assert torch.equal(kernels.silu_mul(h[i : i + 1])[0], out[i])
 
 
+def test_gelu_mul_is_pytorchs_tanh_gelu_and_row_invariant() -> None:
+    # Gemma 3's GeGLU: the tanh approximation, down to large negative and positive gates.
+    h = 6 * torch.randn(7, 2 * 2048)
+    h[0, :4] = torch.tensor([-60.0, -9.0, 9.0, 60.0])
+    out = kernels.gelu_mul(h)
+    gate, up = h.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5)
+    for i in range(7):
+        assert torch.equal(kernels.gelu_mul(h[i : i + 1])[0], out[i])
+
+
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 def test_products_add_the_residual(fmt: str, isa: str) -> None:
     # The add happens in the tiles' stores: bitwise the residual plus the product, for every

@@ -27,9 +27,37 @@ def _q4(out_features: int, in_features: int, seed: int):
     return q, d, m, packing.pack_q4(q, d, m)
 
 
+def _q4k(out_features: int, in_features: int, seed: int):
+    """Q4_K's values as q4 groups: d = d_super * scale and m = -dmin * min per group of 32 (float16
+    d_super and dmin per 8 groups, 6-bit scale and min), which float16 cannot hold: 384-byte records."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = in_features // 32
+    q = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.int32)
+    supers = (groups + 7) // 8
+    d_super = (torch.rand(out_features, supers, generator=generator) / 500).half().float().repeat_interleave(8, 1)
+    dmin = (torch.rand(out_features, supers, generator=generator) / 500).half().float().repeat_interleave(8, 1)
+    scale = torch.randint(0, 64, (out_features, groups), generator=generator).float()
+    minimum = torch.randint(0, 64, (out_features, groups), generator=generator).float()
+    d, m = d_super[:, :groups] * scale, -(dmin[:, :groups] * minimum)
+    return q, d, m, packing.pack_q4(q, d, m)
+
+
 def _q8(out_features: int, in_features: int, seed: int):
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
     q, d = packing.quantize_q8(weight)
+    return q, d, packing.pack_q8(q, d)
+
+
+def _q6k(out_features: int, in_features: int, seed: int):
+    """Q6_K's values as q8 groups of 16: q in -32..31, d = d_super * scale (float16 d_super per 16
+    groups, int8 scale), which float16 cannot hold: 640-byte records."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = in_features // 16
+    q = torch.randint(-32, 32, (out_features, in_features), generator=generator, dtype=torch.int32)
+    supers = (groups + 15) // 16
+    d_super = (torch.rand(out_features, supers, generator=generator) / 1000).half().float().repeat_interleave(16, 1)
+    scale = torch.randint(-128, 128, (out_features, groups), generator=generator).float()
+    d = d_super[:, :groups] * scale
     return q, d, packing.pack_q8(q, d)
 
 
@@ -40,18 +68,22 @@ def _activations(rows: int, in_features: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_q4_product_is_its_reference(isa: str, shape: tuple[int, int]) -> None:
-    q, d, m, packed = _q4(*shape, seed=0)
+@pytest.mark.parametrize("scales", ["float16", "float32"])
+def test_q4_product_is_its_reference(isa: str, shape: tuple[int, int], scales: str) -> None:
+    q, d, m, packed = (_q4 if scales == "float16" else _q4k)(*shape, seed=0)
+    assert packed.shape[-1] == (packing.Q4_RECORD if scales == "float16" else packing.Q4F_RECORD)
     x = _activations(11, shape[1], seed=1)
     assert torch.equal(kernels.q4_matmul(x, packed, shape[0], isa), reference.q4_matmul(x, q, d, m))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_q8_product_is_its_reference(isa: str, shape: tuple[int, int]) -> None:
-    q, d, packed = _q8(*shape, seed=2)
+@pytest.mark.parametrize("scales", ["per 32", "per 16"])
+def test_q8_product_is_its_reference(isa: str, shape: tuple[int, int], scales: str) -> None:
+    q, d, packed = (_q8 if scales == "per 32" else _q6k)(*shape, seed=2)
     q[0, :5] = -128  # the extremes of a Q8_0 block
     q[1, :5] = 127
     packed = packing.pack_q8(q, d)
+    assert packed.shape[-1] == (packing.Q8_RECORD if scales == "per 32" else packing.Q6_RECORD)
     x = _activations(11, shape[1], seed=3)
     assert torch.equal(kernels.q8_matmul(x, packed, shape[0], isa), reference.q8_matmul(x, q, d))
 
@@ -66,16 +98,16 @@ def test_reference_is_close_to_the_float_product() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "q4k", "q8", "q6k"])
 def test_products_are_row_invariant(isa: str, fmt: str, threads: int) -> None:
     # 1..32 rows: every tile size and remainder of every path (AMX: a 16-row tile, then the rest
     # in one AMX tile from 8 rows or in VNNI tiles below).
     out_features, in_features = 576, 1536
-    if fmt == "q4":
-        *_, packed = _q4(out_features, in_features, seed=5)
+    if fmt in ("q4", "q4k"):
+        *_, packed = (_q4 if fmt == "q4" else _q4k)(out_features, in_features, seed=5)
         product = kernels.q4_matmul
     else:
-        *_, packed = _q8(out_features, in_features, seed=5)
+        *_, packed = (_q8 if fmt == "q8" else _q6k)(out_features, in_features, seed=5)
         product = kernels.q8_matmul
     x = _activations(32, in_features, seed=6)
     before = torch.get_num_threads()
@@ -88,18 +120,18 @@ def test_products_are_row_invariant(isa: str, fmt: str, threads: int) -> None:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "q4k", "q8", "q6k"])
 def test_every_path_gives_the_same_bits(isa: str, fmt: str) -> None:
     # Against the AVX2 path, which every supported CPU has: rows that fill AMX tiles (16, 32),
     # leave an AMX remainder (25 = 16 + 9) or a VNNI one (37 = 32 + 5); a last unit of 8 columns.
-    if fmt == "q4":
-        *_, packed = _q4(88, 192, seed=7)
+    if fmt in ("q4", "q4k"):
+        *_, packed = (_q4 if fmt == "q4" else _q4k)(88, 256, seed=7)
         product = kernels.q4_matmul
     else:
-        *_, packed = _q8(88, 192, seed=7)
+        *_, packed = (_q8 if fmt == "q8" else _q6k)(88, 256, seed=7)
         product = kernels.q8_matmul
     for rows in (1, 9, 16, 25, 32, 37):
-        x = _activations(rows, 192, seed=8)
+        x = _activations(rows, packed.shape[1] * 32, seed=8)
         assert torch.equal(product(x, packed, 88, isa), product(x, packed, 88, "avx2")), rows
 
 
@@ -107,6 +139,19 @@ def test_packing_round_trips() -> None:
     q, d, m, packed = _q4(37, 96, seed=9)
     assert packed.shape == (3, 3, packing.Q4_RECORD)
     for got, want in zip(packing.unpack_q4(packed, 37), (q, d, m)):
+        assert torch.equal(got, want)
+    qk, dk, mk, packed_k = _q4k(37, 256, seed=9)
+    assert packed_k.shape == (3, 8, packing.Q4F_RECORD)  # float32 scales: float16 would round them
+    for got, want in zip(packing.unpack_q4(packed_k, 37), (qk, dk, mk)):
+        assert torch.equal(got, want)
+    rows = torch.tensor([0, 17, 36])
+    for got, want in zip(packing.q4_rows(packed_k, rows), (qk[rows], dk[rows], mk[rows])):
+        assert torch.equal(got, want)
+    q6, d6, packed6 = _q6k(37, 256, seed=9)
+    assert packed6.shape == (3, 8, packing.Q6_RECORD)
+    for got, want in zip(packing.unpack_q8(packed6, 37), (q6, d6)):
+        assert torch.equal(got, want)
+    for got, want in zip(packing.q8_rows(packed6, rows), (q6[rows], d6[rows])):
         assert torch.equal(got, want)
     q8, d8, packed8 = _q8(37, 96, seed=9)
     for got, want in zip(packing.unpack_q8(packed8, 37), (q8, d8)):
@@ -119,8 +164,8 @@ def test_bad_inputs_are_refused() -> None:
         kernels.q4_matmul(torch.randn(2, 96), packed, 32)
     with pytest.raises(RuntimeError, match="float32"):
         kernels.q4_matmul(torch.randn(2, 64).double(), packed, 32)
-    with pytest.raises(ValueError, match="float16"):
-        packing.pack_q4(torch.zeros(16, 32, dtype=torch.int32), torch.full((16, 1), 0.1), torch.zeros(16, 1))
+    with pytest.raises(RuntimeError, match="record size"):
+        kernels.q4_matmul(torch.randn(2, 64), torch.cat([packed, packed[..., :32]], dim=-1), 32)
 
 
 def test_without_a_compiler_the_backend_falls_back_and_says_so(tmp_path) -> None:

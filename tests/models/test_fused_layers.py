@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import (MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from specdec import kernels
 from specdec.errors import ModelLoadError
@@ -27,8 +27,10 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="specdec's kerne
 
 def _tiny_other(kind: str, path) -> LoadedModel:
     """A random 2-layer Qwen2 (its query/key/value bias nonzero), Qwen3 (its query and key norms
-    away from 1), Mistral (a sliding window of 8) or Phi-3 (fused query/key/value and gate/up, a
-    window of 8) with the tiny tokenizer, on the hf backend."""
+    away from 1), Mistral (a sliding window of 8), Phi-3 (fused query/key/value and gate/up, a
+    window of 8) or Gemma 3 (a sliding layer with a window of 8 and a global one, each with its own
+    rotary base, a query scale other than its head_dim's, all six norms away from 1) with the tiny
+    tokenizer, on the hf backend."""
     tokenizer = tiny_tokenizer()
     torch.manual_seed(7)
     shape = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -40,12 +42,19 @@ def _tiny_other(kind: str, path) -> LoadedModel:
         model = MistralForCausalLM(MistralConfig(**shape, sliding_window=8))
     elif kind == "phi3":
         model = Phi3ForCausalLM(Phi3Config(**shape, sliding_window=8, pad_token_id=tokenizer.pad_token_id))
+    elif kind == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                                                   layer_types=["sliding_attention", "full_attention"]))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16))
     with torch.no_grad():
+        if kind == "gemma3":  # Gemma's norms multiply by 1 + w, initialised at w = 0
+            for name, weight in model.named_parameters():
+                if "norm" in name:
+                    weight.uniform_(-0.5, 0.5)
         for layer in model.model.layers:
             attn = layer.self_attn
-            if kind in ("mistral", "phi3"):
+            if kind in ("mistral", "phi3", "gemma3"):
                 continue
             if kind == "qwen2":
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
@@ -58,7 +67,7 @@ def _tiny_other(kind: str, path) -> LoadedModel:
     return load_model(str(path), backend="hf")
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "phi3"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "phi3", "gemma3"])
 def tiny_other(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return _tiny_other(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
 
@@ -79,9 +88,10 @@ def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel, tmp_path_
     return loaded
 
 
-def test_qwen_mistral_and_phi3_on_the_native_backend_are_the_hf_model(tiny_other: LoadedModel) -> None:
-    # float32 weights, the kernels' norms and rotation (Qwen3's per-head norms in rotary_split),
-    # Mistral's window over 30 positions: a prompt, then plain steps past the window.
+def test_qwen_mistral_phi3_and_gemma3_on_the_native_backend_are_the_hf_model(tiny_other: LoadedModel) -> None:
+    # float32 weights, the kernels' norms and rotation (Qwen3's and Gemma 3's per-head norms in
+    # rotary_split, Gemma's GeGLU), Mistral's and Gemma's windows over 30 positions: a prompt,
+    # then plain steps past the window.
     native = tiny_other.native("float32")
     tokens = torch.randint(3, tiny_other.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     want = ModelRunner(tiny_other).score(tokens)

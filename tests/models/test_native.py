@@ -189,15 +189,21 @@ def test_tensor_reader_reads_what_the_gguf_reader_reads() -> None:
     assert arrays >= 3  # the tokenizer's tokens, types and merges at least
 
 
-@pytest.mark.parametrize("kind", ["q8", "q4_0", "q4_1", "float32"])
+@pytest.mark.parametrize("kind", ["q8", "q4_0", "q4_1", "q4_k", "q6_k", "float32"])
 def test_the_embedding_keeps_the_files_blocks_and_looks_up_their_exact_rows(kind: str) -> None:
     # Rows gathered from the packed blocks and dequantized (specdec's kernel `embed_rows`, or
     # PyTorch's indexing) are bitwise the float32 table's, and a table that is the tied LM head's
-    # is held once.
+    # is held once. K-quants' scales (products float16 cannot hold) in their float32 records.
     torch.manual_seed(3)
     weight = torch.randn(40, 96)
+    small = lambda *shape: (torch.rand(*shape) / 500).half().float()  # noqa: E731 (float16 values)
     if kind == "q8":
         raw = Int8Groups(*packing.quantize_q8(weight))
+    elif kind == "q4_k":
+        raw = Int4Groups(torch.randint(0, 16, (40, 96)), small(40, 3) * torch.randint(0, 64, (40, 3)),
+                         -small(40, 3) * torch.randint(0, 64, (40, 3)))
+    elif kind == "q6_k":
+        raw = Int8Groups(torch.randint(-32, 32, (40, 96)), small(40, 6) * torch.randint(-128, 128, (40, 6)))
     elif kind == "float32":
         raw = weight
     else:
@@ -210,8 +216,10 @@ def test_the_embedding_keeps_the_files_blocks_and_looks_up_their_exact_rows(kind
     own._ops = None  # PyTorch's gather, where specdec's kernels are not built: the same bits
     assert torch.equal(own(ids), table[ids])
     assert own.nbytes == (table.numel() * 4 if kind == "float32" else own.table.nbytes) and not own.shared
+    if kind in ("q4_k", "q6_k"):
+        assert own.table.tensors["weight"].shape[-1] == (packing.Q4F_RECORD if kind == "q4_k" else packing.Q6_RECORD)
     if kind != "float32":
-        lm_head = PackedLinear.pack(raw, "q8" if kind == "q8" else "q4")
+        lm_head = PackedLinear.pack(raw, "q8" if kind in ("q8", "q6_k") else "q4")
         tied = Embedding.of(raw, lm_head)
         assert tied.table is lm_head and tied.nbytes == 0 and torch.equal(tied(ids), table[ids])
 
