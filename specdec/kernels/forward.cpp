@@ -60,24 +60,30 @@ void write_cache(const at::Tensor& states, at::Tensor& buf, const int64_t* row_o
 
 // x [rows * new, hidden] float32 through the given layers. Per layer i: attn_norm[i], qkv[i] (packed),
 // qkv_bias[i] (Qwen2's, added to the product as the loop's `qkv + bias`; an empty tensor for none),
-// q_norm[i], k_norm[i] (Qwen3's per-head norms, as `rotary_split` applies them; empty for none), o[i], mlp_norm[i], gate_up[i], down[i], and its cache buffers keys[i], values[i] [R, kv_heads, S,
-// head_dim]; token t = r * new + j writes slot write_slots[t] of buffer row write_rows[t], and
-// attends as `attend_cached` does (counts, slots) over the first `rows` buffer rows. widths: the
-// outputs of qkv, o, gate_up and down. Returns x after the last layer, then x after each layer
-// listed in `keep` (positions in the given list).
+// q_norm[i], k_norm[i] (Qwen3's and Gemma 3's per-head norms, as `rotary_split` applies them; empty
+// for none), o[i], mlp_norm[i], gate_up[i], down[i], post_attn_norm[i] and post_mlp_norm[i] (Gemma
+// 3's norms of the attention's and the MLP's outputs before they join the residual stream; empty
+// for none), and its cache buffers keys[i], values[i] [R, kv_heads, S, head_dim]; token
+// t = r * new + j writes slot write_slots[t] of buffer row write_rows[t], and attends as
+// `attend_cached` does (counts, slots) over the first `rows` buffer rows. widths: the outputs of
+// qkv, o, gate_up and down. gelu: GELU(gate) * up (Gemma) instead of SiLU. Returns x after the
+// last layer, then x after each layer listed in `keep` (positions in the given list).
 std::vector<at::Tensor> forward_layers(
     at::Tensor x, const std::vector<at::Tensor>& attn_norm, const std::vector<at::Tensor>& qkv,
     const std::vector<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& q_norm, const std::vector<at::Tensor>& k_norm,
     const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
+    const std::vector<at::Tensor>& post_attn_norm, const std::vector<at::Tensor>& post_mlp_norm,
     std::vector<int64_t> widths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     const at::Tensor& write_rows, const at::Tensor& write_slots, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& counts, const at::Tensor& slots, int64_t rows,
-    int64_t heads, int64_t kv_heads, double eps, double scale, int64_t isa, const std::vector<int64_t>& keep) {
+    int64_t heads, int64_t kv_heads, double eps, double scale, int64_t isa, const std::vector<int64_t>& keep,
+    bool gelu) {
     const size_t layers = attn_norm.size();
     TORCH_CHECK(qkv.size() == layers && qkv_bias.size() == layers && q_norm.size() == layers && k_norm.size() == layers &&
                 o.size() == layers && mlp_norm.size() == layers && gate_up.size() == layers &&
-                    down.size() == layers && keys.size() == layers && values.size() == layers,
+                    down.size() == layers && post_attn_norm.size() == layers && post_mlp_norm.size() == layers &&
+                    keys.size() == layers && values.size() == layers,
                 "one entry per layer in every list");
     TORCH_CHECK(widths.size() == 4, "widths: qkv, o, gate_up, down");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) % rows == 0, "x must be [rows * new, hidden] float32");
@@ -98,9 +104,15 @@ std::vector<at::Tensor> forward_layers(
         write_cache(qkv_rotated[2], values[i], wr.data_ptr<int64_t>(), ws.data_ptr<int64_t>());
         const at::Tensor attended = attend_cached(qkv_rotated[0], keys[i].narrow(0, 0, rows),
                                                      values[i].narrow(0, 0, rows), counts, slots, scale, isa);
-        x = product(attended.view({tokens, -1}), o[i], widths[1], isa, x);
+        // Each sublayer's output joins the residual stream in the product's stores, or, normed
+        // first (Gemma 3), by one add: the Python loop's `x + norm(...)`.
+        if (post_attn_norm[i].numel())
+            x = at::add(x, rms_norm(product(attended.view({tokens, -1}), o[i], widths[1], isa), post_attn_norm[i], eps));
+        else x = product(attended.view({tokens, -1}), o[i], widths[1], isa, x);
         const at::Tensor g = product(rms_norm(x, mlp_norm[i], eps), gate_up[i], widths[2], isa);
-        x = product(silu_mul(g), down[i], widths[3], isa, x);
+        const at::Tensor act = gelu ? gelu_mul(g) : silu_mul(g);
+        if (post_mlp_norm[i].numel()) x = at::add(x, rms_norm(product(act, down[i], widths[3], isa), post_mlp_norm[i], eps));
+        else x = product(act, down[i], widths[3], isa, x);
         if (kept[i]) out.push_back(x);
     }
     out[0] = x;

@@ -387,13 +387,23 @@ class NativeBackend:
         tables = {kind: self._rotary_table(kind, positions) for kind in {self.rope_kinds[i] for i in ids}}
         states: dict[int, torch.Tensor] = {}
         fused = None
-        if len(views) == 1 and len(tables) == 1:
-            (_, visible), = views.values()
-            (cos, sin), = tables.values()
-            if visible is not None:
-                fused = self._fused_layers(cache, ids, x, rows, cos, sin, visible, hidden_layers)
+        if all(visible is not None for _, visible in views.values()):
+            # One call per run of layers that share a window and a rotary table (Gemma 3: its
+            # sliding and global layers alternate in runs; every other model: one run).
+            fused, y = {}, x
+            for run in self._runs(ids):
+                _, visible = views[self.windows[run[0]]]
+                cos, sin = tables[self.rope_kinds[run[0]]]
+                out = self._fused_layers(cache, run, y, rows, cos, sin, visible, hidden_layers)
+                if out is None:  # at the first run (every run has the same cache and formats)
+                    if fused or y is not x:
+                        raise RuntimeError("a later run of layers could not take the call the first took")
+                    fused = None
+                    break
+                y, kept = out
+                fused.update(kept)
         if fused is not None:
-            x, states = fused
+            x, states = y, fused
         for index in ids if fused is None else ():
             layer = self.layers[index]
             mask, visible = views[self.windows[index]]
@@ -415,6 +425,17 @@ class NativeBackend:
         normed = self._norm(x, self.norm)  # [rows, new or 1, hidden]
         logits = self.lm_head(normed.view(-1, self.hidden_size)).float().view(rows, -1, self.vocab_size)
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)
+
+    def _runs(self, ids: list[int]) -> list[list[int]]:
+        """`ids` cut into runs of consecutive entries with the same window and rotary table."""
+        runs: list[list[int]] = []
+        for index in ids:
+            if runs and (self.windows[index], self.rope_kinds[index]) == (self.windows[runs[-1][0]],
+                                                                         self.rope_kinds[runs[-1][0]]):
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        return runs
 
     def _view(self, mask: torch.Tensor | None, cached: int, new: int, positions: torch.Tensor,
               window: int | None) -> tuple[torch.Tensor | None, Visible | None]:
@@ -444,8 +465,7 @@ class NativeBackend:
     def _layers_fusable(self) -> bool:
         if self._fusable_for[0] is not self.layers:  # checked once per set of layers
             linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            # forward_layers runs the Llama layout: Gemma 3's post-norms and GeGLU take the loop.
-            able = self.fused and not self.gemma and all(lin.fmt in KERNEL_FORMATS for lin in linears)
+            able = self.fused and all(lin.fmt in KERNEL_FORMATS for lin in linears)
             self._fusable_for = (self.layers, able)
             self._fused_weights = {}
         return self.fuse_layers and self._fusable_for[1]
@@ -462,6 +482,8 @@ class NativeBackend:
                 [layer.k_norm if layer.k_norm is not None else _NONE for layer in layers],
                 [layer.o.tensors["weight"] for layer in layers], [layer.mlp_norm for layer in layers],
                 [layer.gate_up.tensors["weight"] for layer in layers], [layer.down.tensors["weight"] for layer in layers],
+                [layer.post_attn_norm if layer.post_attn_norm is not None else _NONE for layer in layers],
+                [layer.post_mlp_norm if layer.post_mlp_norm is not None else _NONE for layer in layers],
                 [layers[0].qkv.out_features, layers[0].o.out_features, layers[0].gate_up.out_features,
                  layers[0].down.out_features]]
         return self._fused_weights[key]
@@ -470,7 +492,8 @@ class NativeBackend:
                       visible: Visible, hidden_layers: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
         """Every layer of a short pass in one call of the kernels (`forward_layers`: the same
         kernels on the same values as the loop below, so the same bits, without its Python and
-        the cache's copies; Qwen2's query/key/value bias and Qwen3's query and key norms too); None
+        the cache's copies; Qwen2's query/key/value bias, Qwen3's and Gemma 3's query and key norms,
+        Gemma's post-norms and GeGLU too); None
         where it does not apply (no kernels, a layer outside the q4/q8 formats, a cache it cannot
         write), and the loop runs instead."""
         if not self._layers_fusable():
@@ -500,7 +523,7 @@ class NativeBackend:
         outs = self._ops.forward_layers(
             x, *self._layer_weights(ids), keys, values, write_rows, write_slots, cos, sin, visible.counts,
             _NO_SLOTS if visible.slots is None else visible.slots, rows, self.heads, self.kv_heads, self.eps,
-            self.attn_scale, self._isa, kept)
+            self.attn_scale, self._isa, kept, self.gemma)
         for layer in advance or ():
             layer.advance(new)
         states = {ids[n]: state.view(rows, new, -1) for n, state in zip(kept, outs[1:])}
