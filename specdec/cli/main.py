@@ -242,9 +242,11 @@ def generate(
     if stats:
         label = "plain decoding" if spec is None else spec.label
         memory = llm.memory()
+        types = sorted(getattr(llm.target.backend, "file_types", ()))
+        source = f" from GGUF {', '.join(types)}" if types else ""
         err.print(f"[dim]{label}; finish: {result.finish_reason}; weights: target "
-                  f"{memory['target_weight_bytes'] / 2**20:.0f} MiB ({escape(llm.target.describe())}, products on "
-                  f"{llm.target.kernel_path}), draft adds {memory['draft_added_bytes'] / 2**20:.0f} MiB[/dim]")
+                  f"{memory['target_weight_bytes'] / 2**20:.0f} MiB ({escape(llm.target.describe())}{source}, products "
+                  f"on {llm.target.kernel_path}), draft adds {memory['draft_added_bytes'] / 2**20:.0f} MiB[/dim]")
         err.print_json(data=result.stats.to_dict())
 
 

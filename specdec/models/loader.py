@@ -226,21 +226,11 @@ def _native_backend(config: PretrainedConfig, weights_path: Path, dtype: str, de
     return NativeBackend(config, source, dtype, device=device, kv_dtype=kv_dtype)
 
 
-# Architectures the native backend runs from Hugging Face directories but not yet from GGUF files
-# (their fused tensors' GGUF names are not mapped).
-NOT_FROM_GGUF = frozenset({"phi3"})
-
-
-def resolve_backend(backend: str, config: PretrainedConfig, device: str | torch.device, gguf: bool = False) -> str:
+def resolve_backend(backend: str, config: PretrainedConfig, device: str | torch.device) -> str:
     """`auto` -> `native` where it runs the model (a Llama-family model on the CPU), else `hf`."""
     if backend not in ("auto", *BACKENDS):
         raise ModelLoadError(f"unknown backend {backend!r}; choose one of: auto, {', '.join(BACKENDS)}")
     model_type = getattr(config, "model_type", None)
-    if gguf and model_type in NOT_FROM_GGUF:
-        if backend == "native":
-            raise ModelLoadError(f"the native backend runs {model_type} from a Hugging Face directory, not yet from a "
-                                 "GGUF file: use --backend hf")
-        return "hf"
     if backend != "auto":
         return backend
     native = model_type in NATIVE_MODEL_TYPES and torch.device(device).type == "cpu"
@@ -277,7 +267,7 @@ def load_model(
                     "the fastest")
     with _load_errors(path):
         directory, config, tokenizer, generation_config = _metadata(path)
-        chosen = resolve_backend(backend, config, device, gguf=path.is_file())
+        chosen = resolve_backend(backend, config, device)
         if chosen == "native":
             runtime: Backend = _native_backend(config, path if path.is_file() else directory, dtype, device, kv_dtype)
         else:

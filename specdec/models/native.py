@@ -200,6 +200,7 @@ class NativeBackend:
         self._fusable_for: tuple[object, bool] = (None, False)
         self._fused_weights: dict[tuple[int, ...], list] = {}
         self._weights, self._format = weights, weight_format
+        self.file_types: set[str] = set()  # a GGUF file's matrix types (Q4_K, Q6_K...), else empty
 
         self.layers = [self._load_layer(i) for i in range(self.num_layers)]
         self.norm = self._norm_weight("model.norm.weight")
@@ -263,6 +264,8 @@ class NativeBackend:
 
     def _linear(self, *names: str) -> PackedLinear:
         """One matrix, or several fused over their outputs, in the backend's format."""
+        if hasattr(self._weights, "tensor_type"):  # a GGUF file: the types its matrices come in
+            self.file_types.update(self._weights.tensor_type(name).name for name in names)
         fmt = self._weights.auto_format(names[0]) if self._format == "auto" else self._format
         return PackedLinear.pack([self._weights.raw(name) for name in names], fmt)
 

