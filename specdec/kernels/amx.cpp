@@ -31,6 +31,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace specdec {
@@ -94,32 +95,36 @@ inline void tile_dot() {
 
 #define SPECDEC_AMX_TARGET "amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,f16c"
 
+// The records a tile reads: the affine family's (Q4Half, Q4Float, Q5Float: B's bytes unsigned)
+// or q8's (w = d q, signed, float16 d).
+struct Symmetric {
+    static constexpr bool nibbles = false, f32 = false;
+    static constexpr int record = Q8_RECORD, scales = 512;
+};
+template <class K>
+constexpr bool is_affine() { return !std::is_same_v<K, Symmetric>; }
+
 // One block's tile product, C = A B, into tile S of tmm0..3 (A and B in tmm4/5 and tmm6/7 by S's
-// parity), C stored to sums.
-template <int S, bool Q4>
+// parity), C stored to sums; B from the nibbles' bytes or from the record itself.
+template <int S, class K>
 __attribute__((target(SPECDEC_AMX_TARGET), always_inline))
 inline void issue(const uint8_t* rec, const int8_t* xq, const uint8_t* bytes, int32_t* sums) {
     constexpr int A = 4 + S % 2, B = 6 + S % 2;
-    tile_load<B>(Q4 ? bytes : rec, 64);
+    tile_load<B>(K::nibbles ? bytes : rec, 64);
     tile_load<A>(xq, QK);
     tile_zero<S>();
-    tile_dot<S, A, B, Q4>();
+    tile_dot<S, A, B, is_affine<K>()>();
     tile_store<S>(sums, 64);
 }
 
-// Bytes per record: q8, q4 with float16 scales, q4 with float32 ones (F32).
-template <bool Q4, bool F32>
-constexpr int record_bytes() { return Q4 ? (F32 ? Q4F_RECORD : Q4_RECORD) : Q8_RECORD; }
-
-// A q4 record's nibbles as B's bytes (inputs 0..15: the low nibbles of its 4 vectors, 16..31 the
-// high ones), and the record PREFETCH_AHEAD blocks on asked for.
-template <bool Q4, bool F32>
+// A nibble record's weights as B's bytes (inputs 0..15: the low nibbles of its 4 vectors, 16..31
+// the high ones), and the record PREFETCH_AHEAD blocks on asked for.
+template <class K>
 __attribute__((target(SPECDEC_AMX_TARGET), always_inline))
 inline void prepare(const uint8_t* rec, uint8_t* bytes) {
-    constexpr int RECORD = record_bytes<Q4, F32>();
-    for (int line = 0; line < RECORD; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD * RECORD + line), _MM_HINT_T0);
-    if constexpr (Q4) {
+    for (int line = 0; line < K::record; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD * K::record + line), _MM_HINT_T0);
+    if constexpr (K::nibbles) {
         const __m512i low = _mm512_set1_epi8(0x0F);
         for (int p = 0; p < 4; ++p) {
             const __m512i v = _mm512_loadu_si512(rec + 64 * p);
@@ -129,22 +134,22 @@ inline void prepare(const uint8_t* rec, uint8_t* bytes) {
     }
 }
 
-// A block's epilogue from its sums (row r at 16 r): the VNNI tile's operations, in its order.
-// xd, xs: the tile's rows' activation scales and sums for this block.
-// A record's 16 d (which = 0) or, for q4, 16 m (which = 1), as float32.
-template <bool Q4, bool F32>
+// A record's 16 d or m (at byte `at`), as float32.
+template <class K>
 __attribute__((target(SPECDEC_AMX_TARGET), always_inline))
-inline __m512 scales(const uint8_t* rec, int which) {
-    if constexpr (F32) return _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 256) + 16 * which);
-    else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (Q4 ? 256 : 512) + 32 * which)));
+inline __m512 scales(const uint8_t* rec, int at) {
+    if constexpr (K::f32) return _mm512_loadu_ps(reinterpret_cast<const float*>(rec + at));
+    else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + at)));
 }
 
-template <int T, bool Q4, bool F32>
+// A block's epilogue from its sums (row r at 16 r): the VNNI tile's operations, in its order.
+// xd, xs: the tile's rows' activation scales and sums for this block.
+template <int T, class K>
 __attribute__((target(SPECDEC_AMX_TARGET), always_inline))
 inline void finish(const uint8_t* rec, const int32_t* sums, const float* xd, const float* xs, __m512* acc) {
-    const __m512 dw = scales<Q4, F32>(rec, 0);
-    if constexpr (Q4) {
-        const __m512 mw = scales<Q4, F32>(rec, 1);
+    const __m512 dw = scales<K>(rec, K::scales);
+    if constexpr (is_affine<K>()) {
+        const __m512 mw = scales<K>(rec, K::mins);
         for (int r = 0; r < T; ++r) {
             __m512 t = _mm512_cvtepi32_ps(_mm512_load_si512(sums + NC * r));
             t = _mm512_mul_ps(t, dw);
@@ -161,11 +166,11 @@ inline void finish(const uint8_t* rec, const int32_t* sums, const float* xd, con
     }
 }
 
-template <int T, bool Q4, bool F32>
+template <int T, class K>
 __attribute__((target(SPECDEC_AMX_TARGET)))
 void tile_amx(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
-    constexpr int RECORD = record_bytes<Q4, F32>();
-    alignas(64) uint8_t bytes[CHUNK][QK * NC];       // q4: each block's weights as B's bytes
+    constexpr int RECORD = K::record;
+    alignas(64) uint8_t bytes[CHUNK][QK * NC];       // nibble records: each block's weights as B's bytes
     alignas(64) int32_t sums[CHUNK][AMX_ROWS * NC];  // each block's C
     __m512 acc[T];
     for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
@@ -177,17 +182,17 @@ void tile_amx(const uint8_t* unit, const Rows& x, int64_t row0, float* out, cons
         const int64_t blocks = std::min<int64_t>(CHUNK, G - g0);
         auto rec = [&](int64_t i) { return unit + (g0 + i) * RECORD; };  // block g0 + i's weights
         auto act = [&](int64_t i) { return xq + (g0 + i) * n * QK; };      // and its activations
-        for (int64_t i = 0; i < blocks; ++i) prepare<Q4, F32>(rec(i), bytes[i]);
+        for (int64_t i = 0; i < blocks; ++i) prepare<K>(rec(i), bytes[i]);
         for (int64_t i = 0; i < blocks; i += 4) {
-            issue<0, Q4>(rec(i), act(i), bytes[i], sums[i]);
-            if (i + 1 < blocks) issue<1, Q4>(rec(i + 1), act(i + 1), bytes[i + 1], sums[i + 1]);
-            if (i + 2 < blocks) issue<2, Q4>(rec(i + 2), act(i + 2), bytes[i + 2], sums[i + 2]);
-            if (i + 3 < blocks) issue<3, Q4>(rec(i + 3), act(i + 3), bytes[i + 3], sums[i + 3]);
+            issue<0, K>(rec(i), act(i), bytes[i], sums[i]);
+            if (i + 1 < blocks) issue<1, K>(rec(i + 1), act(i + 1), bytes[i + 1], sums[i + 1]);
+            if (i + 2 < blocks) issue<2, K>(rec(i + 2), act(i + 2), bytes[i + 2], sums[i + 2]);
+            if (i + 3 < blocks) issue<3, K>(rec(i + 3), act(i + 3), bytes[i + 3], sums[i + 3]);
         }
         // 2. Their epilogues, block by block in order.
         for (int64_t i = 0; i < blocks; ++i) {
             const int64_t g = g0 + i;
-            finish<T, Q4, F32>(unit + g * RECORD, sums[i], x.d + g * n + row0, x.sf + g * n + row0, acc);
+            finish<T, K>(unit + g * RECORD, sums[i], x.d + g * n + row0, x.sf + g * n + row0, acc);
         }
     }
     const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
@@ -198,9 +203,9 @@ void tile_amx(const uint8_t* unit, const Rows& x, int64_t row0, float* out, cons
     }
 }
 
-template <bool Q4, bool F32, int... T>
+template <class K, int... T>
 TileFn pick(int rows, std::integer_sequence<int, T...>) {
-    static const TileFn table[] = {tile_amx<T + 1, Q4, F32>...};
+    static const TileFn table[] = {tile_amx<T + 1, K>...};
     return table[rows - 1];
 }
 
@@ -209,9 +214,10 @@ TileFn pick(int rows, std::integer_sequence<int, T...>) {
 bool amx_usable() { return state().usable; }
 const std::string& amx_unavailable_reason() { return state().reason; }
 
-TileFn q4_tile_amx(int rows) { return pick<true, false>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
-TileFn q4f_tile_amx(int rows) { return pick<true, true>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
-TileFn q8_tile_amx(int rows) { return pick<false, false>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
+TileFn q4_tile_amx(int rows) { return pick<Q4Half>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
+TileFn q4f_tile_amx(int rows) { return pick<Q4Float>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
+TileFn q5_tile_amx(int rows) { return pick<Q5Float>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
+TileFn q8_tile_amx(int rows) { return pick<Symmetric>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
 
 void amx_begin() { __asm__ volatile("ldtilecfg %0" ::"m"(CONFIG)); }
 void amx_end() { __asm__ volatile("tilerelease" ::: "memory"); }

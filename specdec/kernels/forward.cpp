@@ -21,7 +21,7 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_fe
     TORCH_CHECK(packed.dim() == 3, "a layer's matrices must be packed q4 or q8");
     const int64_t record = packed.size(2);
     TORCH_CHECK(record == Q4_RECORD || record == Q4F_RECORD || record == Q8_RECORD || record == Q6_RECORD,
-                "a layer's matrices must be packed q4 or q8");
+                "a layer's matrices must be packed q4 or q8 (the one-call forward takes no Q5_K records)");
     return quantized_matmul(x, packed, out_features, isa, record == Q4_RECORD || record == Q4F_RECORD, residual);
 }
 

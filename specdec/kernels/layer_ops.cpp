@@ -117,46 +117,40 @@ std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& co
 
 namespace {
 
-__attribute__((target("avx2,fma")))
-void silu_mul_range(const float* h, float* out, int64_t begin, int64_t end, int64_t inter) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (int64_t r = begin; r < end; ++r) {
-        const float* gate = h + r * 2 * inter;
-        const float* up = gate + inter;
-        float* o = out + r * inter;
-        for (int64_t i = 0; i < inter; i += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-        }
+// SiLU, g / (1 + exp(-g)).
+struct Silu {
+    __attribute__((target("avx2,fma"))) __m256 operator()(__m256 g) const {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
     }
-}
+};
 
 // GELU's tanh approximation, 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), written
-// as g / (1 + exp(-2u)) (the same function; no cancellation near 0), times up.
+// as g / (1 + exp(-2u)) (the same function; no cancellation near 0).
+struct Gelu {
+    __attribute__((target("avx2,fma"))) __m256 operator()(__m256 g) const {
+        const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+        const __m256 inner = _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), g3));
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f), inner));  // -2 sqrt(2 / pi)
+        return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    }
+};
+
+// Rows begin .. end of h [rows, 2 * inter] (gate, then up) -> Act(gate) * up.
+template <class Act>
 __attribute__((target("avx2,fma")))
-void gelu_mul_range(const float* h, float* out, int64_t begin, int64_t end, int64_t inter) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 cubic = _mm256_set1_ps(0.044715f);
-    const __m256 minus_two_c = _mm256_set1_ps(-1.5957691216057308f);  // -2 sqrt(2 / pi)
+void gated_range(const float* h, float* out, int64_t begin, int64_t end, int64_t inter) {
     for (int64_t r = begin; r < end; ++r) {
         const float* gate = h + r * 2 * inter;
         const float* up = gate + inter;
         float* o = out + r * inter;
-        for (int64_t i = 0; i < inter; i += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
-            const __m256 inner = _mm256_add_ps(g, _mm256_mul_ps(cubic, g3));
-            const __m256 e = exp8(_mm256_mul_ps(minus_two_c, inner));
-            const __m256 gelu = _mm256_div_ps(g, _mm256_add_ps(one, e));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
-        }
+        for (int64_t i = 0; i < inter; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(Act{}(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
     }
 }
 
 // h [rows, 2 * inter] (gate, then up) -> act(gate) * up [rows, inter], rows split between threads.
-template <void (*Range)(const float*, float*, int64_t, int64_t, int64_t)>
+template <class Act>
 at::Tensor gated(const at::Tensor& h) {
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.size(1) % 2 == 0, "h must be [rows, 2 * inter] float32");
     TORCH_CHECK(h.size(1) % 16 == 0, "inter must be a multiple of 8");
@@ -166,15 +160,15 @@ at::Tensor gated(const at::Tensor& h) {
     const float* hp = hc.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t inter = h.size(1) / 2;
-    specdec::parallel_chunks(h.size(0), 4, [&](int64_t begin, int64_t end) { Range(hp, op, begin, end, inter); });
+    specdec::parallel_chunks(h.size(0), 4, [&](int64_t begin, int64_t end) { gated_range<Act>(hp, op, begin, end, inter); });
     return out;
 }
 
 }  // namespace
 
-at::Tensor silu_mul(const at::Tensor& h) { return gated<silu_mul_range>(h); }
+at::Tensor silu_mul(const at::Tensor& h) { return gated<Silu>(h); }
 
-at::Tensor gelu_mul(const at::Tensor& h) { return gated<gelu_mul_range>(h); }
+at::Tensor gelu_mul(const at::Tensor& h) { return gated<Gelu>(h); }
 
 at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8) {
     // packed: [units, blocks, record] uint8 (packing.pack_q8 or pack_q4: per block, the 16 rows'
@@ -186,8 +180,9 @@ at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8) 
     constexpr int64_t unit = 16, block = 32;
     TORCH_CHECK(packed.dim() == 3, "packed must be [units, blocks, record]");
     const bool f32 = !q8 && packed.size(2) == Q4F_RECORD;
+    const bool q5 = !q8 && packed.size(2) == Q5_RECORD;
     const bool q6 = q8 && packed.size(2) == Q6_RECORD;
-    const int64_t record = q8 ? (q6 ? Q6_RECORD : Q8_RECORD) : f32 ? Q4F_RECORD : Q4_RECORD;
+    const int64_t record = q8 ? (q6 ? Q6_RECORD : Q8_RECORD) : q5 ? Q5_RECORD : f32 ? Q4F_RECORD : Q4_RECORD;
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) == record && packed.is_contiguous(),
                 "packed must be a contiguous [units, blocks, ", record, "] uint8 tensor");
     TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [n] int64");
@@ -214,6 +209,12 @@ at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8) 
                         o[j * 4 + i] = dj * static_cast<float>(static_cast<int8_t>(rec[(j * unit + c) * 4 + i]));
                     }
                 }
+            } else if (q5) {
+                // q8's layout, unsigned values 0..31, then float32 d and m
+                const float d = reinterpret_cast<const float*>(rec + 512)[c];
+                const float m = reinterpret_cast<const float*>(rec + 576)[c];
+                for (int j = 0; j < 8; ++j)
+                    for (int i = 0; i < 4; ++i) o[j * 4 + i] = d * static_cast<float>(rec[(j * unit + c) * 4 + i]) + m;
             } else {
                 // bytes: [p (4), column (16), i (4)], low nibble value p * 4 + i, high nibble 16 + p * 4 + i
                 const float d = f32 ? reinterpret_cast<const float*>(rec + 256)[c]

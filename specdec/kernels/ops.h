@@ -12,6 +12,7 @@
 // Bytes per (unit of 16 output columns, block of 32 inputs) of the packed weights (quant.cpp).
 constexpr int Q4_RECORD = 256 + 64;  // nibbles, then 16 float16 d and 16 float16 m
 constexpr int Q4F_RECORD = 256 + 128;  // nibbles, then 16 float32 d and 16 float32 m (Q4_K's scales)
+constexpr int Q5_RECORD = 512 + 128;   // q4's form with a byte a weight (0..31), 16 float32 d and m (Q5_K)
 constexpr int Q8_RECORD = 512 + 32;  // int8, then 16 float16 d
 constexpr int Q6_RECORD = 512 + 128;  // int8, then 16 float32 d of inputs 0..15 and 16 of 16..31 (Q6_K)
 

@@ -6,7 +6,8 @@ unit's weights front to back and applies each vector to every activation row:
 - q4 (Q4_0/Q4_1 values q in 0..15, w = d q + m): 4 x 64 bytes of nibbles, byte `64 p + 4 c + i`
   holding input `4 p + i` in its low nibble and input `16 + 4 p + i` in its high one, for column
   c; then the 16 columns' d and m as float16 (320 bytes), or as float32 (384 bytes) where float16
-  cannot hold them exactly (Q4_K: d = d_super * scale and m = -dmin * min, 17-bit products);
+  cannot hold them exactly (Q4_K: d = d_super * scale and m = -dmin * min, 17-bit products),
+  or, for values up to 31 (Q5_K), a byte a value laid out as q8's, then float32 d and m (640 bytes);
 - q8 (Q8_0 values q in -128..127, w = d q): 8 x 64 bytes, byte `64 j + 4 c + i` holding input
   `4 j + i` of column c; then 16 float16 d (544 bytes), or, with a scale per 16 inputs (Q6_K:
   d = d_super * scale, exact in float32 only), 16 float32 d of inputs 0..15 and 16 of inputs
@@ -23,6 +24,7 @@ BLOCK = 32  # inputs per block: GGUF's Q4_0, Q4_1 and Q8_0 blocks
 UNIT = 16  # output columns per record
 Q4_RECORD = 320
 Q4F_RECORD = 384  # q4 with float32 scales
+Q5_RECORD = 640  # q4's form with a byte a value (Q5_K's 0..31), float32 scales
 Q8_RECORD = 544
 Q6_RECORD = 640  # q8 with a float32 scale per 16 inputs
 
@@ -56,6 +58,11 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     out_features, in_features = q.shape
     if in_features % BLOCK:
         raise ValueError(f"q4 needs in_features divisible by {BLOCK}, got {in_features}")
+    if int(q.max()) > 15:  # 5-bit values: bytes, as q8's layout
+        q, d, m = _pad_columns(q.to(torch.uint8)), _pad_columns(d.float()), _pad_columns(m.float())
+        units, blocks = q.shape[0] // UNIT, in_features // BLOCK
+        bytes_ = q.reshape(units, UNIT, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(units, blocks, 512)
+        return torch.cat([bytes_, _halves(d), _halves(m)], dim=-1).contiguous()
     scale_type = torch.float16 if _is_half(d) and _is_half(m) else torch.float32
     q, d, m = _pad_columns(q.to(torch.uint8)), _pad_columns(d.to(scale_type)), _pad_columns(m.to(scale_type))
     units, blocks = q.shape[0] // UNIT, in_features // BLOCK
@@ -67,7 +74,11 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 def unpack_q4(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of :func:`pack_q4`: q [out, in] int32, d and m [out, blocks] float32."""
-    units, blocks, _ = packed.shape
+    units, blocks, record = packed.shape
+    if record == Q5_RECORD:
+        q = packed[..., :512].reshape(units, blocks, 8, UNIT, 4).permute(0, 3, 1, 2, 4)
+        q = q.reshape(units * UNIT, blocks * BLOCK)[:out_features].to(torch.int32)
+        return q, _unhalves(packed[..., 512:576], out_features), _unhalves(packed[..., 576:], out_features)
     bytes_ = packed[..., :256].reshape(units, blocks, 4, UNIT, 4)
     nib = torch.stack([bytes_ & 0x0F, bytes_ >> 4], dim=-1)  # [units, block, p, column, i, half]
     q = nib.permute(0, 3, 1, 5, 2, 4).reshape(units * UNIT, blocks * BLOCK)[:out_features].to(torch.int32)
@@ -112,8 +123,13 @@ def unpack_q8(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, to
 def q4_rows(packed: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows [n] of a :func:`pack_q4` matrix, unpacked: q [n, in] int32, d and m [n, blocks]
     float32 (an embedding's lookup: a few rows of the table it may share with the LM head)."""
-    units, blocks, _ = packed.shape
+    units, blocks, record = packed.shape
     unit, column = rows // UNIT, rows % UNIT
+    if record == Q5_RECORD:
+        q = packed[..., :512].reshape(units, blocks, 8, UNIT, 4)[unit, :, :, column]  # [n, block, j, i]
+        scales = packed[..., 512:].view(torch.float32).reshape(units, blocks, 2, UNIT)  # d, then m
+        return (q.reshape(len(rows), blocks * BLOCK).to(torch.int32), scales[unit, :, 0, column],
+                scales[unit, :, 1, column])
     bytes_ = packed[..., :256].reshape(units, blocks, 4, UNIT, 4)[unit, :, :, column]  # [n, block, p, i]
     q = torch.stack([bytes_ & 0x0F, bytes_ >> 4], dim=2).reshape(len(rows), blocks * BLOCK).to(torch.int32)
     dtype = torch.float16 if packed.shape[-1] == Q4_RECORD else torch.float32

@@ -19,6 +19,8 @@
 //       byte 64 p + 4 c + i: low nibble input 4 p + i, high nibble input 16 + 4 p + i, column c
 //       or, for scales that float16 cannot hold (Q4_K's d * scale and dmin * min), the same
 //       nibbles, then 16 float32 d, then 16 float32 m                       (384 bytes)
+//       or, for 5-bit values (Q5_K, q in 0..31), a byte a value laid out as q8's, then 16
+//       float32 d, then 16 float32 m                                        (640 bytes)
 //   q8: 512 bytes of int8, then 16 float16 d                                   (544 bytes)
 //       byte 64 j + 4 c + i: input 4 j + i, column c
 //       or, with a scale per 16 inputs (Q6_K's d * scale), the same bytes, then 16 float32 d of
@@ -145,26 +147,28 @@ inline void store_tile(const __m512* acc, float* out, const float* res, int64_t 
     }
 }
 
-// A q4 record's 16 d (F32: float32, else float16) and 16 m, as float32.
-template <bool F32>
+// An affine record's 16 d or m (the 16 starting at byte `at`), as float32.
+template <class K>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
-inline __m512 q4_scales16(const uint8_t* rec, int which) {
-    if constexpr (F32) return _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 256) + 16 * which);
-    else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256 + 32 * which)));
+inline __m512 affine_scales16(const uint8_t* rec, int at) {
+    if constexpr (K::f32) return _mm512_loadu_ps(reinterpret_cast<const float*>(rec + at));
+    else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + at)));
 }
 
 // The same for columns 8 h .. 8 h + 7.
-template <bool F32>
+template <class K>
 __attribute__((target("avx2,fma,f16c")))
-inline __m256 q4_scales8(const uint8_t* rec, int which, int h) {
-    if constexpr (F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 256) + 16 * which + 8 * h);
-    else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 32 * which + 16 * h)));
+inline __m256 affine_scales8(const uint8_t* rec, int at, int h) {
+    if constexpr (K::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + at) + 8 * h);
+    else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + at + 16 * h)));
 }
 
-template <int T, bool F32>
+// The affine family (K: quant.h's Q4Half, Q4Float, Q5Float): weights as nibbles or as bytes, the
+// same epilogue.
+template <int T, class K>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
-    constexpr int RECORD = F32 ? Q4F_RECORD : Q4_RECORD;
+    constexpr int RECORD = K::record;
     __m512 acc[T];
     for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -177,9 +181,17 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
         __m512i lo_sum[T], hi_sum[T];  // two dependency chains per row
         for (int r = 0; r < T; ++r) lo_sum[r] = hi_sum[r] = _mm512_setzero_si512();
         for (int p = 0; p < 4; ++p) {
-            const __m512i v = _mm512_loadu_si512(rec + 64 * p);
-            const __m512i wl = _mm512_and_si512(v, low);
-            const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            // inputs 4 p .. 4 p + 3 (wl) and 16 + 4 p .. (wh): a nibble record's low and high
+            // nibbles, or a byte record's vectors p and 4 + p
+            __m512i wl, wh;
+            if constexpr (K::nibbles) {
+                const __m512i v = _mm512_loadu_si512(rec + 64 * p);
+                wl = _mm512_and_si512(v, low);
+                wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            } else {
+                wl = _mm512_loadu_si512(rec + 64 * p);
+                wh = _mm512_loadu_si512(rec + 64 * (p + 4));
+            }
             for (int r = 0; r < T; ++r) {
                 const int8_t* xb = xq + r * QK;
                 int32_t a, b;
@@ -189,8 +201,8 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
                 hi_sum[r] = _mm512_dpbusd_epi32(hi_sum[r], wh, _mm512_set1_epi32(b));
             }
         }
-        const __m512 dw = q4_scales16<F32>(rec, 0);
-        const __m512 mw = q4_scales16<F32>(rec, 1);
+        const __m512 dw = affine_scales16<K>(rec, K::scales);
+        const __m512 mw = affine_scales16<K>(rec, K::mins);
         for (int r = 0; r < T; ++r) {
             __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_sum[r], hi_sum[r]));
             t = _mm512_mul_ps(t, dw);
@@ -273,10 +285,10 @@ inline void store_cols(float* dst, const float* res, __m256 v, int ncols) {
     }
 }
 
-template <int T, bool F32>
+template <int T, class K>
 __attribute__((target("avx2,fma,f16c")))
 void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
-    constexpr int RECORD = F32 ? Q4F_RECORD : Q4_RECORD;
+    constexpr int RECORD = K::record;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; ++h) {
@@ -291,22 +303,28 @@ void q4_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
             __m256i sum[T];
             for (int r = 0; r < T; ++r) sum[r] = _mm256_setzero_si256();
             for (int p = 0; p < 4; ++p) {
-                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p + 32 * h));
-                const __m256i wl = _mm256_and_si256(v, low);
-                const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                __m256i wl, wh;  // as the AVX-512 tile's, columns 8 h .. 8 h + 7
+                if constexpr (K::nibbles) {
+                    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p + 32 * h));
+                    wl = _mm256_and_si256(v, low);
+                    wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                } else {
+                    wl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p + 32 * h));
+                    wh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * (p + 4) + 32 * h));
+                }
                 for (int r = 0; r < T; ++r) {
                     const int8_t* xb = xq + r * QK;
                     int32_t a, b;
                     std::memcpy(&a, xb + 4 * p, 4);
                     std::memcpy(&b, xb + 16 + 4 * p, 4);
-                    // |w x + w' x'| <= 2 * 15 * 127: the 16-bit pair sums cannot saturate.
+                    // |w x + w' x'| <= 2 * 31 * 127: the 16-bit pair sums cannot saturate.
                     const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(wl, _mm256_set1_epi32(a)), ones);
                     const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(wh, _mm256_set1_epi32(b)), ones);
                     sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(pl, ph));
                 }
             }
-            const __m256 dw = q4_scales8<F32>(rec, 0, h);
-            const __m256 mw = q4_scales8<F32>(rec, 1, h);
+            const __m256 dw = affine_scales8<K>(rec, K::scales, h);
+            const __m256 mw = affine_scales8<K>(rec, K::mins, h);
             for (int r = 0; r < T; ++r) {
                 __m256 t = _mm256_cvtepi32_ps(sum[r]);
                 t = _mm256_mul_ps(t, dw);
@@ -374,11 +392,11 @@ void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
 // ---------------------------------------------------------------------------------------------
 // Dispatch: rows in tiles of the largest size the instruction set keeps in registers.
 
-template <bool F32>
+template <class K>
 TileFn q4_tile_avx512_tile(int rows) {
-    static const TileFn table[] = {nullptr, q4_tile_avx512<1, F32>, q4_tile_avx512<2, F32>, q4_tile_avx512<3, F32>,
-                                   q4_tile_avx512<4, F32>, q4_tile_avx512<5, F32>, q4_tile_avx512<6, F32>,
-                                   q4_tile_avx512<7, F32>, q4_tile_avx512<8, F32>};
+    static const TileFn table[] = {nullptr, q4_tile_avx512<1, K>, q4_tile_avx512<2, K>, q4_tile_avx512<3, K>,
+                                   q4_tile_avx512<4, K>, q4_tile_avx512<5, K>, q4_tile_avx512<6, K>,
+                                   q4_tile_avx512<7, K>, q4_tile_avx512<8, K>};
     return table[rows];
 }
 template <bool Q6>
@@ -389,10 +407,9 @@ TileFn q8_tile_avx512_tile(int rows) {
     return table[rows];
 }
 
-template <bool F32>
+template <class K>
 TileFn q4_tile_avx2_n(int rows) {
-    static const TileFn table[] = {nullptr, q4_tile_avx2<1, F32>, q4_tile_avx2<2, F32>, q4_tile_avx2<3, F32>,
-                                   q4_tile_avx2<4, F32>};
+    static const TileFn table[] = {nullptr, q4_tile_avx2<1, K>, q4_tile_avx2<2, K>, q4_tile_avx2<3, K>, q4_tile_avx2<4, K>};
     return table[rows];
 }
 template <bool Q6>
@@ -418,11 +435,12 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, in] float32");
     TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
                 "packed weights must be a contiguous [units, blocks, bytes] uint8 tensor");
-    // q4's records carry float16 or float32 scales, q8's a scale per 32 or per 16 inputs: their
-    // size says which.
+    // q4's records hold nibbles with float16 or float32 scales or bytes (Q5_K), q8's a scale per
+    // 32 or per 16 inputs: their size says which.
     const bool f32 = q4 && packed.size(2) == Q4F_RECORD;
+    const bool q5 = q4 && packed.size(2) == Q5_RECORD;
     const bool q6 = !q4 && packed.size(2) == Q6_RECORD;
-    const int record = q4 ? (f32 ? Q4F_RECORD : Q4_RECORD) : (q6 ? Q6_RECORD : Q8_RECORD);
+    const int record = q4 ? (q5 ? Q5_RECORD : f32 ? Q4F_RECORD : Q4_RECORD) : (q6 ? Q6_RECORD : Q8_RECORD);
     const int64_t units = packed.size(0), G = packed.size(1), K = G * QK;
     TORCH_CHECK(packed.size(2) == record, "packed record size ", packed.size(2), ", expected ", record);
     TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs, the weights ", K);
@@ -458,14 +476,17 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     float* o = out.data_ptr<float>();
     auto vnni_tile = [&](int n) {
         if (isa == ISA_AVX2) {
-            if (q4) return f32 ? q4_tile_avx2_n<true>(n) : q4_tile_avx2_n<false>(n);
+            if (q4) return q5 ? q4_tile_avx2_n<specdec::Q5Float>(n) : f32 ? q4_tile_avx2_n<specdec::Q4Float>(n)
+                                                                          : q4_tile_avx2_n<specdec::Q4Half>(n);
             return q6 ? q8_tile_avx2_n<true>(n) : q8_tile_avx2_n<false>(n);
         }
-        if (q4) return f32 ? q4_tile_avx512_tile<true>(n) : q4_tile_avx512_tile<false>(n);
+        if (q4) return q5 ? q4_tile_avx512_tile<specdec::Q5Float>(n) : f32 ? q4_tile_avx512_tile<specdec::Q4Float>(n)
+                                                                              : q4_tile_avx512_tile<specdec::Q4Half>(n);
         return q6 ? q8_tile_avx512_tile<true>(n) : q8_tile_avx512_tile<false>(n);
     };
     auto amx_tile = [&](int n) {
-        return q4 ? (f32 ? specdec::q4f_tile_amx(n) : specdec::q4_tile_amx(n)) : specdec::q8_tile_amx(n);
+        if (q4) return q5 ? specdec::q5_tile_amx(n) : f32 ? specdec::q4f_tile_amx(n) : specdec::q4_tile_amx(n);
+        return specdec::q8_tile_amx(n);
     };
     std::vector<std::pair<int64_t, TileFn>> plan;  // (first row, tile function)
     int64_t row = 0;

@@ -20,6 +20,18 @@ struct Rows {
     int64_t rows, G;
 };
 
+// The records of the affine family (w = d q + m: quant.cpp's q4 layouts) as the tiles read them:
+// the weights as nibbles (q in 0..15) or as bytes (q in 0..31, Q5_K), where each record's 16 d
+// start (its 16 m follow them), and whether they are float32 or float16.
+template <bool NIBBLES, bool F32, int RECORD>
+struct Affine {
+    static constexpr bool nibbles = NIBBLES, f32 = F32;
+    static constexpr int record = RECORD, scales = NIBBLES ? 256 : 512, mins = scales + (F32 ? 64 : 32);
+};
+using Q4Half = Affine<true, false, 256 + 64>;    // Q4_0, Q4_1
+using Q4Float = Affine<true, true, 256 + 128>;   // Q4_K
+using Q5Float = Affine<false, true, 512 + 128>;  // Q5_K
+
 // Rows row0 .. row0 + T - 1 times one unit (16 columns) of packed weights into out (row stride
 // ldo), plus the residual's same elements where res is given; ncols < 16 for a matrix's last unit.
 using TileFn = void (*)(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res,
@@ -35,6 +47,7 @@ constexpr int AMX_ROWS = 16;
 // amx_end() (the tile state released).
 TileFn q4_tile_amx(int rows);
 TileFn q4f_tile_amx(int rows);  // q4 records with float32 scales
+TileFn q5_tile_amx(int rows);   // q4's form with bytes for weights (Q5_K)
 TileFn q8_tile_amx(int rows);
 void amx_begin();
 void amx_end();

@@ -1,8 +1,9 @@
-"""The native backend: a Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, SmolLM) written for decoding.
+"""The native backend: a decoder (Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, SmolLM) written for decoding.
 
 In the spirit of gpt-fast's `model.py`: the query, key and value projections are one matrix, so
-are the MLP's gate and up projections; rotary tables are computed once at load and indexed per
-step; the mask is built once per step and shared by every layer; the KV cache is preallocated
+are the MLP's gate and up projections; rotary tables are computed once (growing with the positions
+used) and indexed per step; the mask is built once per step and shared by every layer (Gemma 3:
+once per kind of layer, sliding or global); the KV cache is preallocated
 (the same cache objects as the `hf` backend). Weights are :class:`~specdec.models.qlinear.PackedLinear`
 in one of four formats, so a step costs about the bytes of its weights instead of float32's.
 
@@ -12,8 +13,8 @@ activations; q4 and q8, specdec's own kernels, take float32 and quantize it per 
 The embedding table stays in the file's blocks (the tied LM head's table, where they are one matrix):
 a lookup dequantizes the rows it reads, bitwise the float32 rows (`qlinear.Embedding`).
 
-Weights come from a GGUF file (:mod:`specdec.models.weights`: Q4_0/Q4_1 and Q8_0 blocks kept
-exactly, other types dequantized) or from a Hugging Face directory's safetensors.
+Weights come from a GGUF file (:mod:`specdec.models.weights`: Q4_0/Q4_1/Q4_K, Q8_0/Q5_0/Q6_K
+blocks kept exactly, other types dequantized) or from a Hugging Face directory's safetensors.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from specdec.errors import ModelLoadError
 from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_token
 from specdec.models.batch_cache import BatchCacheLayer
 from specdec.models.cache import PreallocatedLayer
-from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, Embedding, PackedLinear, RawWeight
+from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, Embedding, PackedLinear, RawWeight, StackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +56,13 @@ class WeightSource(Protocol):
 @dataclass
 class NativeLayer:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: PackedLinear  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: PackedLinear | StackedLinear  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # Qwen2
     o: PackedLinear  # [hidden, heads * head_dim]
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm over head_dim
     k_norm: torch.Tensor | None
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: PackedLinear  # [2 * intermediate, hidden]
+    gate_up: PackedLinear | StackedLinear  # [2 * intermediate, hidden]
     down: PackedLinear  # [hidden, intermediate]
     # Gemma 3: the attention's and the MLP's outputs normed before they join the residual stream.
     post_attn_norm: torch.Tensor | None = None
@@ -208,7 +209,7 @@ class NativeBackend:
         # Kept as the file stores it (the tied LM head's table where they are one): a lookup
         # dequantizes its rows, so the weights in memory stay about the file's size.
         self.embed = Embedding.of(self._weights.raw("model.embed_tokens.weight"), self.lm_head)
-        decoder = sorted({lin.fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)})
+        decoder = sorted(self._formats())
         self.weight_format = "+".join(decoder)
         if self.lm_head.fmt != self.weight_format:
             self.weight_format += f" (LM head {self.lm_head.fmt})"
@@ -262,12 +263,19 @@ class NativeBackend:
         weight = self._tensor(name).float()
         return 1.0 + weight if self.gemma else weight
 
-    def _linear(self, *names: str) -> PackedLinear:
-        """One matrix, or several fused over their outputs, in the backend's format."""
+    def _linear(self, *names: str) -> PackedLinear | StackedLinear:
+        """One matrix, or several fused over their outputs, in the backend's format (under `auto`,
+        the file's: parts whose formats differ, as a Q4_K_M file's Q4_K query and key beside its
+        Q6_K value, are stacked, each in its own)."""
         if hasattr(self._weights, "tensor_type"):  # a GGUF file: the types its matrices come in
             self.file_types.update(self._weights.tensor_type(name).name for name in names)
-        fmt = self._weights.auto_format(names[0]) if self._format == "auto" else self._format
-        return PackedLinear.pack([self._weights.raw(name) for name in names], fmt)
+        raws = [self._weights.raw(name) for name in names]
+        if self._format != "auto":
+            return PackedLinear.pack(raws, self._format)
+        formats = [self._weights.auto_format(name) for name in names]
+        if len(set(formats)) > 1:
+            return StackedLinear([PackedLinear.pack(raw, fmt) for raw, fmt in zip(raws, formats)])
+        return PackedLinear.pack(raws, formats[0])
 
     def _load_layer(self, i: int) -> NativeLayer:
         prefix = f"model.layers.{i}."
@@ -326,10 +334,14 @@ class NativeBackend:
             wanted = "float16" if self.kernel_path != "pytorch" else "float32"
         return KV_DTYPES[wanted]
 
+    def _formats(self) -> set[str]:
+        """The decoder's matrices' formats (a stacked matrix's parts' each)."""
+        return {fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                for fmt in lin.formats}
+
     def _products_path(self) -> str:
         """The kernels' path where any matrix runs on them (q4, q8), else `pytorch`."""
-        formats = {lin.fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
-        on_kernels = (formats | {self.lm_head.fmt}) & set(KERNEL_FORMATS)
+        on_kernels = (self._formats() | self.lm_head.formats) & set(KERNEL_FORMATS)
         return kernels.default_isa() if self.fused and on_kernels else "pytorch"
 
     @property
@@ -338,8 +350,7 @@ class NativeBackend:
         (a prompt's prefill, a part of it after a cached prefix, a step among other rows): every
         block attends per query (the kernels) and every decoder product is row-invariant (not
         float32's MKL product). What makes a prefix cache exact."""
-        formats = {lin.fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
-        return self.fused and "float32" not in formats
+        return self.fused and "float32" not in self._formats()
 
     def matrix_bytes(self) -> int:
         """Bytes of the packed matrices alone (what a requantized copy adds)."""
@@ -468,7 +479,7 @@ class NativeBackend:
     def _layers_fusable(self) -> bool:
         if self._fusable_for[0] is not self.layers:  # checked once per set of layers
             linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            able = self.fused and all(lin.fmt in KERNEL_FORMATS for lin in linears)
+            able = self.fused and all(isinstance(lin, PackedLinear) and lin.one_call for lin in linears)
             self._fusable_for = (self.layers, able)
             self._fused_weights = {}
         return self.fuse_layers and self._fusable_for[1]

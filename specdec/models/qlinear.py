@@ -57,9 +57,10 @@ BFLOAT16_MAX_ROWS = 32
 
 @dataclass(frozen=True)
 class Int4Groups:
-    """A matrix in groups of 32 along the input: w = d * q + m (GGUF's Q4_1; Q4_0 is m = -8d).
+    """A matrix in groups of 32 along the input: w = d * q + m (GGUF's Q4_1; Q4_0 is m = -8d; Q4_K
+    and Q5_K with float32 d and m, Q5_K's q up to 31).
 
-    q: [out, in] integers 0..15; d, m: [out, in / 32] float32."""
+    q: [out, in] integers 0..15 (0..31); d, m: [out, in / 32] float32."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -104,7 +105,11 @@ class Int8Groups:
 
     @staticmethod
     def cat(parts: list[Int8Groups]) -> Int8Groups:
-        return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
+        """Stacked over their outputs; groups of 32 beside groups of 16 become groups of 16 (each
+        scale twice: the same values)."""
+        group = min(p.group for p in parts)
+        return Int8Groups(torch.cat([p.q for p in parts]),
+                          torch.cat([p.d.repeat_interleave(p.group // group, dim=1) for p in parts]))
 
 
 RawWeight = torch.Tensor | Int4Groups | Int8Groups
@@ -137,7 +142,10 @@ class PackedLinear:
         parts = parts if isinstance(parts, list) else [parts]
         if fmt in ("int4", "q4") and all(isinstance(p, Int4Groups) for p in parts):
             groups = Int4Groups.cat(parts)
-            return cls._pack_int4(groups) if fmt == "int4" else cls._pack_q4(groups)
+            if fmt == "q4":
+                return cls._pack_q4(groups)
+            if int(groups.q.max()) <= 15:  # int4 holds 4-bit values only: 5-bit ones requantize below
+                return cls._pack_int4(groups)
         if fmt == "q8" and all(isinstance(p, Int8Groups) for p in parts):
             return cls._pack_q8(Int8Groups.cat(parts))
         weight = torch.cat([p.detach().float() if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
@@ -237,6 +245,45 @@ class PackedLinear:
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for v in self.tensors.values())
 
+    @property
+    def formats(self) -> set[str]:
+        return {self.fmt}
+
+    @property
+    def one_call(self) -> bool:
+        """Whether the one-call forward (`forward_layers`) takes it: specdec's kernel formats, but
+        for Q5_K's byte records, which only the products' own entry points tell from Q6_K's."""
+        return self.fmt in KERNEL_FORMATS and not (
+            self.fmt == "q4" and self.tensors["weight"].shape[-1] == packing.Q5_RECORD)
+
+
+class StackedLinear:
+    """Matrices stacked over their outputs, each a :class:`PackedLinear` in its own format: the
+    product is their products side by side (each row's bits its parts' own). What a fused
+    projection becomes when its parts' blocks share no exact format; the one-call forward does not
+    take it (the loop runs the layers)."""
+
+    def __init__(self, parts: list[PackedLinear]) -> None:
+        self.parts = parts
+        self.fmt = "+".join(sorted(self.formats))
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+
+    @property
+    def formats(self) -> set[str]:
+        return {p.fmt for p in self.parts}
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.cat([p(x).float() for p in self.parts], dim=-1)  # [rows, out_features]
+        return out if residual is None else residual + out
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
 
 class Embedding:
     """The token embedding as the file stores it: Q8_0 or Q4_0/Q4_1 blocks (packed as q8 or q4; the
@@ -324,6 +371,15 @@ def unpack_q5_0_blocks(raw: np.ndarray, out_features: int, in_features: int) -> 
     return Int8Groups(torch.from_numpy(q.reshape(out_features, in_features)), torch.from_numpy(d))
 
 
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 bytes [..., 12] -> eight 6-bit scales and eight 6-bit mins [..., 8]."""
+    packed = packed.astype(np.int32)
+    low, top, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scale = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1)
+    minimum = np.concatenate([top & 0x3F, (mixed >> 4) | ((top >> 6) << 4)], axis=-1)
+    return scale, minimum
+
+
 def unpack_q4_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int4Groups:
     """GGUF Q4_K blocks of one matrix as :class:`Int4Groups`, exactly: Q4_1's form per group of 32.
 
@@ -337,16 +393,34 @@ def unpack_q4_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> 
     blocks = np.ascontiguousarray(raw).reshape(out_features, supers, 144)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, supers]
     dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    packed = blocks[..., 4:16].astype(np.int32)  # [out, supers, 12]
-    low, top = packed[..., 0:4], packed[..., 4:8]
-    mixed = packed[..., 8:12]
-    scale = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1)  # [out, supers, 8]
-    minimum = np.concatenate([top & 0x3F, (mixed >> 4) | ((top >> 6) << 4)], axis=-1)
+    scale, minimum = _k_scales(blocks[..., 4:16])
     quants = blocks[..., 16:].reshape(out_features, supers, 4, 1, 32)
     q = np.concatenate([quants & 0x0F, quants >> 4], axis=3)  # [out, supers, 4, 2, 32]: groups 2i, 2i + 1
     group_d = (d[..., None] * scale.astype(np.float32)).reshape(out_features, supers * 8)
     group_m = -(dmin[..., None] * minimum.astype(np.float32)).reshape(out_features, supers * 8)
     return Int4Groups(torch.from_numpy(q.reshape(out_features, in_features).astype(np.int32)),
+                      torch.from_numpy(group_d), torch.from_numpy(group_m))
+
+
+def unpack_q5_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int4Groups:
+    """GGUF Q5_K blocks of one matrix as :class:`Int4Groups` with 5-bit values, exactly.
+
+    raw: [out, superblocks * 176] uint8. A superblock of 256 inputs is d and dmin (f16), Q4_K's 12
+    bytes of 6-bit scales and mins, 32 bytes of fifth bits, then 128 bytes of low nibbles: each 32
+    hold groups 2i (low nibbles; fifth bit 2i of the 32 bit-bytes) and 2i + 1 (high nibbles; bit
+    2i + 1). Group g: w = (d scale_g) q - dmin min_g, the products exact in float32."""
+    supers = in_features // 256
+    blocks = np.ascontiguousarray(raw).reshape(out_features, supers, 176)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, supers]
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    scale, minimum = _k_scales(blocks[..., 4:16])
+    fifth = blocks[..., 16:48].astype(np.int32)[:, :, None, :]  # [out, supers, 1, 32]
+    bits = ((fifth >> np.arange(8, dtype=np.int32).reshape(8, 1)) & 1) << 4  # [out, supers, 8 groups, 32]
+    quants = blocks[..., 48:].astype(np.int32).reshape(out_features, supers, 4, 1, 32)
+    low = np.concatenate([quants & 0x0F, quants >> 4], axis=3).reshape(out_features, supers, 8, 32)
+    group_d = (d[..., None] * scale.astype(np.float32)).reshape(out_features, supers * 8)
+    group_m = -(dmin[..., None] * minimum.astype(np.float32)).reshape(out_features, supers * 8)
+    return Int4Groups(torch.from_numpy((low | bits).reshape(out_features, in_features)),
                       torch.from_numpy(group_d), torch.from_numpy(group_m))
 
 

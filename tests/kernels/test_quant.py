@@ -27,12 +27,13 @@ def _q4(out_features: int, in_features: int, seed: int):
     return q, d, m, packing.pack_q4(q, d, m)
 
 
-def _q4k(out_features: int, in_features: int, seed: int):
+def _q4k(out_features: int, in_features: int, seed: int, levels: int = 16):
     """Q4_K's values as q4 groups: d = d_super * scale and m = -dmin * min per group of 32 (float16
-    d_super and dmin per 8 groups, 6-bit scale and min), which float16 cannot hold: 384-byte records."""
+    d_super and dmin per 8 groups, 6-bit scale and min), which float16 cannot hold: 384-byte records.
+    levels=32: Q5_K's, 5-bit values in 640-byte records of bytes."""
     generator = torch.Generator().manual_seed(seed)
     groups = in_features // 32
-    q = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.int32)
+    q = torch.randint(0, levels, (out_features, in_features), generator=generator, dtype=torch.int32)
     supers = (groups + 7) // 8
     d_super = (torch.rand(out_features, supers, generator=generator) / 500).half().float().repeat_interleave(8, 1)
     dmin = (torch.rand(out_features, supers, generator=generator) / 500).half().float().repeat_interleave(8, 1)
@@ -67,11 +68,19 @@ def _activations(rows: int, in_features: int, seed: int) -> torch.Tensor:
     return x
 
 
+def _q5k(out_features: int, in_features: int, seed: int):
+    return _q4k(out_features, in_features, seed, levels=32)
+
+
+Q4_KINDS = {"q4": (_q4, packing.Q4_RECORD), "q4k": (_q4k, packing.Q4F_RECORD), "q5k": (_q5k, packing.Q5_RECORD)}
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("scales", ["float16", "float32"])
-def test_q4_product_is_its_reference(isa: str, shape: tuple[int, int], scales: str) -> None:
-    q, d, m, packed = (_q4 if scales == "float16" else _q4k)(*shape, seed=0)
-    assert packed.shape[-1] == (packing.Q4_RECORD if scales == "float16" else packing.Q4F_RECORD)
+@pytest.mark.parametrize("kind", list(Q4_KINDS))
+def test_q4_product_is_its_reference(isa: str, shape: tuple[int, int], kind: str) -> None:
+    make, record = Q4_KINDS[kind]
+    q, d, m, packed = make(*shape, seed=0)
+    assert packed.shape[-1] == record
     x = _activations(11, shape[1], seed=1)
     assert torch.equal(kernels.q4_matmul(x, packed, shape[0], isa), reference.q4_matmul(x, q, d, m))
 
@@ -98,13 +107,13 @@ def test_reference_is_close_to_the_float_product() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fmt", ["q4", "q4k", "q8", "q6k"])
+@pytest.mark.parametrize("fmt", ["q4", "q4k", "q5k", "q8", "q6k"])
 def test_products_are_row_invariant(isa: str, fmt: str, threads: int) -> None:
     # 1..32 rows: every tile size and remainder of every path (AMX: a 16-row tile, then the rest
     # in one AMX tile from 8 rows or in VNNI tiles below).
     out_features, in_features = 576, 1536
-    if fmt in ("q4", "q4k"):
-        *_, packed = (_q4 if fmt == "q4" else _q4k)(out_features, in_features, seed=5)
+    if fmt in Q4_KINDS:
+        *_, packed = Q4_KINDS[fmt][0](out_features, in_features, seed=5)
         product = kernels.q4_matmul
     else:
         *_, packed = (_q8 if fmt == "q8" else _q6k)(out_features, in_features, seed=5)
@@ -120,12 +129,12 @@ def test_products_are_row_invariant(isa: str, fmt: str, threads: int) -> None:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q4k", "q8", "q6k"])
+@pytest.mark.parametrize("fmt", ["q4", "q4k", "q5k", "q8", "q6k"])
 def test_every_path_gives_the_same_bits(isa: str, fmt: str) -> None:
     # Against the AVX2 path, which every supported CPU has: rows that fill AMX tiles (16, 32),
     # leave an AMX remainder (25 = 16 + 9) or a VNNI one (37 = 32 + 5); a last unit of 8 columns.
-    if fmt in ("q4", "q4k"):
-        *_, packed = (_q4 if fmt == "q4" else _q4k)(88, 256, seed=7)
+    if fmt in Q4_KINDS:
+        *_, packed = Q4_KINDS[fmt][0](88, 256, seed=7)
         product = kernels.q4_matmul
     else:
         *_, packed = (_q8 if fmt == "q8" else _q6k)(88, 256, seed=7)
@@ -146,6 +155,12 @@ def test_packing_round_trips() -> None:
         assert torch.equal(got, want)
     rows = torch.tensor([0, 17, 36])
     for got, want in zip(packing.q4_rows(packed_k, rows), (qk[rows], dk[rows], mk[rows])):
+        assert torch.equal(got, want)
+    q5, d5, m5, packed5 = _q5k(37, 256, seed=9)
+    assert packed5.shape == (3, 8, packing.Q5_RECORD) and int(q5.max()) > 15
+    for got, want in zip(packing.unpack_q4(packed5, 37), (q5, d5, m5)):
+        assert torch.equal(got, want)
+    for got, want in zip(packing.q4_rows(packed5, rows), (q5[rows], d5[rows], m5[rows])):
         assert torch.equal(got, want)
     q6, d6, packed6 = _q6k(37, 256, seed=9)
     assert packed6.shape == (3, 8, packing.Q6_RECORD)

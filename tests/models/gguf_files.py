@@ -17,6 +17,9 @@ from transformers import PreTrainedTokenizerFast
 # `gguf` package and transformers' reader know no other), so `llama` covers them.
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 FORMATS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# A mixture as llama.cpp's Q4_K_M writes one: Q6_K for the attention's value, the MLP's down
+# projection and the LM head, Q4_K for the rest (so a fused query/key/value mixes the two).
+MIXTURES = {"Q4_K_M": ("Q4_K", {"attn_v", "ffn_down", "output"}, "Q6_K")}
 
 # Shapes: K-quants' superblocks are 256 inputs, so every matrix's input is a multiple of 256.
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS = 256, 4, 2, 512, 2
@@ -56,7 +59,8 @@ def _matrix(rows: int, cols: int, fmt: str, rng: np.random.Generator) -> tuple[n
 
 def write_tiny_gguf(path: Path, architecture: str, fmt: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
     """A random 2-layer `architecture` model with every matrix (embedding and LM head too) in
-    `fmt`, its norms, biases and metadata as llama.cpp writes them."""
+    `fmt` (a GGUF type, or a mixture of MIXTURES), its norms, biases and metadata as llama.cpp
+    writes them."""
     rng = np.random.default_rng(seed)
     vocab = len(tokenizer)
     writer = GGUFWriter(str(path), architecture)
@@ -94,25 +98,29 @@ def write_tiny_gguf(path: Path, architecture: str, fmt: str, tokenizer: PreTrain
         # Gemma's norms multiply by the stored weight as is (llama.cpp stores 1 + w), as others'.
         return (1.0 + 0.2 * rng.standard_normal(dim)).astype(np.float32)
 
-    add("token_embd.weight", *_matrix(vocab, HIDDEN, fmt, rng))
+    def matrix(role: str, rows: int, cols: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+        base, roles, other = MIXTURES.get(fmt, (fmt, set(), fmt))
+        return _matrix(rows, cols, other if role in roles else base, rng)
+
+    add("token_embd.weight", *matrix("token_embd", vocab, HIDDEN))
     add("output_norm.weight", norm(HIDDEN))
     if architecture != "gemma3":  # Gemma 3 ties its LM head to the embedding
-        add("output.weight", *_matrix(vocab, HIDDEN, fmt, rng))
+        add("output.weight", *matrix("output", vocab, HIDDEN))
     q, kv = HEADS * dim, KV_HEADS * dim
     for layer in range(LAYERS):
         blk = f"blk.{layer}."
         add(blk + "attn_norm.weight", norm(HIDDEN))
         if architecture == "phi3":  # query, key and value in one matrix; gate and up in another
-            add(blk + "attn_qkv.weight", *_matrix(q + 2 * kv, HIDDEN, fmt, rng))
-            add(blk + "ffn_up.weight", *_matrix(2 * INTERMEDIATE, HIDDEN, fmt, rng))
+            add(blk + "attn_qkv.weight", *matrix("attn_qkv", q + 2 * kv, HIDDEN))
+            add(blk + "ffn_up.weight", *matrix("ffn_up", 2 * INTERMEDIATE, HIDDEN))
         else:
-            add(blk + "attn_q.weight", *_matrix(q, HIDDEN, fmt, rng))
-            add(blk + "attn_k.weight", *_matrix(kv, HIDDEN, fmt, rng))
-            add(blk + "attn_v.weight", *_matrix(kv, HIDDEN, fmt, rng))
-            add(blk + "ffn_gate.weight", *_matrix(INTERMEDIATE, HIDDEN, fmt, rng))
-            add(blk + "ffn_up.weight", *_matrix(INTERMEDIATE, HIDDEN, fmt, rng))
-        add(blk + "attn_output.weight", *_matrix(HIDDEN, q, fmt, rng))
-        add(blk + "ffn_down.weight", *_matrix(HIDDEN, INTERMEDIATE, fmt, rng))
+            add(blk + "attn_q.weight", *matrix("attn_q", q, HIDDEN))
+            add(blk + "attn_k.weight", *matrix("attn_k", kv, HIDDEN))
+            add(blk + "attn_v.weight", *matrix("attn_v", kv, HIDDEN))
+            add(blk + "ffn_gate.weight", *matrix("ffn_gate", INTERMEDIATE, HIDDEN))
+            add(blk + "ffn_up.weight", *matrix("ffn_up", INTERMEDIATE, HIDDEN))
+        add(blk + "attn_output.weight", *matrix("attn_output", HIDDEN, q))
+        add(blk + "ffn_down.weight", *matrix("ffn_down", HIDDEN, INTERMEDIATE))
         add(blk + "ffn_norm.weight", norm(HIDDEN))
         if architecture == "qwen2":
             for part, width in (("q", q), ("k", kv), ("v", kv)):

@@ -1,10 +1,12 @@
 """The conformance tier: tiny random GGUF files of every architecture the native backend reads
 from GGUF (Llama, whose files Mistral's are too, Qwen2, Qwen3, Gemma 3, Phi-3) with every matrix in
-each block format (F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), written with the `gguf`
+each block format (F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, and a Q4_K_M mixture of Q4_K and
+Q6_K as llama.cpp writes one), written with the `gguf`
 package's writer (`gguf_files.py`) and loaded twice: by the native backend, and by transformers'
 own GGUF reader and dequantization, the reference. Per file: the native backend in float32 gives
-transformers' logits (to 1e-4); under `auto` every format a kernel takes runs on it (the rest in
-float32, said in one line) within the activations' int8 rounding of the reference; and
+transformers' logits (to 1e-4); under `auto` every format a kernel takes runs on it (F16 in
+float32, said in one line), each matrix holding the file's values bit for bit, within the
+activations' int8 rounding of the reference; and
 speculation (the file drafting for itself) is greedy-identical to plain decoding."""
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from specdec import LLM, SamplingParams, kernels
 from specdec.models import load_model, loader
 from specdec.models.runner import ModelRunner
 from tests.conftest import tiny_tokenizer
-from tests.models.gguf_files import ARCHITECTURES, FORMATS, write_tiny_gguf
+from tests.models.gguf_files import ARCHITECTURES, FORMATS, MIXTURES, write_tiny_gguf
 
-# The format each GGUF type runs in under `auto` where the kernels are built.
-ON_KERNELS = {"Q8_0": "q8", "Q6_K": "q8", "Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4"}
+# The formats each file's matrices run in under `auto` where the kernels are built (Q4_K_M: its
+# Q4_K and Q6_K matrices each in its own; a fused query/key/value mixing them, stacked).
+ON_KERNELS = {"Q8_0": {"q8"}, "Q6_K": {"q8"}, "Q4_0": {"q4"}, "Q4_1": {"q4"}, "Q4_K": {"q4"}, "Q5_K": {"q4"},
+              "Q4_K_M": {"q4", "q8"}}
 PROMPT = list(range(5, 41))
 
 
@@ -36,7 +40,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory):
         yield directory
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + tuple(MIXTURES))
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_a_gguf_file_runs_natively_as_transformers_reads_it(architecture: str, fmt: str, cache, tmp_path,
                                                             caplog: pytest.LogCaptureFixture) -> None:
@@ -53,11 +57,15 @@ def test_a_gguf_file_runs_natively_as_transformers_reads_it(architecture: str, f
 
     with caplog.at_level(logging.WARNING, logger="specdec.models.native"):
         native = load_model(str(path))
-    formats = {lin.fmt for layer in native.backend.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
     if kernels.available():
-        assert formats == {ON_KERNELS.get(fmt, "float32")}
+        assert native.backend._formats() == ON_KERNELS.get(fmt, {"float32"})
+    # ... holding the file's own values: every matrix is bitwise the float32 load's (no matrix
+    # requantized, a mixture's fused parts each in its own format)
+    for packed, plain in zip(native.backend.layers, exact.backend.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert torch.equal(getattr(packed, name).dequantized(), getattr(plain, name).dequantized()), name
     widened = [r.getMessage() for r in caplog.records if "run in float32" in r.getMessage()]
-    assert bool(widened) == (fmt in ("F16", "Q5_K")) and all(fmt in line for line in widened)
+    assert bool(widened) == (fmt == "F16") and all(fmt in line for line in widened)
     got = ModelRunner(native).score(PROMPT)
     assert float((got - want).norm() / want.norm()) < 0.06  # the activations' int8 rounding, at most
 

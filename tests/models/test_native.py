@@ -16,7 +16,8 @@ from specdec.kernels import packing
 from specdec.models import LoadedModel, ModelRunner
 from specdec.models.cache import PreallocatedCache
 from specdec.models.loader import default_model_path
-from specdec.models.qlinear import Embedding, Int4Groups, Int8Groups, PackedLinear, unpack_q4_blocks, unpack_q8_blocks
+from specdec.models.qlinear import (Embedding, Int4Groups, Int8Groups, PackedLinear, StackedLinear, unpack_q4_blocks,
+                                    unpack_q8_blocks)
 from specdec.models.weights import GGUFWeights, TensorReader
 
 PROMPTS = [
@@ -189,7 +190,28 @@ def test_tensor_reader_reads_what_the_gguf_reader_reads() -> None:
     assert arrays >= 3  # the tokenizer's tokens, types and merges at least
 
 
-@pytest.mark.parametrize("kind", ["q8", "q4_0", "q4_1", "q4_k", "q6_k", "float32"])
+def test_int8_groups_of_32_and_16_stack_as_groups_of_16_with_the_same_values() -> None:
+    q8 = Int8Groups(*packing.quantize_q8(torch.randn(16, 64)))
+    q6 = Int8Groups(torch.randint(-32, 32, (8, 64)), torch.rand(8, 4) / 100)
+    both = Int8Groups.cat([q8, q6])
+    assert both.group == 16 and torch.equal(both.dequantize(), torch.cat([q8.dequantize(), q6.dequantize()]))
+
+
+def test_a_stacked_matrix_is_its_parts_side_by_side() -> None:
+    # A Q4_K_M file's fused query/key/value: Q4_K groups (q4) beside Q6_K ones (q8), each packed
+    # in its own format; the product is bitwise each part's, for any number of rows.
+    q4 = PackedLinear.pack(Int4Groups(torch.randint(0, 16, (48, 64)), torch.rand(48, 2) / 50, -torch.rand(48, 2) / 50), "q4")
+    q8 = PackedLinear.pack(Int8Groups(torch.randint(-32, 32, (16, 64)), torch.rand(16, 4) / 100), "q8")
+    stacked = StackedLinear([q4, q8])
+    assert stacked.formats == {"q4", "q8"} and stacked.out_features == 64 and stacked.nbytes == q4.nbytes + q8.nbytes
+    assert torch.equal(stacked.dequantized(), torch.cat([q4.dequantized(), q8.dequantized()]))
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    want = torch.cat([q4(x), q8(x)], dim=1)
+    assert torch.equal(stacked(x), want) and torch.equal(stacked(x, residual=residual), residual + want)
+    assert all(torch.equal(stacked(x[i : i + 1]), want[i : i + 1]) for i in range(5))
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "float32"])
 def test_the_embedding_keeps_the_files_blocks_and_looks_up_their_exact_rows(kind: str) -> None:
     # Rows gathered from the packed blocks and dequantized (specdec's kernel `embed_rows`, or
     # PyTorch's indexing) are bitwise the float32 table's, and a table that is the tied LM head's
@@ -199,9 +221,9 @@ def test_the_embedding_keeps_the_files_blocks_and_looks_up_their_exact_rows(kind
     small = lambda *shape: (torch.rand(*shape) / 500).half().float()  # noqa: E731 (float16 values)
     if kind == "q8":
         raw = Int8Groups(*packing.quantize_q8(weight))
-    elif kind == "q4_k":
-        raw = Int4Groups(torch.randint(0, 16, (40, 96)), small(40, 3) * torch.randint(0, 64, (40, 3)),
-                         -small(40, 3) * torch.randint(0, 64, (40, 3)))
+    elif kind in ("q4_k", "q5_k"):
+        raw = Int4Groups(torch.randint(0, 16 if kind == "q4_k" else 32, (40, 96)),
+                         small(40, 3) * torch.randint(0, 64, (40, 3)), -small(40, 3) * torch.randint(0, 64, (40, 3)))
     elif kind == "q6_k":
         raw = Int8Groups(torch.randint(-32, 32, (40, 96)), small(40, 6) * torch.randint(-128, 128, (40, 6)))
     elif kind == "float32":
@@ -216,8 +238,9 @@ def test_the_embedding_keeps_the_files_blocks_and_looks_up_their_exact_rows(kind
     own._ops = None  # PyTorch's gather, where specdec's kernels are not built: the same bits
     assert torch.equal(own(ids), table[ids])
     assert own.nbytes == (table.numel() * 4 if kind == "float32" else own.table.nbytes) and not own.shared
-    if kind in ("q4_k", "q6_k"):
-        assert own.table.tensors["weight"].shape[-1] == (packing.Q4F_RECORD if kind == "q4_k" else packing.Q6_RECORD)
+    if kind in ("q4_k", "q5_k", "q6_k"):
+        records = {"q4_k": packing.Q4F_RECORD, "q5_k": packing.Q5_RECORD, "q6_k": packing.Q6_RECORD}
+        assert own.table.tensors["weight"].shape[-1] == records[kind]
     if kind != "float32":
         lm_head = PackedLinear.pack(raw, "q8" if kind in ("q8", "q6_k") else "q4")
         tied = Embedding.of(raw, lm_head)
