@@ -829,8 +829,10 @@ def doctor(
         metrics_text, health = fetch(base, api_key=api_key)
         reports = diagnose(metrics_text, health, curve_costs)
         name = f"replica {replica} ({base})" if replica is not None else url
+        types = health.get("file_types") or []
+        weights = f", weights from GGUF {', '.join(map(str, types))}" if types else ""
         table = Table(title=f"{escape(name)}: {health.get('running', 0)} running, {health.get('waiting', 0)} waiting, "
-                            f"products on {escape(str(health.get('kernel_path', '?')))}")
+                            f"products on {escape(str(health.get('kernel_path', '?')))}{escape(weights)}")
         for column in ("route", "drafter", "k now", "acceptance", "per position", "verdict"):
             table.add_column(column)
         for r in reports:

@@ -353,22 +353,34 @@ def unpack_q4_blocks(raw: np.ndarray, out_features: int, in_features: int, with_
     return Int4Groups(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m))
 
 
+def _five_bit_blocks(raw: np.ndarray, out_features: int, in_features: int, with_min: bool):
+    """GGUF Q5_0 / Q5_1 blocks of one matrix: q [out, in] in 0..31, d and m [out, blocks] float32
+    (m None for Q5_0). A block is d (f16), for Q5_1 m (f16), 4 bytes holding each element's fifth
+    bit (bit j for element j), and 16 bytes whose low nibbles are elements 0..15 and high nibbles
+    elements 16..31."""
+    groups = in_features // INT4_GROUP
+    header = 4 if with_min else 2
+    blocks = np.ascontiguousarray(raw).reshape(out_features, groups, header + 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, groups]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else None
+    high = blocks[..., header : header + 4].copy().view(np.uint32)  # [out, groups, 1]
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4  # [out, groups, 32]
+    nibbles = blocks[..., header + 4 :].astype(np.int32)
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # [out, groups, 32]
+    return (low | fifth).reshape(out_features, in_features), d, m
+
+
 def unpack_q5_0_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int8Groups:
     """GGUF Q5_0 blocks of one matrix as :class:`Int8Groups`, exactly: w = d * (q - 16) with q in
-    0..31 is Q8_0's w = d * q' with q' = q - 16 in -16..15.
+    0..31 is Q8_0's w = d * q' with q' = q - 16 in -16..15."""
+    q, d, _ = _five_bit_blocks(raw, out_features, in_features, with_min=False)
+    return Int8Groups(torch.from_numpy(q - 16), torch.from_numpy(d))
 
-    raw: the tensor's bytes, [out, blocks * 22] uint8; a block is d (f16), 4 bytes holding each
-    element's fifth bit (bit j for element j), and 16 bytes whose low nibbles are elements 0..15 and
-    high nibbles elements 16..31."""
-    groups = in_features // INT4_GROUP
-    blocks = np.ascontiguousarray(raw).reshape(out_features, groups, 22)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, groups]
-    high = blocks[..., 2:6].copy().view(np.uint32)  # [out, groups, 1]
-    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4  # [out, groups, 32]
-    nibbles = blocks[..., 6:].astype(np.int32)
-    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # [out, groups, 32]
-    q = (low | fifth) - 16
-    return Int8Groups(torch.from_numpy(q.reshape(out_features, in_features)), torch.from_numpy(d))
+
+def unpack_q5_1_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int4Groups:
+    """GGUF Q5_1 blocks of one matrix as :class:`Int4Groups` with 5-bit values, exactly: w = d q + m."""
+    q, d, m = _five_bit_blocks(raw, out_features, in_features, with_min=True)
+    return Int4Groups(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,7 @@
 A GGUF file names tensors its own way (`blk.0.attn_q.weight`) and, for Llama models, stores the
 query and key projections with their rows permuted for llama.cpp's interleaved rotary layout;
 :class:`GGUFWeights` maps the names back to Hugging Face's and undoes the permutation (a row
-permutation, so quantized rows move whole). Q4_0, Q4_1, Q4_K and Q5_K matrices come back as
+permutation, so quantized rows move whole). Q4_0, Q4_1, Q4_K, Q5_1 and Q5_K matrices come back as
 :class:`~specdec.models.qlinear.Int4Groups`, Q8_0, Q5_0 and Q6_K as
 :class:`~specdec.models.qlinear.Int8Groups`, exactly as stored (K-quants' group scales as the float32
 products GGUF's dequantization computes); every other type is dequantized by the `gguf` package
@@ -24,7 +24,8 @@ from safetensors import safe_open
 from specdec import kernels
 from specdec.errors import ModelLoadError
 from specdec.models.qlinear import (Int4Groups, Int8Groups, RawWeight, unpack_q4_blocks, unpack_q4_k_blocks,
-                                    unpack_q5_0_blocks, unpack_q5_k_blocks, unpack_q6_k_blocks, unpack_q8_blocks)
+                                    unpack_q5_0_blocks, unpack_q5_1_blocks, unpack_q5_k_blocks, unpack_q6_k_blocks,
+                                    unpack_q8_blocks)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_NAMES = {
@@ -56,7 +57,7 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weig
 # The format each GGUF type runs in under `--dtype auto`: its own where a kernel takes it
 # (specdec's kernels where they are built, else PyTorch's int4 and int8 ones).
 _AUTO_FORMAT = {GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q4_K: "q4",
-                GGMLQuantizationType.Q5_K: "q4",
+                GGMLQuantizationType.Q5_K: "q4", GGMLQuantizationType.Q5_1: "q4",
                 GGMLQuantizationType.Q8_0: "q8", GGMLQuantizationType.Q5_0: "q8", GGMLQuantizationType.Q6_K: "q8",
                 GGMLQuantizationType.BF16: "bfloat16"}
 _FALLBACK_FORMAT = {"q4": "int4", "q8": "int8"}
@@ -150,6 +151,8 @@ class GGUFWeights:
             value = unpack_q8_blocks(tensor.data, shape[0], shape[1])
         elif kind == GGMLQuantizationType.Q4_K and len(shape) == 2:
             value = unpack_q4_k_blocks(tensor.data, shape[0], shape[1])
+        elif kind == GGMLQuantizationType.Q5_1 and len(shape) == 2:
+            value = unpack_q5_1_blocks(tensor.data, shape[0], shape[1])
         elif kind == GGMLQuantizationType.Q5_K and len(shape) == 2:
             value = unpack_q5_k_blocks(tensor.data, shape[0], shape[1])
         elif kind == GGMLQuantizationType.Q6_K and len(shape) == 2:

@@ -448,6 +448,8 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
             "waiting": state.scheduler.waiting,
             "threads": state.scheduler.torch_threads,
             "kernel_path": state.encoder.target.kernel_path,
+            # the GGUF types the target's matrices came in (Q4_K, Q6_K...); empty for other sources
+            "file_types": sorted(getattr(state.encoder.target.backend, "file_types", ())),
             "replica": state.replica,
             "memory": memory_plan() | {"suffix_cache_bytes": {route: cache.nbytes for route, cache in shared_caches()}},
             "prefix_cache": prefix_cache(),

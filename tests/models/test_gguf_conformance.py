@@ -1,6 +1,6 @@
 """The conformance tier: tiny random GGUF files of every architecture the native backend reads
 from GGUF (Llama, whose files Mistral's are too, Qwen2, Qwen3, Gemma 3, Phi-3) with every matrix in
-each block format (F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, and a Q4_K_M mixture of Q4_K and
+each block format (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and a Q4_K_M mixture of Q4_K and
 Q6_K as llama.cpp writes one), written with the `gguf`
 package's writer (`gguf_files.py`) and loaded twice: by the native backend, and by transformers'
 own GGUF reader and dequantization, the reference. Per file: the native backend in float32 gives
@@ -26,8 +26,8 @@ from tests.models.gguf_files import ARCHITECTURES, FORMATS, MIXTURES, write_tiny
 
 # The formats each file's matrices run in under `auto` where the kernels are built (Q4_K_M: its
 # Q4_K and Q6_K matrices each in its own; a fused query/key/value mixing them, stacked).
-ON_KERNELS = {"Q8_0": {"q8"}, "Q6_K": {"q8"}, "Q4_0": {"q4"}, "Q4_1": {"q4"}, "Q4_K": {"q4"}, "Q5_K": {"q4"},
-              "Q4_K_M": {"q4", "q8"}}
+ON_KERNELS = {"Q8_0": {"q8"}, "Q5_0": {"q8"}, "Q6_K": {"q8"}, "Q4_0": {"q4"}, "Q4_1": {"q4"}, "Q5_1": {"q4"},
+              "Q4_K": {"q4"}, "Q5_K": {"q4"}, "Q4_K_M": {"q4", "q8"}}
 PROMPT = list(range(5, 41))
 
 

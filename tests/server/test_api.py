@@ -123,6 +123,7 @@ def test_health_reports_memory_plan(server: ServerThread) -> None:
     memory = health["memory"]
     assert memory["target_format"] == "native q4 (LM head q8)"  # the default backend and the GGUF's own format
     assert health["kernel_path"] == (kernels.default_isa() if kernels.available() else "pytorch")  # the path this CPU runs the products on
+    assert health["file_types"] == ["Q4_1", "Q8_0"]  # the default model's GGUF: Q4_1 layers, a Q8_0 LM head
     assert memory["bytes_per_sequence"] == 256 * memory["target_kv_bytes_per_token"]
     assert memory["max_sequences"] == memory["cache_budget_bytes"] // memory["bytes_per_sequence"]
 
