@@ -2,10 +2,12 @@
 //
 // Activations are quantized per row and per block of 32 to int8 (d = amax / 127, q = round(x / d)
 // computed as round(x * (1 / d)), half to even), with each block's integer sum kept beside its scale.
-// Weights are in blocks of 32 along the input as the GGUF stores them (Q4_1: w = d q + m with q in
-// 0..15; Q4_0 is m = -8 d; Q8_0: w = d q with q in -128..127), repacked so that 16 output columns
-// are interleaved: one 512-bit integer dot product (vpdpbusd) computes 16 columns x 4 inputs, the
-// activation's 4 bytes broadcast, and the unpacking of a weight vector is shared by every row.
+// Weights are in blocks of 32 along the input as the GGUF stores them (the affine family, q4: w =
+// d q + m with q in 0..15 for Q4_1, Q4_0 (m = -8 d) and Q4_K, 0..31 for Q5_1 and Q5_K; the
+// symmetric one, q8: w = d q with q in -128..127 for Q8_0, Q5_0 and, per 16 inputs, Q6_K),
+// repacked so that 16 output columns are interleaved: one 512-bit integer dot product (vpdpbusd)
+// computes 16 columns x 4 inputs, the activation's 4 bytes broadcast, and the unpacking of a
+// weight vector is shared by every row.
 //
 // Row invariance, which makes a verification pass bitwise a plain step: each row's integer sums
 // are exact, and its float epilogue is the same sequence of IEEE operations (no FMA, fixed order
@@ -19,7 +21,7 @@
 //       byte 64 p + 4 c + i: low nibble input 4 p + i, high nibble input 16 + 4 p + i, column c
 //       or, for scales that float16 cannot hold (Q4_K's d * scale and dmin * min), the same
 //       nibbles, then 16 float32 d, then 16 float32 m                       (384 bytes)
-//       or, for 5-bit values (Q5_K, q in 0..31), a byte a value laid out as q8's, then 16
+//       or, for 5-bit values (Q5_K, Q5_1), a byte a value laid out as q8's, then 16
 //       float32 d, then 16 float32 m                                        (640 bytes)
 //   q8: 512 bytes of int8, then 16 float16 d                                   (544 bytes)
 //       byte 64 j + 4 c + i: input 4 j + i, column c

@@ -20,14 +20,17 @@ The only rounding is of d and m, stored as float16 in the file and as bfloat16 b
 Two more formats run specdec's own kernels (:mod:`specdec.kernels`) on the file's blocks exactly
 as stored, float32 activations quantized to int8 per row and block of 32 on the fly:
 
-- `q4`: Q4_0/Q4_1 blocks (d and m in float16, as in the file);
-- `q8`: Q8_0 blocks (the default model's tied LM head).
+- `q4`: the affine blocks, w = d q + m: Q4_0/Q4_1 (d and m in float16, as in the file), Q4_K
+  (float32 group scales, the products of its super-block scales), Q5_1 and Q5_K (5-bit values);
+- `q8`: the symmetric ones, w = d q: Q8_0 (the default model's tied LM head), Q5_0 (q - 16) and
+  Q6_K (a float32 scale per 16 inputs).
 
 They are what `--dtype auto` runs where the kernels are built; a row's result is bitwise the same
 however many rows share the product, on every instruction-set path.
 
-Matrices arrive as :data:`RawWeight`: a float tensor or :class:`Int4Groups`. Fused projections
-(query/key/value, gate/up) are concatenated raw, then packed once.
+Matrices arrive as :data:`RawWeight`: a float tensor, :class:`Int4Groups` or :class:`Int8Groups`.
+Fused projections (query/key/value, gate/up) are concatenated raw, then packed once; parts that
+share no format stay apart in a :class:`StackedLinear`.
 """
 
 from __future__ import annotations
