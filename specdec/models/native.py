@@ -198,7 +198,7 @@ class NativeBackend:
         # A short pass runs every layer in one kernel call where it can (see `_fused_layers`);
         # off, the Python loop calls the same kernels one by one (the same bits).
         self.fuse_layers = True
-        self._fusable_for: tuple[object, bool] = (None, False)
+        self._fusable_for: tuple[object, list[bool]] = (None, [])
         self._fused_weights: dict[tuple[int, ...], list] = {}
         self._weights, self._format = weights, weight_format
         self.file_types: set[str] = set()  # a GGUF file's matrix types (Q4_K, Q6_K...), else empty
@@ -400,39 +400,32 @@ class NativeBackend:
             x = x * self.embed_scale
         tables = {kind: self._rotary_table(kind, positions) for kind in {self.rope_kinds[i] for i in ids}}
         states: dict[int, torch.Tensor] = {}
-        fused = None
-        if all(visible is not None for _, visible in views.values()):
-            # One call per run of layers that share a window and a rotary table (Gemma 3: its
-            # sliding and global layers alternate in runs; every other model: one run).
-            fused, y = {}, x
-            for run in self._runs(ids):
-                _, visible = views[self.windows[run[0]]]
-                cos, sin = tables[self.rope_kinds[run[0]]]
-                out = self._fused_layers(cache, run, y, rows, cos, sin, visible, hidden_layers)
-                if out is None:  # at the first run (every run has the same cache and formats)
-                    if fused or y is not x:
-                        raise RuntimeError("a later run of layers could not take the call the first took")
-                    fused = None
-                    break
-                y, kept = out
-                fused.update(kept)
-        if fused is not None:
-            x, states = y, fused
-        for index in ids if fused is None else ():
-            layer = self.layers[index]
-            mask, visible = views[self.windows[index]]
-            cos, sin = tables[self.rope_kinds[index]]
-            attended = self._attention(layer, cache.layers[index], self._norm(x, layer.attn_norm), rows, cos, sin,
-                                       mask, visible)  # [rows * new, heads * head_dim]
-            if layer.post_attn_norm is None:
-                x = layer.o(attended, residual=x)
-                x = layer.down(self._silu_mul(layer.gate_up(self._norm(x, layer.mlp_norm))), residual=x)
-            else:  # Gemma 3: each sublayer's output normed, then added
-                x = x + self._norm(layer.o(attended).float(), layer.post_attn_norm)
-                h = self._gelu_mul(layer.gate_up(self._norm(x, layer.mlp_norm)))
-                x = x + self._norm(layer.down(h).float(), layer.post_mlp_norm)
-            if index in hidden_layers:
-                states[index] = x.view(rows, new, -1)
+        # Runs of layers sharing a window, a rotary table and whether the one-call forward takes
+        # them (Gemma 3's sliding and global layers alternate; a Q4_K_M file's stacked projections
+        # sit in some layers): a run in one call where it can, else through the loop (the same bits).
+        for run in self._runs(ids):
+            mask, visible = views[self.windows[run[0]]]
+            cos, sin = tables[self.rope_kinds[run[0]]]
+            out = None
+            if visible is not None and self.fuse_layers and self._one_call()[run[0]]:
+                out = self._fused_layers(cache, run, x, rows, cos, sin, visible, hidden_layers)
+            if out is not None:
+                x, kept = out
+                states.update(kept)
+                continue
+            for index in run:
+                layer = self.layers[index]
+                attended = self._attention(layer, cache.layers[index], self._norm(x, layer.attn_norm), rows, cos, sin,
+                                           mask, visible)  # [rows * new, heads * head_dim]
+                if layer.post_attn_norm is None:
+                    x = layer.o(attended, residual=x)
+                    x = layer.down(self._silu_mul(layer.gate_up(self._norm(x, layer.mlp_norm))), residual=x)
+                else:  # Gemma 3: each sublayer's output normed, then added
+                    x = x + self._norm(layer.o(attended).float(), layer.post_attn_norm)
+                    h = self._gelu_mul(layer.gate_up(self._norm(x, layer.mlp_norm)))
+                    x = x + self._norm(layer.down(h).float(), layer.post_mlp_norm)
+                if index in hidden_layers:
+                    states[index] = x.view(rows, new, -1)
         x = x.view(rows, new, -1)
         if last_only:
             x = x[:, -1:]
@@ -441,15 +434,19 @@ class NativeBackend:
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)
 
     def _runs(self, ids: list[int]) -> list[list[int]]:
-        """`ids` cut into runs of consecutive entries with the same window and rotary table."""
-        runs: list[list[int]] = []
-        for index in ids:
-            if runs and (self.windows[index], self.rope_kinds[index]) == (self.windows[runs[-1][0]],
-                                                                         self.rope_kinds[runs[-1][0]]):
-                runs[-1].append(index)
-            else:
-                runs.append([index])
-        return runs
+        """`ids` cut into runs of consecutive layers with the same window, rotary table and
+        one-call eligibility."""
+        one_call = self._one_call()  # (re)computed with the layers, and the runs with it
+        if tuple(ids) not in self._run_cuts:
+            key = lambda index: (self.windows[index], self.rope_kinds[index], one_call[index])  # noqa: E731
+            runs: list[list[int]] = []
+            for index in ids:
+                if runs and key(index) == key(runs[-1][0]):
+                    runs[-1].append(index)
+                else:
+                    runs.append([index])
+            self._run_cuts[tuple(ids)] = runs
+        return self._run_cuts[tuple(ids)]
 
     def _view(self, mask: torch.Tensor | None, cached: int, new: int, positions: torch.Tensor,
               window: int | None) -> tuple[torch.Tensor | None, Visible | None]:
@@ -476,13 +473,17 @@ class NativeBackend:
         inside = slots[None, None, :] > positions[:, :, None] - window  # [rows, new, span]
         return mask & inside[:, None]
 
-    def _layers_fusable(self) -> bool:
+    def _one_call(self) -> list[bool]:
+        """Per layer, whether the one-call forward takes it: the kernels built and its matrices all
+        in formats `forward_layers` reads (not float ones, a Q5 record or a stacked projection)."""
         if self._fusable_for[0] is not self.layers:  # checked once per set of layers
-            linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            able = self.fused and all(isinstance(lin, PackedLinear) and lin.one_call for lin in linears)
+            able = [self.fused and all(isinstance(lin, PackedLinear) and lin.one_call
+                                       for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                    for layer in self.layers]
             self._fusable_for = (self.layers, able)
             self._fused_weights = {}
-        return self.fuse_layers and self._fusable_for[1]
+            self._run_cuts: dict[tuple[int, ...], list[list[int]]] = {}
+        return self._fusable_for[1]
 
     def _layer_weights(self, ids: list[int]) -> list:
         """`forward_layers`' weight arguments for these layers, gathered once per set of layers."""
@@ -504,14 +505,11 @@ class NativeBackend:
 
     def _fused_layers(self, cache, ids: list[int], x: torch.Tensor, rows: int, cos: torch.Tensor, sin: torch.Tensor,
                       visible: Visible, hidden_layers: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
-        """Every layer of a short pass in one call of the kernels (`forward_layers`: the same
-        kernels on the same values as the loop below, so the same bits, without its Python and
-        the cache's copies; Qwen2's query/key/value bias, Qwen3's and Gemma 3's query and key norms,
-        Gemma's post-norms and GeGLU too); None
-        where it does not apply (no kernels, a layer outside the q4/q8 formats, a cache it cannot
-        write), and the loop runs instead."""
-        if not self._layers_fusable():
-            return None
+        """A run of layers of a short pass in one call of the kernels (`forward_layers`: the same
+        kernels on the same values as the loop, so the same bits, without its Python and the
+        cache's copies; Qwen2's query/key/value bias, Qwen3's and Gemma 3's query and key norms,
+        Gemma's post-norms and GeGLU too); None where the cache is one it cannot write, and the loop
+        runs instead. The caller sends only layers `_one_call` takes."""
         new = x.shape[0] // rows
         held = [cache.layers[i] for i in ids]
         if all(isinstance(layer, BatchCacheLayer) for layer in held):

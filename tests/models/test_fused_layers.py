@@ -19,6 +19,7 @@ from specdec.models import LoadedModel, load_model
 from specdec.models.loader import resolve_backend
 from specdec.models.batch_cache import BatchCache
 from specdec.models.cache import PreallocatedCache
+from specdec.models.qlinear import PackedLinear, StackedLinear
 from specdec.models.runner import ModelRunner
 from tests.conftest import tiny_tokenizer
 
@@ -87,7 +88,7 @@ def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel, tmp_path_
         loaded = _tiny_other(kind, tmp_path_factory.mktemp(f"fused-{kind}")).native("q8")
     else:
         loaded = tiny_model.native(request.param)
-    assert loaded.backend._layers_fusable()
+    assert all(loaded.backend._one_call())
     return loaded
 
 
@@ -172,7 +173,38 @@ def test_fused_layers_write_a_batch_of_rows_at_their_own_lengths(quantized: Load
 def test_formats_without_the_kernels_run_the_loop(tiny_model: LoadedModel) -> None:
     # float32 matrices are not the fused call's: the loop runs, and answers as before.
     backend = tiny_model.native("float32").backend
-    assert not backend._layers_fusable()
+    assert not any(backend._one_call())
+
+
+def test_layers_the_call_cannot_take_run_the_loop_between_calls(quantized: LoadedModel) -> None:
+    # A layer with a stacked projection (as a Q4_K_M file's Q4_K query and key beside a Q6_K
+    # value) takes the loop; the layers around it still take the call, and the pass's bits are
+    # those of the loop throughout.
+    backend = quantized.backend
+    layer = backend.layers[0]
+    q, rest = layer.qkv.dequantized().split([backend.heads * backend.head_dim, 2 * backend.kv_heads * backend.head_dim])
+    stacked = dataclasses.replace(layer, qkv=StackedLinear([PackedLinear.pack(q, "q8"), PackedLinear.pack(rest, "q8")]))
+    mixed = copy.copy(backend)
+    mixed.layers = [stacked, *backend.layers[1:]]
+    assert mixed._one_call() == [False] + [True] * (backend.num_layers - 1)
+    calls = []
+    ops = backend._ops
+
+    class Counting:
+        def __getattr__(self, name):
+            if name == "forward_layers":
+                return lambda *args: calls.append(len(args[1])) or ops.forward_layers(*args)
+            return getattr(ops, name)
+
+    mixed._ops = Counting()
+    plain = copy.copy(mixed)
+    plain._ops = ops
+    plain.fuse_layers = False
+    with_calls, loop = _single_passes(dataclasses.replace(quantized, backend=mixed), True), \
+        _single_passes(dataclasses.replace(quantized, backend=plain), False)
+    assert calls and all(n == backend.num_layers - 1 for n in calls)
+    for got, want in zip(with_calls, loop):
+        assert torch.equal(got, want)
 
 
 def test_phi3_with_long_context_rope_runs_on_hf(tmp_path) -> None:
