@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -394,32 +395,29 @@ void q8_tile_avx2(const uint8_t* unit, const Rows& x, int64_t row0, float* out, 
 // ---------------------------------------------------------------------------------------------
 // Dispatch: rows in tiles of the largest size the instruction set keeps in registers.
 
-template <class K>
-TileFn q4_tile_avx512_tile(int rows) {
-    static const TileFn table[] = {nullptr, q4_tile_avx512<1, K>, q4_tile_avx512<2, K>, q4_tile_avx512<3, K>,
-                                   q4_tile_avx512<4, K>, q4_tile_avx512<5, K>, q4_tile_avx512<6, K>,
-                                   q4_tile_avx512<7, K>, q4_tile_avx512<8, K>};
-    return table[rows];
+// Each kernel's tiles of 1 .. N rows, indexed by rows (AVX-512: up to 8 rows, AVX2: up to 4).
+template <class K, int... T>
+TileFn q4_avx512(int rows, std::integer_sequence<int, T...>) {
+    static const TileFn table[] = {q4_tile_avx512<T + 1, K>...};
+    return table[rows - 1];
 }
-template <bool Q6>
-TileFn q8_tile_avx512_tile(int rows) {
-    static const TileFn table[] = {nullptr, q8_tile_avx512<1, Q6>, q8_tile_avx512<2, Q6>, q8_tile_avx512<3, Q6>,
-                                   q8_tile_avx512<4, Q6>, q8_tile_avx512<5, Q6>, q8_tile_avx512<6, Q6>,
-                                   q8_tile_avx512<7, Q6>, q8_tile_avx512<8, Q6>};
-    return table[rows];
+template <bool Q6, int... T>
+TileFn q8_avx512(int rows, std::integer_sequence<int, T...>) {
+    static const TileFn table[] = {q8_tile_avx512<T + 1, Q6>...};
+    return table[rows - 1];
 }
-
-template <class K>
-TileFn q4_tile_avx2_n(int rows) {
-    static const TileFn table[] = {nullptr, q4_tile_avx2<1, K>, q4_tile_avx2<2, K>, q4_tile_avx2<3, K>, q4_tile_avx2<4, K>};
-    return table[rows];
+template <class K, int... T>
+TileFn q4_avx2(int rows, std::integer_sequence<int, T...>) {
+    static const TileFn table[] = {q4_tile_avx2<T + 1, K>...};
+    return table[rows - 1];
 }
-template <bool Q6>
-TileFn q8_tile_avx2_n(int rows) {
-    static const TileFn table[] = {nullptr, q8_tile_avx2<1, Q6>, q8_tile_avx2<2, Q6>, q8_tile_avx2<3, Q6>,
-                                   q8_tile_avx2<4, Q6>};
-    return table[rows];
+template <bool Q6, int... T>
+TileFn q8_avx2(int rows, std::integer_sequence<int, T...>) {
+    static const TileFn table[] = {q8_tile_avx2<T + 1, Q6>...};
+    return table[rows - 1];
 }
+constexpr auto AVX512_ROWS = std::make_integer_sequence<int, 8>{};
+constexpr auto AVX2_ROWS = std::make_integer_sequence<int, 4>{};
 
 }  // namespace
 
@@ -478,13 +476,13 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     float* o = out.data_ptr<float>();
     auto vnni_tile = [&](int n) {
         if (isa == ISA_AVX2) {
-            if (q4) return q5 ? q4_tile_avx2_n<specdec::Q5Float>(n) : f32 ? q4_tile_avx2_n<specdec::Q4Float>(n)
-                                                                          : q4_tile_avx2_n<specdec::Q4Half>(n);
-            return q6 ? q8_tile_avx2_n<true>(n) : q8_tile_avx2_n<false>(n);
+            if (q4) return q5 ? q4_avx2<specdec::Q5Float>(n, AVX2_ROWS) : f32 ? q4_avx2<specdec::Q4Float>(n, AVX2_ROWS)
+                                                                             : q4_avx2<specdec::Q4Half>(n, AVX2_ROWS);
+            return q6 ? q8_avx2<true>(n, AVX2_ROWS) : q8_avx2<false>(n, AVX2_ROWS);
         }
-        if (q4) return q5 ? q4_tile_avx512_tile<specdec::Q5Float>(n) : f32 ? q4_tile_avx512_tile<specdec::Q4Float>(n)
-                                                                              : q4_tile_avx512_tile<specdec::Q4Half>(n);
-        return q6 ? q8_tile_avx512_tile<true>(n) : q8_tile_avx512_tile<false>(n);
+        if (q4) return q5 ? q4_avx512<specdec::Q5Float>(n, AVX512_ROWS) : f32 ? q4_avx512<specdec::Q4Float>(n, AVX512_ROWS)
+                                                                                 : q4_avx512<specdec::Q4Half>(n, AVX512_ROWS);
+        return q6 ? q8_avx512<true>(n, AVX512_ROWS) : q8_avx512<false>(n, AVX512_ROWS);
     };
     auto amx_tile = [&](int n) {
         if (q4) return q5 ? specdec::q5_tile_amx(n) : f32 ? specdec::q4f_tile_amx(n) : specdec::q4_tile_amx(n);

@@ -61,6 +61,17 @@ _AUTO_FORMAT = {GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4"
                 GGMLQuantizationType.Q8_0: "q8", GGMLQuantizationType.Q5_0: "q8", GGMLQuantizationType.Q6_K: "q8",
                 GGMLQuantizationType.BF16: "bfloat16"}
 _FALLBACK_FORMAT = {"q4": "int4", "q8": "int8"}
+# The block types read as groups, exactly as stored (a matrix's raw bytes, out, in -> groups).
+_UNPACK = {
+    GGMLQuantizationType.Q4_0: lambda raw, out, inp: unpack_q4_blocks(raw, out, inp, with_min=False),
+    GGMLQuantizationType.Q4_1: lambda raw, out, inp: unpack_q4_blocks(raw, out, inp, with_min=True),
+    GGMLQuantizationType.Q4_K: unpack_q4_k_blocks,
+    GGMLQuantizationType.Q5_0: unpack_q5_0_blocks,
+    GGMLQuantizationType.Q5_1: unpack_q5_1_blocks,
+    GGMLQuantizationType.Q5_K: unpack_q5_k_blocks,
+    GGMLQuantizationType.Q6_K: unpack_q6_k_blocks,
+    GGMLQuantizationType.Q8_0: unpack_q8_blocks,
+}
 
 
 def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -138,27 +149,17 @@ class GGUFWeights:
         return fmt if fmt not in _FALLBACK_FORMAT or kernels.available() else _FALLBACK_FORMAT[fmt]
 
     def raw(self, name: str) -> RawWeight:
-        """The tensor as stored: int4 groups for Q4_0/Q4_1, int8 groups for Q8_0, else float32."""
+        """The tensor as stored: int4 groups for Q4_0/Q4_1/Q4_K/Q5_1/Q5_K, int8 groups for
+        Q8_0/Q5_0/Q6_K, else float32."""
         gguf_name = self.gguf_name(name)
         if gguf_name not in self.tensors:
             raise ModelLoadError(f"{self.path.name} has no tensor {gguf_name} ({name})")
         tensor = self.tensors[gguf_name]
         kind = GGMLQuantizationType(int(tensor.tensor_type))
         shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
-        if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) and len(shape) == 2:
-            value: RawWeight = unpack_q4_blocks(tensor.data, shape[0], shape[1], kind == GGMLQuantizationType.Q4_1)
-        elif kind == GGMLQuantizationType.Q8_0 and len(shape) == 2:
-            value = unpack_q8_blocks(tensor.data, shape[0], shape[1])
-        elif kind == GGMLQuantizationType.Q4_K and len(shape) == 2:
-            value = unpack_q4_k_blocks(tensor.data, shape[0], shape[1])
-        elif kind == GGMLQuantizationType.Q5_1 and len(shape) == 2:
-            value = unpack_q5_1_blocks(tensor.data, shape[0], shape[1])
-        elif kind == GGMLQuantizationType.Q5_K and len(shape) == 2:
-            value = unpack_q5_k_blocks(tensor.data, shape[0], shape[1])
-        elif kind == GGMLQuantizationType.Q6_K and len(shape) == 2:
-            value = unpack_q6_k_blocks(tensor.data, shape[0], shape[1])
-        elif kind == GGMLQuantizationType.Q5_0 and len(shape) == 2:
-            value = unpack_q5_0_blocks(tensor.data, shape[0], shape[1])
+        unpack = _UNPACK.get(kind) if len(shape) == 2 else None
+        if unpack is not None:
+            value: RawWeight = unpack(tensor.data, shape[0], shape[1])
         else:
             value = torch.from_numpy(np.asarray(dequantize(tensor.data, kind), dtype=np.float32).reshape(shape).copy())
         if self.architecture == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
