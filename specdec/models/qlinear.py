@@ -339,6 +339,11 @@ class Embedding:
         return table.numel() * table.element_size() if isinstance(table, torch.Tensor) else table.nbytes
 
 
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 each block [..., bytes] holds at byte `at`, as float32 [...]."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
 def unpack_q4_blocks(raw: np.ndarray, out_features: int, in_features: int, with_min: bool) -> Int4Groups:
     """GGUF Q4_0 / Q4_1 blocks of one matrix as :class:`Int4Groups`.
 
@@ -349,10 +354,10 @@ def unpack_q4_blocks(raw: np.ndarray, out_features: int, in_features: int, with_
     groups = in_features // INT4_GROUP
     header = 4 if with_min else 2
     blocks = np.ascontiguousarray(raw).reshape(out_features, groups, header + 16)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, groups]
+    d = _half(blocks, 0)  # [out, groups]
     nibbles = blocks[..., header:]  # [out, groups, 16]
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(out_features, in_features)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else -8 * d
+    m = _half(blocks, 2) if with_min else -8 * d
     return Int4Groups(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m))
 
 
@@ -364,8 +369,8 @@ def _five_bit_blocks(raw: np.ndarray, out_features: int, in_features: int, with_
     groups = in_features // INT4_GROUP
     header = 4 if with_min else 2
     blocks = np.ascontiguousarray(raw).reshape(out_features, groups, header + 20)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, groups]
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else None
+    d = _half(blocks, 0)  # [out, groups]
+    m = _half(blocks, 2) if with_min else None
     high = blocks[..., header : header + 4].copy().view(np.uint32)  # [out, groups, 1]
     fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4  # [out, groups, 32]
     nibbles = blocks[..., header + 4 :].astype(np.int32)
@@ -386,57 +391,47 @@ def unpack_q5_1_blocks(raw: np.ndarray, out_features: int, in_features: int) -> 
     return Int4Groups(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
 
 
-def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's and Q5_K's 12 bytes [..., 12] -> eight 6-bit scales and eight 6-bit mins [..., 8]."""
-    packed = packed.astype(np.int32)
+def _k_groups(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's superblocks [out, supers, bytes] -> each group of 32's d_g = d scale_g and
+    m_g = -dmin min_g, float32 [out, supers * 8] (products exact in float32: an f16 times a 6-bit
+    integer). A superblock opens with d and dmin (f16), then 12 bytes of eight 6-bit scales and
+    eight 6-bit mins: scales 0..3 in the low 6 bits of bytes 0..3, mins 0..3 in bytes 4..7; for
+    4..7 the low 4 bits are byte 8 + j's low (scale) or high (min) nibble, the top two bits those of
+    byte j (scale) or j + 4 (min)."""
+    out_features = blocks.shape[0]
+    d, dmin = _half(blocks, 0)[..., None], _half(blocks, 2)[..., None]  # [out, supers, 1]
+    packed = blocks[..., 4:16].astype(np.int32)
     low, top, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    scale = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1)
+    scale = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1)  # [out, supers, 8]
     minimum = np.concatenate([top & 0x3F, (mixed >> 4) | ((top >> 6) << 4)], axis=-1)
-    return scale, minimum
+    return (torch.from_numpy((d * scale.astype(np.float32)).reshape(out_features, -1)),
+            torch.from_numpy(-(dmin * minimum.astype(np.float32)).reshape(out_features, -1)))
 
 
 def unpack_q4_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int4Groups:
     """GGUF Q4_K blocks of one matrix as :class:`Int4Groups`, exactly: Q4_1's form per group of 32.
 
-    raw: [out, superblocks * 144] uint8. A superblock of 256 inputs is d and dmin (f16), 12 bytes
-    of eight 6-bit scales and eight 6-bit mins (scales 0..3 in the low 6 bits of bytes 0..3, mins
-    0..3 in bytes 4..7; for 4..7 the low 6 bits are byte 8 + j's low (scale) or high (min) nibble
-    with the top two bits of byte j (scale) or j + 4 (min)), then 128 bytes: each 32 hold groups
-    2i (low nibbles) and 2i + 1 (high nibbles). Group g: w = (d scale_g) q - dmin min_g; both
-    products are exact in float32 (an f16 times a 6-bit integer), which float16 could not hold."""
-    supers = in_features // 256
-    blocks = np.ascontiguousarray(raw).reshape(out_features, supers, 144)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, supers]
-    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    scale, minimum = _k_scales(blocks[..., 4:16])
-    quants = blocks[..., 16:].reshape(out_features, supers, 4, 1, 32)
+    raw: [out, superblocks * 144] uint8. A superblock of 256 inputs is 16 bytes of scales
+    (:func:`_k_groups`), then 128 bytes: each 32 hold groups 2i (low nibbles) and 2i + 1 (high
+    nibbles). Group g: w = (d scale_g) q - dmin min_g; float16 could not hold the group scales."""
+    blocks = np.ascontiguousarray(raw).reshape(out_features, in_features // 256, 144)
+    quants = blocks[..., 16:].reshape(out_features, -1, 4, 1, 32)
     q = np.concatenate([quants & 0x0F, quants >> 4], axis=3)  # [out, supers, 4, 2, 32]: groups 2i, 2i + 1
-    group_d = (d[..., None] * scale.astype(np.float32)).reshape(out_features, supers * 8)
-    group_m = -(dmin[..., None] * minimum.astype(np.float32)).reshape(out_features, supers * 8)
-    return Int4Groups(torch.from_numpy(q.reshape(out_features, in_features).astype(np.int32)),
-                      torch.from_numpy(group_d), torch.from_numpy(group_m))
+    return Int4Groups(torch.from_numpy(q.reshape(out_features, in_features).astype(np.int32)), *_k_groups(blocks))
 
 
 def unpack_q5_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int4Groups:
     """GGUF Q5_K blocks of one matrix as :class:`Int4Groups` with 5-bit values, exactly.
 
-    raw: [out, superblocks * 176] uint8. A superblock of 256 inputs is d and dmin (f16), Q4_K's 12
-    bytes of 6-bit scales and mins, 32 bytes of fifth bits, then 128 bytes of low nibbles: each 32
-    hold groups 2i (low nibbles; fifth bit 2i of the 32 bit-bytes) and 2i + 1 (high nibbles; bit
-    2i + 1). Group g: w = (d scale_g) q - dmin min_g, the products exact in float32."""
-    supers = in_features // 256
-    blocks = np.ascontiguousarray(raw).reshape(out_features, supers, 176)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, supers]
-    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    scale, minimum = _k_scales(blocks[..., 4:16])
+    raw: [out, superblocks * 176] uint8. A superblock of 256 inputs is Q4_K's 16 bytes of scales
+    (:func:`_k_groups`), 32 bytes of fifth bits, then 128 bytes of low nibbles: each 32 hold groups
+    2i (low nibbles; fifth bit 2i of the 32 bit-bytes) and 2i + 1 (high nibbles; bit 2i + 1)."""
+    blocks = np.ascontiguousarray(raw).reshape(out_features, in_features // 256, 176)
     fifth = blocks[..., 16:48].astype(np.int32)[:, :, None, :]  # [out, supers, 1, 32]
     bits = ((fifth >> np.arange(8, dtype=np.int32).reshape(8, 1)) & 1) << 4  # [out, supers, 8 groups, 32]
-    quants = blocks[..., 48:].astype(np.int32).reshape(out_features, supers, 4, 1, 32)
-    low = np.concatenate([quants & 0x0F, quants >> 4], axis=3).reshape(out_features, supers, 8, 32)
-    group_d = (d[..., None] * scale.astype(np.float32)).reshape(out_features, supers * 8)
-    group_m = -(dmin[..., None] * minimum.astype(np.float32)).reshape(out_features, supers * 8)
-    return Int4Groups(torch.from_numpy((low | bits).reshape(out_features, in_features)),
-                      torch.from_numpy(group_d), torch.from_numpy(group_m))
+    quants = blocks[..., 48:].astype(np.int32).reshape(out_features, -1, 4, 1, 32)
+    low = np.concatenate([quants & 0x0F, quants >> 4], axis=3).reshape(bits.shape)
+    return Int4Groups(torch.from_numpy((low | bits).reshape(out_features, in_features)), *_k_groups(blocks))
 
 
 def unpack_q6_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int8Groups:
@@ -456,7 +451,7 @@ def unpack_q6_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> 
     nibbles = np.concatenate([low & 0x0F, low >> 4], axis=3)  # [.., half, 4, i]: inputs i, 32 + i, 64 + i, 96 + i
     q = (nibbles | (pairs << 4)) - 32
     scale = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [out, supers, 16]
-    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [out, supers, 1]
+    d = _half(blocks, 208)[..., None]  # [out, supers, 1]
     return Int8Groups(torch.from_numpy(q.reshape(out_features, in_features)),
                       torch.from_numpy((d * scale).reshape(out_features, supers * 16)))
 
@@ -467,6 +462,6 @@ def unpack_q8_blocks(raw: np.ndarray, out_features: int, in_features: int) -> In
     raw: the tensor's bytes, [out, blocks * 34] uint8; a block is d (f16) then 32 int8 values."""
     groups = in_features // INT4_GROUP
     blocks = np.ascontiguousarray(raw).reshape(out_features, groups, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, groups]
+    d = _half(blocks, 0)  # [out, groups]
     q = blocks[..., 2:].copy().view(np.int8).reshape(out_features, in_features)
     return Int8Groups(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d))
