@@ -37,7 +37,7 @@ from specdec.paths import cache_dir
 log = logging.getLogger("specdec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("quant.cpp", "amx.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "pool.cpp",
+           for name in ("quant.cpp", "amx.cpp", "half.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "pool.cpp",
                         "bindings.cpp")]
 # The instruction sets a product may be asked to run on: auto picks the best this CPU has.
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3}
@@ -186,7 +186,7 @@ def missing_reason(isa: str) -> str:
 
 
 def product(fmt: str, isa: str | None = None) -> Callable[..., torch.Tensor]:
-    """The extension's `q4_matmul` or `q8_matmul` with the instruction set bound: called as
+    """The extension's `q4_matmul`, `q8_matmul` or `f16_matmul` with the instruction set bound: called as
     `f(x, packed, out_features, residual)` (the hot path: no look-ups per call)."""
     function, code = getattr(load(), f"{fmt}_matmul"), ISAS[isa or default_isa()]
     return lambda x, packed, out_features, residual=None: function(x, packed, out_features, code, residual)
@@ -204,6 +204,13 @@ def q8_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str
     """x [rows, in] float32 times q8-packed weights ([units, blocks, 544] uint8) -> [rows, out] float32,
     plus `residual` where given."""
     return load().q8_matmul(x, packed, out_features, ISAS[isa or default_isa()], residual)
+
+
+def f16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] float32 times float16 weights [out, in] (in divisible by 16) -> [rows, out] float32,
+    plus `residual` where given."""
+    return load().f16_matmul(x, weight, weight.shape[0], ISAS[isa or default_isa()], residual)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

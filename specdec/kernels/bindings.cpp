@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               return quantized_matmul(x, packed, out_features, isa, false, residual);
           }, "x [rows, in] float32 times packed q8 weights (+ residual) -> [rows, out] float32",
           py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("isa"), py::arg("residual") = py::none());
+    m.def("f16_matmul", &half_matmul, "x [rows, in] float32 times float16 weights [out, in] (+ residual) -> [rows, out] float32",
+          py::arg("x"), py::arg("weight"), py::arg("out_features"), py::arg("isa"), py::arg("residual") = py::none());
     m.def("attend_cached", &attend_cached, "a few queries per row over the KV cache -> [rows, new, heads * head_dim]");
     m.def("rms_norm", &rms_norm, "x [..., dim] float32 -> RMSNorm(x) * weight");
     m.def("rotary_split", &rotary_split, "qkv [tokens, width] -> rotated q, k and v [rows, heads, new, head_dim]");

@@ -18,7 +18,8 @@ namespace {
 
 at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t isa,
                       const c10::optional<at::Tensor>& residual = c10::nullopt) {
-    TORCH_CHECK(packed.dim() == 3, "a layer's matrices must be packed q4 or q8");
+    if (packed.dim() == 2 && packed.scalar_type() == at::kHalf) return half_matmul(x, packed, out_features, isa, residual);
+    TORCH_CHECK(packed.dim() == 3, "a layer's matrices must be packed q4 or q8, or float16");
     const int64_t record = packed.size(2);
     TORCH_CHECK(record == Q4_RECORD || record == Q4F_RECORD || record == Q8_RECORD || record == Q6_RECORD,
                 "a layer's matrices must be packed q4 or q8 (the one-call forward takes no Q5_K records)");

@@ -28,6 +28,10 @@ std::vector<std::string> instruction_sets();
 // The path a kernel takes: ISA_AUTO -> the best this CPU has (AMX, else AVX-512 with VNNI, else AVX2).
 int64_t resolve_isa(int64_t isa);
 
+// half.cpp: x [rows, in] float32 times float16 weights [out, in] (+ residual) -> [rows, out] float32.
+at::Tensor half_matmul(const at::Tensor& x, const at::Tensor& w, int64_t out_features, int64_t isa,
+                       const c10::optional<at::Tensor>& residual);
+
 // attention.cpp
 at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& counts, const at::Tensor& slots, double scale, int64_t isa);

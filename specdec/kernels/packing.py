@@ -89,13 +89,14 @@ def unpack_q4(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, to
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """q [out, in] integers -128..127, d [out, in / 32] (float16 values) -> [units, blocks, 544] uint8,
-    or d [out, in / 16] (a scale per 16 inputs, float32) -> [units, blocks, 640]."""
+    or d [out, in / 16] (a scale per 16 inputs, float32) -> [units, blocks, 640]; scales per 32 that
+    float16 cannot hold (IQ4_XS's) go in the latter, each twice."""
     out_features, in_features = q.shape
     if in_features % BLOCK:
         raise ValueError(f"q8 needs in_features divisible by {BLOCK}, got {in_features}")
     per16 = d.shape[1] == 2 * (in_features // BLOCK)
     if not per16 and not _is_half(d):
-        raise ValueError("q8 scales per 32 inputs must be float16 values (round them before quantizing)")
+        d, per16 = d.float().repeat_interleave(2, dim=1), True
     q = _pad_columns(q.to(torch.int8))
     units, blocks = q.shape[0] // UNIT, in_features // BLOCK
     # [units, column, block, j, i] -> [units, block, j, column, i]

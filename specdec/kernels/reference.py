@@ -1,4 +1,4 @@
-"""The kernels' arithmetic in plain PyTorch: what `quant.cpp` computes, bit for bit.
+"""The kernels' arithmetic in plain PyTorch: what `quant.cpp` and `half.cpp` compute, bit for bit.
 
 Integer sums are exact in both; every float operation is a single IEEE float32 multiply or add
 in the same order (over blocks, first to last), so the results are identical, not merely close.
@@ -72,3 +72,21 @@ def _q8_per16_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch
         t = t + sums[..., 2 * g + 1].float() * d[None, :, 2 * g + 1].float()
         out = out + t * dx[:, None, g]
     return out
+
+
+def half_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 times float16 weights [out, in] -> [rows, out], as `half.cpp` sums.
+
+    Each output: 16 lanes, lane j summing x[i] w[i] over inputs i = j, 16 + j, ... first to last
+    (each product and sum rounded to float32), then lane j + lane j + 8, j + 4, j + 2, j + 1.
+    """
+    rows, in_features = x.shape
+    steps = in_features // 16
+    xs = x.float().reshape(rows, 1, steps, 16)
+    ws = weight.float().reshape(1, weight.shape[0], steps, 16)
+    acc = torch.zeros(rows, weight.shape[0], 16)
+    for j in range(steps):
+        acc = acc + xs[:, :, j] * ws[:, :, j]
+    for width in (8, 4, 2, 1):
+        acc = acc[..., :width] + acc[..., width : 2 * width]
+    return acc[..., 0]

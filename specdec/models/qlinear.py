@@ -22,8 +22,12 @@ as stored, float32 activations quantized to int8 per row and block of 32 on the 
 
 - `q4`: the affine blocks, w = d q + m: Q4_0/Q4_1 (d and m in float16, as in the file), Q4_K
   (float32 group scales, the products of its super-block scales), Q5_1 and Q5_K (5-bit values);
-- `q8`: the symmetric ones, w = d q: Q8_0 (the default model's tied LM head), Q5_0 (q - 16) and
-  Q6_K (a float32 scale per 16 inputs).
+- `q8`: the symmetric ones, w = d q: Q8_0 (the default model's tied LM head), Q5_0 (q - 16),
+  IQ4_NL and IQ4_XS (q their 16 int8 levels), Q6_K and Q3_K (a float32 scale per 16 inputs).
+
+A third runs float16 matrices (GGUF's F16, float16 checkpoints) as stored, 2 bytes a weight:
+
+- `f16`: `[out, in]` float16, widened exactly as the kernel reads it (:mod:`specdec.kernels`' `half.cpp`).
 
 They are what `--dtype auto` runs where the kernels are built; a row's result is bitwise the same
 however many rows share the product, on every instruction-set path.
@@ -46,9 +50,10 @@ from specdec.kernels import packing
 from specdec.models.linear import thin_linear
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")  # what `--dtype` names
-KERNEL_FORMATS = ("q4", "q8")  # GGUF blocks on specdec's kernels (`--dtype auto`)
+KERNEL_FORMATS = ("q4", "q8", "f16")  # what `--dtype auto` runs on specdec's kernels
 QUANTIZED_FORMATS = ("int8", "int4", "q8", "q4")
 INT4_GROUP = 32
+F16_INPUT_MULTIPLE = 16  # the float16 kernel's inputs come 16 at a time (a narrower matrix stays float32)
 INT4_OUT_MULTIPLE = 16  # the int4 kernel's packing needs out_features divisible by this
 # oneDNN's bfloat16 product takes another path below this many rows, and that path rounds some
 # rows differently (on AVX-512, K = 1536); from it on, a row's result no longer depends on how
@@ -86,8 +91,8 @@ class Int4Groups:
 
 @dataclass(frozen=True)
 class Int8Groups:
-    """A matrix in groups of 32 along the input: w = d * q (GGUF's Q8_0, and Q5_0 as q - 16), or of
-    16 (Q6_K's, d = d_super * scale).
+    """A matrix in groups of 32 along the input: w = d * q (GGUF's Q8_0, Q5_0 as q - 16, IQ4_NL and
+    IQ4_XS as their levels), or of 16 (Q6_K's and Q3_K's, d = d_super * scale).
 
     q: [out, in] integers -128..127; d: [out, in / 32] float32 (float16 values) or [out, in / 16]."""
 
@@ -158,8 +163,10 @@ class PackedLinear:
             return cls._pack_q4(Int4Groups(*packing.quantize_q4(weight)))
         if fmt == "q8":
             return cls._pack_q8(Int8Groups(*packing.quantize_q8(weight)))
-        if fmt == "float32":
-            return cls(fmt, out_features, in_features, {"weight": weight})
+        if fmt == "float32" or (fmt == "f16" and in_features % F16_INPUT_MULTIPLE):
+            return cls("float32", out_features, in_features, {"weight": weight})
+        if fmt == "f16":
+            return cls(fmt, out_features, in_features, {"weight": weight.half()})
         if fmt == "bfloat16":
             return cls(fmt, out_features, in_features, {"weight": weight.to(torch.bfloat16)})
         if fmt == "int8":
@@ -237,7 +244,7 @@ class PackedLinear:
             return Int4Groups(*packing.unpack_q4(t["weight"], self.out_features)).dequantize()
         if self.fmt == "q8":
             return Int8Groups(*packing.unpack_q8(t["weight"], self.out_features)).dequantize()
-        if self.fmt in ("float32", "bfloat16"):
+        if self.fmt in ("float32", "bfloat16", "f16"):
             return t["weight"].float()
         if self.fmt == "int8":
             return t["weight"].float() * t["scales"].float()[:, None]
@@ -255,7 +262,7 @@ class PackedLinear:
     @property
     def one_call(self) -> bool:
         """Whether the one-call forward (`forward_layers`) takes it: specdec's kernel formats, but
-        for Q5_K's byte records, which only the products' own entry points tell from Q6_K's."""
+        for Q5_K's and Q5_1's byte records, which only the products' own entry points tell from Q6_K's."""
         return self.fmt in KERNEL_FORMATS and not (
             self.fmt == "q4" and self.tensors["weight"].shape[-1] == packing.Q5_RECORD)
 
@@ -289,34 +296,44 @@ class StackedLinear:
 
 
 class Embedding:
-    """The token embedding as the file stores it: Q8_0 or Q4_0/Q4_1 blocks (packed as q8 or q4; the
-    tied LM head's own when they are one matrix, so that the table is held once), each lookup
-    gathering its rows and dequantizing them as GGUF does (bitwise the float32 table's rows); any
-    other format as a float32 table."""
+    """The token embedding as the file stores it: Q8_0 or Q4_0/Q4_1 blocks (packed as q8 or q4) or
+    float16 (the tied LM head's own table when they are one matrix, so that it is held once), each
+    lookup gathering its rows and widening them as GGUF does (bitwise the float32 table's rows); a
+    float32 table where float16 cannot hold its values exactly."""
 
     def __init__(self, table: PackedLinear | torch.Tensor, shared: bool = False) -> None:
-        self.table = table  # PackedLinear (q4, q8) or float32 [vocab, hidden]
+        self.table = table  # PackedLinear (q4, q8, f16) or [vocab, hidden] float32 or float16
         self.shared = shared  # the LM head's: its bytes are counted there
-        # specdec's kernels gather and dequantize in one call (a few us); PyTorch's indexing, the
-        # same values, where they are not built.
-        self._ops = kernels.load() if not isinstance(table, torch.Tensor) and kernels.available() else None
+        # specdec's kernels gather and dequantize blocks in one call (a few us); PyTorch's indexing,
+        # the same values, where they are not built.
+        self._ops = kernels.load() if isinstance(table, PackedLinear) and kernels.available() else None
 
     @classmethod
-    def of(cls, raw: RawWeight, lm_head: PackedLinear) -> Embedding:
-        if not isinstance(raw, (Int4Groups, Int8Groups)):
-            return cls(raw.detach().float())
-        packed = PackedLinear.pack(raw, "q8" if isinstance(raw, Int8Groups) else "q4")
-        tied = (lm_head.fmt == packed.fmt and lm_head.out_features == packed.out_features
+    def of(cls, raw: RawWeight, lm_head: PackedLinear | StackedLinear) -> Embedding:
+        if isinstance(raw, (Int4Groups, Int8Groups)):
+            packed = PackedLinear.pack(raw, "q8" if isinstance(raw, Int8Groups) else "q4")
+        else:
+            table = raw.detach().float()
+            half = table.half()
+            if not torch.equal(half.float(), table):  # float16 would round it: keep float32
+                return cls(table)
+            packed = PackedLinear("f16", *half.shape, {"weight": half})
+        tied = (isinstance(lm_head, PackedLinear) and lm_head.fmt == packed.fmt
+                and lm_head.out_features == packed.out_features
                 and torch.equal(lm_head.tensors["weight"], packed.tensors["weight"]))
-        return cls(lm_head, shared=True) if tied else cls(packed)
+        if tied:
+            return cls(lm_head, shared=True)
+        return cls(packed) if packed.fmt != "f16" else cls(packed.tensors["weight"])
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., hidden] float32."""
         table = self.table
         if isinstance(table, torch.Tensor):
-            return table[ids]
+            return table[ids].float()
         flat = ids.reshape(-1)
-        if self._ops is not None:
+        if table.fmt == "f16":
+            rows = table.tensors["weight"][flat].float()
+        elif self._ops is not None:
             rows = self._ops.embed_rows(table.tensors["weight"], flat, table.fmt == "q8")
         elif table.fmt == "q8":
             q, d = packing.q8_rows(table.tensors["weight"], flat)
@@ -328,7 +345,7 @@ class Embedding:
 
     def full(self) -> torch.Tensor:
         """[vocab, hidden] float32, the whole table (for heads that keep their own copy)."""
-        return self.table if isinstance(self.table, torch.Tensor) else self.table.dequantized()
+        return self.table.float() if isinstance(self.table, torch.Tensor) else self.table.dequantized()
 
     @property
     def nbytes(self) -> int:
@@ -337,7 +354,6 @@ class Embedding:
             return 0
         table = self.table
         return table.numel() * table.element_size() if isinstance(table, torch.Tensor) else table.nbytes
-
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
     """The float16 each block [..., bytes] holds at byte `at`, as float32 [...]."""
@@ -454,6 +470,62 @@ def unpack_q6_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> 
     d = _half(blocks, 208)[..., None]  # [out, supers, 1]
     return Int8Groups(torch.from_numpy(q.reshape(out_features, in_features)),
                       torch.from_numpy((d * scale).reshape(out_features, supers * 16)))
+
+
+# IQ4_NL's and IQ4_XS's 16 levels: a nibble indexes this table of int8 values.
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int32)
+
+
+def unpack_iq4_nl_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int8Groups:
+    """GGUF IQ4_NL blocks of one matrix as :class:`Int8Groups`, exactly: a block is d (f16) and 16
+    bytes whose low nibbles index elements 0..15's level and high nibbles 16..31's; w = d level."""
+    blocks = np.ascontiguousarray(raw).reshape(out_features, in_features // INT4_GROUP, 18)
+    nibbles = blocks[..., 2:]
+    q = IQ4_LEVELS[np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)]
+    return Int8Groups(torch.from_numpy(q.reshape(out_features, in_features)), torch.from_numpy(_half(blocks, 0)))
+
+
+def unpack_iq4_xs_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int8Groups:
+    """GGUF IQ4_XS blocks of one matrix as :class:`Int8Groups`, exactly: IQ4_NL's levels per group
+    of 32 under a 6-bit signed scale. A superblock of 256 inputs is d (f16), the 8 scales' top two
+    bits (a uint16, group g at bits 2g), their low 4 bits (4 bytes, group g in byte g / 2's low or
+    high nibble), then 8 groups of 16 bytes as IQ4_NL's; w = (d (scale - 32)) level, the product
+    exact in float32 (an f16 times a 6-bit integer)."""
+    supers = in_features // 256
+    blocks = np.ascontiguousarray(raw).reshape(out_features, supers, 136)
+    top = blocks[..., 2:4].copy().view(np.uint16).astype(np.int32)  # [out, supers, 1]
+    low = blocks[..., 4:8].astype(np.int32)  # [out, supers, 4]
+    low = np.stack([low & 0x0F, low >> 4], axis=-1).reshape(out_features, supers, 8)
+    scale = (low | (((top >> (2 * np.arange(8, dtype=np.int32))) & 3) << 4)) - 32  # [out, supers, 8]
+    d = _half(blocks, 0)[..., None] * scale.astype(np.float32)
+    nibbles = blocks[..., 8:].reshape(out_features, supers, 8, 16)
+    q = IQ4_LEVELS[np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)]
+    return Int8Groups(torch.from_numpy(q.reshape(out_features, in_features)),
+                      torch.from_numpy(d.reshape(out_features, supers * 8)))
+
+
+def unpack_q3_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int8Groups:
+    """GGUF Q3_K blocks of one matrix as :class:`Int8Groups` in groups of 16, exactly.
+
+    raw: [out, superblocks * 110] uint8. A superblock of 256 inputs is 32 bytes of high bits
+    (input 32 j + i: bit j of byte i), 64 bytes of low bit pairs (input 128 h + 32 j + i: bits 2j,
+    2j + 1 of byte 32 h + i), 12 bytes of sixteen 6-bit scales (scale g: low 4 bits in byte g % 8's
+    low (g < 8) or high nibble, top 2 bits at bit 2 (g / 4) of byte 8 + g % 4), then d (f16).
+    q = low pair - 4 where the high bit is 0, in -4..3; group g of 16: w = (d (scale_g - 32)) q."""
+    supers = in_features // 256
+    blocks = np.ascontiguousarray(raw).reshape(out_features, supers, 110)
+    high = blocks[..., 0:32].astype(np.int32)[:, :, None, :]  # [out, supers, 1, 32]
+    high = (high >> np.arange(8, dtype=np.int32).reshape(8, 1)) & 1  # [out, supers, 8 (j), 32 (i)]
+    pairs = blocks[..., 32:96].astype(np.int32).reshape(out_features, supers, 2, 1, 32)
+    pairs = (pairs >> (2 * np.arange(4, dtype=np.int32)).reshape(4, 1)) & 3  # [out, supers, 2 (h), 4 (j), 32]
+    q = pairs.reshape(out_features, supers, 8, 32) - 4 * (1 - high)
+    packed = blocks[..., 96:108].astype(np.int32)
+    low = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)  # [out, supers, 16]
+    g = np.arange(16)
+    scale = (low | (((packed[..., 8 + g % 4] >> (2 * (g // 4))) & 3) << 4)) - 32
+    d = _half(blocks, 108)[..., None] * scale.astype(np.float32)
+    return Int8Groups(torch.from_numpy(q.reshape(out_features, in_features)),
+                      torch.from_numpy(d.reshape(out_features, supers * 16)))
 
 
 def unpack_q8_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Int8Groups:

@@ -4,10 +4,10 @@ A GGUF file names tensors its own way (`blk.0.attn_q.weight`) and, for Llama mod
 query and key projections with their rows permuted for llama.cpp's interleaved rotary layout;
 :class:`GGUFWeights` maps the names back to Hugging Face's and undoes the permutation (a row
 permutation, so quantized rows move whole). Q4_0, Q4_1, Q4_K, Q5_1 and Q5_K matrices come back as
-:class:`~specdec.models.qlinear.Int4Groups`, Q8_0, Q5_0 and Q6_K as
+:class:`~specdec.models.qlinear.Int4Groups`, Q8_0, Q5_0, Q6_K, Q3_K, IQ4_NL and IQ4_XS as
 :class:`~specdec.models.qlinear.Int8Groups`, exactly as stored (K-quants' group scales as the float32
 products GGUF's dequantization computes); every other type is dequantized by the `gguf` package
-to float32, the same values transformers loads.
+to float32, the same values transformers loads (F16 matrices then run in float16 again, exactly).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from safetensors import safe_open
 
 from specdec import kernels
 from specdec.errors import ModelLoadError
-from specdec.models.qlinear import (Int4Groups, Int8Groups, RawWeight, unpack_q4_blocks, unpack_q4_k_blocks,
-                                    unpack_q5_0_blocks, unpack_q5_1_blocks, unpack_q5_k_blocks, unpack_q6_k_blocks,
-                                    unpack_q8_blocks)
+from specdec.models.qlinear import (Int4Groups, Int8Groups, RawWeight, unpack_iq4_nl_blocks, unpack_iq4_xs_blocks,
+                                    unpack_q3_k_blocks, unpack_q4_blocks, unpack_q4_k_blocks, unpack_q5_0_blocks,
+                                    unpack_q5_1_blocks, unpack_q5_k_blocks, unpack_q6_k_blocks, unpack_q8_blocks)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_NAMES = {
@@ -59,8 +59,19 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weig
 _AUTO_FORMAT = {GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q4_K: "q4",
                 GGMLQuantizationType.Q5_K: "q4", GGMLQuantizationType.Q5_1: "q4",
                 GGMLQuantizationType.Q8_0: "q8", GGMLQuantizationType.Q5_0: "q8", GGMLQuantizationType.Q6_K: "q8",
-                GGMLQuantizationType.BF16: "bfloat16"}
-_FALLBACK_FORMAT = {"q4": "int4", "q8": "int8"}
+                GGMLQuantizationType.Q3_K: "q8", GGMLQuantizationType.IQ4_NL: "q8", GGMLQuantizationType.IQ4_XS: "q8",
+                GGMLQuantizationType.F16: "f16", GGMLQuantizationType.BF16: "bfloat16"}
+_FALLBACK_FORMAT = {"q4": "int4", "q8": "int8", "f16": "float32"}
+
+
+def _runnable(fmt: str) -> str:
+    """`fmt`, or PyTorch's nearest where specdec's kernels are not built."""
+    return fmt if fmt not in _FALLBACK_FORMAT or kernels.available() else _FALLBACK_FORMAT[fmt]
+
+
+def _dtype_format(dtype: torch.dtype | None) -> str:
+    """What `auto` runs a checkpoint's matrix of this dtype in: bfloat16 and float16 as stored."""
+    return {torch.bfloat16: "bfloat16", torch.float16: _runnable("f16")}.get(dtype, "float32")
 # The block types read as groups, exactly as stored (a matrix's raw bytes, out, in -> groups).
 _UNPACK = {
     GGMLQuantizationType.Q4_0: lambda raw, out, inp: unpack_q4_blocks(raw, out, inp, with_min=False),
@@ -71,6 +82,9 @@ _UNPACK = {
     GGMLQuantizationType.Q5_K: unpack_q5_k_blocks,
     GGMLQuantizationType.Q6_K: unpack_q6_k_blocks,
     GGMLQuantizationType.Q8_0: unpack_q8_blocks,
+    GGMLQuantizationType.Q3_K: unpack_q3_k_blocks,
+    GGMLQuantizationType.IQ4_NL: unpack_iq4_nl_blocks,
+    GGMLQuantizationType.IQ4_XS: unpack_iq4_xs_blocks,
 }
 
 
@@ -146,11 +160,11 @@ class GGUFWeights:
         fmt = _AUTO_FORMAT.get(kind, "float32")
         if fmt == "float32" and kind != GGMLQuantizationType.F32:
             self.widened[kind.name] = self.widened.get(kind.name, 0) + 1
-        return fmt if fmt not in _FALLBACK_FORMAT or kernels.available() else _FALLBACK_FORMAT[fmt]
+        return _runnable(fmt)
 
     def raw(self, name: str) -> RawWeight:
         """The tensor as stored: int4 groups for Q4_0/Q4_1/Q4_K/Q5_1/Q5_K, int8 groups for
-        Q8_0/Q5_0/Q6_K, else float32."""
+        Q8_0/Q5_0/Q6_K/Q3_K/IQ4_NL/IQ4_XS, else float32."""
         gguf_name = self.gguf_name(name)
         if gguf_name not in self.tensors:
             raise ModelLoadError(f"{self.path.name} has no tensor {gguf_name} ({name})")
@@ -194,9 +208,11 @@ class SafetensorsWeights:
         self.tied = tie_word_embeddings
         self.dtypes: dict[str, torch.dtype] = {}
 
+    def _stored(self, name: str) -> str:
+        return "model.embed_tokens.weight" if name == "lm_head.weight" and name not in self.where and self.tied else name
+
     def raw(self, name: str) -> torch.Tensor:
-        if name == "lm_head.weight" and name not in self.where and self.tied:
-            name = "model.embed_tokens.weight"
+        name = self._stored(name)
         if name not in self.where:
             raise ModelLoadError(f"{self.path} has no tensor {name}")
         with safe_open(self.where[name], "pt") as handle:
@@ -205,8 +221,7 @@ class SafetensorsWeights:
         return tensor.float()
 
     def auto_format(self, name: str) -> str:
-        return "bfloat16" if self.dtypes.get(name) == torch.bfloat16 else "float32"
-
+        return _dtype_format(self.dtypes.get(self._stored(name)))
 
 
 class StateDictWeights:
@@ -217,12 +232,15 @@ class StateDictWeights:
         self.state_dict = state_dict
         self.tied = tie_word_embeddings
 
+    def _stored(self, name: str) -> str:
+        return "model.embed_tokens.weight" if name == "lm_head.weight" and name not in self.state_dict and self.tied else name
+
     def raw(self, name: str) -> torch.Tensor:
-        if name == "lm_head.weight" and name not in self.state_dict and self.tied:
-            name = "model.embed_tokens.weight"
+        name = self._stored(name)
         if name not in self.state_dict:
             raise ModelLoadError(f"the model has no tensor {name}")
         return self.state_dict[name].detach().float()
 
     def auto_format(self, name: str) -> str:
-        return "bfloat16" if self.state_dict.get(name, torch.empty(0)).dtype == torch.bfloat16 else "float32"
+        tensor = self.state_dict.get(self._stored(name))
+        return _dtype_format(None if tensor is None else tensor.dtype)

@@ -16,7 +16,8 @@ from transformers import PreTrainedTokenizerFast
 # Mistral's GGUF files are `llama` files (llama.cpp converts Mistral to that architecture, and the
 # `gguf` package and transformers' reader know no other), so `llama` covers them.
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
-FORMATS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+FORMATS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS",
+           "Q2_K")
 # A mixture as llama.cpp's Q4_K_M writes one: Q6_K for the attention's value, the MLP's down
 # projection and the LM head, Q4_K for the rest (so a fused query/key/value mixes the two).
 MIXTURES = {"Q4_K_M": ("Q4_K", {"attn_v", "ffn_down", "output"}, "Q6_K")}
@@ -42,6 +43,10 @@ _BLOCKS = {
     "Q4_K": (144, 256, {0: 0.0002, 2: 0.0002}),
     "Q5_K": (176, 256, {0: 0.0001, 2: 0.0001}),
     "Q6_K": (210, 256, {208: 0.00005}),
+    "Q3_K": (110, 256, {108: 0.0005}),
+    "IQ4_NL": (18, 32, {0: 0.0005}),
+    "IQ4_XS": (136, 256, {0: 0.00002}),
+    "Q2_K": (84, 256, {80: 0.002, 82: 0.002}),
 }
 
 

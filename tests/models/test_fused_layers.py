@@ -73,14 +73,14 @@ def tiny_other(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return _tiny_other(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
 
 
-@pytest.fixture(scope="module", params=["q4", "q8", "q8-kv32", "qwen2-q8", "qwen3-q8", "mistral-q8", "phi3-q8",
+@pytest.fixture(scope="module", params=["q4", "q8", "f16", "q8-kv32", "qwen2-q8", "qwen3-q8", "mistral-q8", "phi3-q8",
                                         "gemma3-q8"])
 def quantized(request: pytest.FixtureRequest, tiny_model: LoadedModel, tmp_path_factory) -> LoadedModel:
     # Llama, Qwen2 (its bias added in the fused call), Qwen3 (its norms in rotary_split),
     # Mistral (its window in the slots each query sees: the passes below cover 40 positions) and
     # Gemma 3 (post-norms, GeGLU, a sliding and a global layer: two calls a pass, one per run of
     # layers with one window and rotary table); the KV cache in float16 (the default on the
-    # kernels), and once in float32.
+    # kernels), and once in float32; float16 matrices (f16) as well as blocks.
     if request.param == "q8-kv32":
         loaded = tiny_model.native("q8", kv_dtype="float32")
     elif "-" in request.param:

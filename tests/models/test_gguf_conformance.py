@@ -1,12 +1,12 @@
 """The conformance tier: tiny random GGUF files of every architecture the native backend reads
 from GGUF (Llama, whose files Mistral's are too, Qwen2, Qwen3, Gemma 3, Phi-3) with every matrix in
-each block format (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and a Q4_K_M mixture of Q4_K and
-Q6_K as llama.cpp writes one), written with the `gguf`
+each block format (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, IQ4_NL, IQ4_XS, Q2_K, and
+a Q4_K_M mixture of Q4_K and Q6_K as llama.cpp writes one), written with the `gguf`
 package's writer (`gguf_files.py`) and loaded twice: by the native backend, and by transformers'
 own GGUF reader and dequantization, the reference. Per file: the native backend in float32 gives
-transformers' logits (to 1e-4); under `auto` every format a kernel takes runs on it (F16 in
-float32, said in one line), each matrix holding the file's values bit for bit, within the
-activations' int8 rounding of the reference; and
+transformers' logits (to 1e-4); under `auto` every format runs on a kernel as stored (Q2_K, which none takes,
+in float32, said in one line), each matrix holding the file's values bit for
+bit, within the activations' int8 rounding of the reference; and
 speculation (the file drafting for itself) is greedy-identical to plain decoding."""
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from tests.models.gguf_files import ARCHITECTURES, FORMATS, MIXTURES, write_tiny
 
 # The formats each file's matrices run in under `auto` where the kernels are built (Q4_K_M: its
 # Q4_K and Q6_K matrices each in its own; a fused query/key/value mixing them, stacked).
-ON_KERNELS = {"Q8_0": {"q8"}, "Q5_0": {"q8"}, "Q6_K": {"q8"}, "Q4_0": {"q4"}, "Q4_1": {"q4"}, "Q5_1": {"q4"},
-              "Q4_K": {"q4"}, "Q5_K": {"q4"}, "Q4_K_M": {"q4", "q8"}}
+ON_KERNELS = {"F16": {"f16"}, "Q8_0": {"q8"}, "Q5_0": {"q8"}, "Q6_K": {"q8"}, "Q4_0": {"q4"}, "Q4_1": {"q4"}, "Q5_1": {"q4"},
+              "Q4_K": {"q4"}, "Q5_K": {"q4"}, "Q3_K": {"q8"}, "IQ4_NL": {"q8"}, "IQ4_XS": {"q8"}, "Q4_K_M": {"q4", "q8"}}
+# A type no kernel takes: its matrices run in float32, and one line says so.
+WIDENED = "Q2_K"
 PROMPT = list(range(5, 41))
 
 
@@ -65,7 +67,7 @@ def test_a_gguf_file_runs_natively_as_transformers_reads_it(architecture: str, f
         for name in ("qkv", "o", "gate_up", "down"):
             assert torch.equal(getattr(packed, name).dequantized(), getattr(plain, name).dequantized()), name
     widened = [r.getMessage() for r in caplog.records if "run in float32" in r.getMessage()]
-    assert bool(widened) == (fmt == "F16") and all(fmt in line for line in widened)
+    assert bool(widened) == (fmt == WIDENED) and all(fmt in line for line in widened)
     got = ModelRunner(native).score(PROMPT)
     assert float((got - want).norm() / want.norm()) < 0.06  # the activations' int8 rounding, at most
 

@@ -211,7 +211,7 @@ def test_a_stacked_matrix_is_its_parts_side_by_side() -> None:
     assert all(torch.equal(stacked(x[i : i + 1]), want[i : i + 1]) for i in range(5))
 
 
-@pytest.mark.parametrize("kind", ["q8", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "float32"])
+@pytest.mark.parametrize("kind", ["q8", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "float16", "float32"])
 def test_the_embedding_keeps_the_files_blocks_and_looks_up_their_exact_rows(kind: str) -> None:
     # Rows gathered from the packed blocks and dequantized (specdec's kernel `embed_rows`, or
     # PyTorch's indexing) are bitwise the float32 table's, and a table that is the tied LM head's
@@ -228,6 +228,8 @@ def test_the_embedding_keeps_the_files_blocks_and_looks_up_their_exact_rows(kind
         raw = Int8Groups(torch.randint(-32, 32, (40, 96)), small(40, 6) * torch.randint(-128, 128, (40, 6)))
     elif kind == "float32":
         raw = weight
+    elif kind == "float16":  # float32 values that float16 holds exactly (an F16 file's): kept in float16
+        raw = weight.half().float()
     else:
         q, d, m = packing.quantize_q4(weight)
         raw = Int4Groups(q, d, -8 * d if kind == "q4_0" else m)
@@ -237,12 +239,13 @@ def test_the_embedding_keeps_the_files_blocks_and_looks_up_their_exact_rows(kind
     assert torch.equal(own(ids), table[ids]) and torch.equal(own.full(), table)
     own._ops = None  # PyTorch's gather, where specdec's kernels are not built: the same bits
     assert torch.equal(own(ids), table[ids])
-    assert own.nbytes == (table.numel() * 4 if kind == "float32" else own.table.nbytes) and not own.shared
+    assert own.nbytes == {"float32": table.numel() * 4, "float16": table.numel() * 2}.get(kind, own.table.nbytes)
+    assert not own.shared
     if kind in ("q4_k", "q5_k", "q6_k"):
         records = {"q4_k": packing.Q4F_RECORD, "q5_k": packing.Q5_RECORD, "q6_k": packing.Q6_RECORD}
         assert own.table.tensors["weight"].shape[-1] == records[kind]
     if kind != "float32":
-        lm_head = PackedLinear.pack(raw, "q8" if kind in ("q8", "q6_k") else "q4")
+        lm_head = PackedLinear.pack(raw, {"q8": "q8", "q6_k": "q8", "float16": "f16"}.get(kind, "q4"))
         tied = Embedding.of(raw, lm_head)
         assert tied.table is lm_head and tied.nbytes == 0 and torch.equal(tied(ids), table[ids])
 
