@@ -57,9 +57,11 @@ test-all: setup browser
 	exit $$(( rest || ray ))
 
 # llama.cpp as a peer for `specdec bench --peers`: llama-cpp-python compiles llama.cpp from its
-# source (about 8 minutes on two cores), for this machine's CPU.
+# source (about 8 minutes on two cores), for this machine's CPU but without AMX: built natively on
+# an AMX Xeon, its AMX path dies with SIGILL (it never asks Linux for the tile state).
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 peers: setup
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q llama-cpp-python==0.3.36
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" $(PIP) install -q llama-cpp-python==0.3.36
 
 bench: setup
 	$(VENV)/bin/specdec bench --data ../shared/data/norm/spec_bench.jsonl --per-category 3 --max-tokens 128 --json out/bench.json

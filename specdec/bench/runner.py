@@ -193,6 +193,16 @@ def _single(results: list[RunResult]) -> Tally:
     return tally
 
 
+def llama_cpp_build() -> str:
+    """Which llama.cpp a llama.cpp peer runs: llama-cpp-python's version and the CPU features its
+    build uses (llama.cpp's own system line). Raises ImportError when it is not installed."""
+    import llama_cpp
+
+    features = llama_cpp.llama_print_system_info().decode(errors="replace")
+    on = [part.split("=")[0].split(":")[-1].strip() for part in features.split("|") if part.strip().endswith("= 1")]
+    return f"llama-cpp-python {llama_cpp.__version__} (its Python loop over llama.cpp's kernels; built for {' '.join(on)})"
+
+
 def llama_cpp_runner(gguf_path: str, encode: Callable[[list[Message]], list[int]], params: SamplingParams,
                      eos_token_ids: frozenset[int], prompt_lookup_tokens: int | None = None, threads: int | None = None) -> Runner:
     """llama-cpp-python on the same GGUF file (llama.cpp's own kernels and weight format),

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from specdec.api import LLM
 from specdec.bench.report import PLAIN, SPEC
-from specdec.bench.runner import System, llama_cpp_runner, specdec_runner, transformers_runner
+from specdec.bench.runner import System, llama_cpp_build, llama_cpp_runner, specdec_runner, transformers_runner
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.models.loader import default_model_path, load_model
@@ -75,6 +75,7 @@ def bench_systems(
                     System("llama.cpp plain", llama_cpp_runner(gguf, encode, params, eos)),
                     System("llama.cpp prompt lookup", llama_cpp_runner(gguf, encode, params, eos, PROMPT_LOOKUP_TOKENS), "llama.cpp plain"),
                 ]
+                note(f"llama.cpp peers: {llama_cpp_build()}")
             except ImportError:
                 note("llama.cpp peers skipped: llama-cpp-python is not installed (make peers installs it)")
     return systems

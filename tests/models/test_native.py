@@ -11,11 +11,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quantize
 
-from specdec import LLM, SamplingParams
+from specdec import LLM, SamplingParams, kernels
 from specdec.kernels import packing
 from specdec.models import LoadedModel, ModelRunner
 from specdec.models.cache import PreallocatedCache
-from specdec.models.loader import default_model_path
+from specdec.models.loader import default_model_path, load_model
 from specdec.models.qlinear import (Embedding, Int4Groups, Int8Groups, PackedLinear, StackedLinear, unpack_q4_blocks,
                                     unpack_q8_blocks)
 from specdec.models.weights import GGUFWeights, TensorReader
@@ -78,7 +78,7 @@ def test_kernel_formats_keep_gguf_blocks_exactly(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4", "q4", "q8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4", "q4", "q8", "f16"])
 def test_products_are_row_invariant(fmt: str, threads: int) -> None:
     # What makes a verification pass bitwise a plain step: a row's product does not depend on
     # how many rows are multiplied with it. 576 x 1536 is the default model's down projection,
@@ -95,6 +95,31 @@ def test_products_are_row_invariant(fmt: str, threads: int) -> None:
             assert torch.equal(linear(x[:rows]), alone[:rows]), rows
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built on this machine")
+def test_a_float16_checkpoint_runs_in_float16(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Its matrices stay 2 bytes a weight on the float16 kernel and its embedding is a float16 table,
+    # the values exactly the checkpoint's; speculation on it is greedy-identical to plain decoding.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float16).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
+    half = load_model(str(tmp_path), backend="native")
+    exact = load_model(str(tmp_path), backend="native", dtype="float32")
+    backend = half.backend
+    assert backend._formats() == {"f16"} and backend.lm_head.fmt == "f16" and backend.kernel_path != "pytorch"
+    assert backend.embed.table.dtype == torch.float16 or backend.embed.shared
+    for packed, plain in zip(backend.layers, exact.backend.layers):
+        assert torch.equal(packed.gate_up.dequantized(), plain.gate_up.dequantized())
+    assert 2 * backend.matrix_bytes() == exact.backend.matrix_bytes()
+    prompt = list(range(5, 30))
+    got, want = ModelRunner(half).score(prompt), ModelRunner(exact).score(prompt)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # float32 sums in another order
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(loaded=half).plain_engine.generate(prompt, greedy).token_ids
+    spec = LLM(loaded=half, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert spec.engine.generate(prompt, greedy).token_ids == plain
 
 
 def test_float32_products_are_not_row_invariant() -> None:
