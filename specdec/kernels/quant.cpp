@@ -124,10 +124,12 @@ void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int32_t* s, floa
 
 // Activation quantization: x [rows, K] float -> q [G, rows, 32] int8, d, s, sf, s16 [G, rows].
 // Block-major, so that a tile reads every row's block g from one pointer at fixed offsets (no
-// per-row pointers competing for registers in the inner loop).
+// per-row pointers competing for registers in the inner loop). One thread quantizes up to 1024
+// blocks: a worker quantizing part of a short pass would pull the caller's float rows into its
+// core and the caller then pull the bytes back, which costs more than the work saved.
 void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s, float* sf, int32_t* s16) {
     const int64_t G = K / QK;
-    specdec::parallel_chunks(rows * G, 256, [&](int64_t begin, int64_t end) {
+    specdec::parallel_chunks(rows * G, 1024, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const int64_t r = i / G, g = i % G, j = g * rows + r;
             quantize_block_avx2(x + r * K + g * QK, q + j * QK, d + j, s + j, sf + j, s16 + j);
