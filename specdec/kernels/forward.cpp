@@ -5,6 +5,7 @@
 // cache's copies, written here straight from the rotary embedding's output.
 
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -16,14 +17,33 @@
 
 namespace {
 
-at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t isa,
-                      const c10::optional<at::Tensor>& residual = c10::nullopt) {
-    if (packed.dim() == 2 && packed.scalar_type() == at::kHalf) return half_matmul(x, packed, out_features, isa, residual);
-    TORCH_CHECK(packed.dim() == 3, "a layer's matrices must be packed q4 or q8, or float16");
-    const int64_t record = packed.size(2);
-    TORCH_CHECK(record == Q4_RECORD || record == Q4F_RECORD || record == Q8_RECORD || record == Q6_RECORD,
-                "a layer's matrices must be packed q4 or q8 (the one-call forward takes no Q5_K records)");
-    return quantized_matmul(x, packed, out_features, isa, record == Q4_RECORD || record == Q4F_RECORD, residual);
+// A matrix's part kinds, as the Python side names them (each part's family: q4 and q8 records of
+// 640 bytes are Q5_K's and Q6_K's, which only the kind tells apart).
+enum PartKind : int64_t { PART_Q4 = 0, PART_Q8 = 1, PART_F16 = 2 };
+
+// One matrix of a layer: its parts (one, or several stacked over their outputs, each in its own
+// format) and each part's kind and outputs, read from the flat (kind, outputs) list at `spec`.
+struct Matrix {
+    const std::vector<at::Tensor>& parts;
+    const int64_t* spec;
+};
+
+at::Tensor part_product(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t out_features, int64_t isa,
+                        const c10::optional<at::Tensor>& residual) {
+    if (kind == PART_F16) return half_matmul(x, w, out_features, isa, residual);
+    TORCH_CHECK(kind == PART_Q4 || kind == PART_Q8, "a layer's matrix part has an unknown kind ", kind);
+    return quantized_matmul(x, w, out_features, isa, kind == PART_Q4, residual);
+}
+
+// x times the matrix, plus the residual where given: a stacked matrix's parts side by side, then
+// the residual added (the Python loop's `residual + torch.cat(parts)`, the same bits).
+at::Tensor product(const at::Tensor& x, const Matrix& m, int64_t isa, const c10::optional<at::Tensor>& residual = c10::nullopt) {
+    if (m.parts.size() == 1) return part_product(x, m.parts[0], m.spec[0], m.spec[1], isa, residual);
+    std::vector<at::Tensor> outs;
+    for (size_t p = 0; p < m.parts.size(); ++p)
+        outs.push_back(part_product(x, m.parts[p], m.spec[2 * p], m.spec[2 * p + 1], isa, c10::nullopt));
+    const at::Tensor h = at::cat(outs, 1);
+    return residual ? at::add(*residual, h) : h;
 }
 
 // n floats to float16 bits, rounded to nearest even (F16C's conversion, as torch's .half()).
@@ -59,23 +79,24 @@ void write_cache(const at::Tensor& states, at::Tensor& buf, const int64_t* row_o
 
 }  // namespace
 
-// x [rows * new, hidden] float32 through the given layers. Per layer i: attn_norm[i], qkv[i] (packed),
-// qkv_bias[i] (Qwen2's, added to the product as the loop's `qkv + bias`; an empty tensor for none),
-// q_norm[i], k_norm[i] (Qwen3's and Gemma 3's per-head norms, as `rotary_split` applies them; empty
-// for none), o[i], mlp_norm[i], gate_up[i], down[i], post_attn_norm[i] and post_mlp_norm[i] (Gemma
-// 3's norms of the attention's and the MLP's outputs before they join the residual stream; empty
-// for none), and its cache buffers keys[i], values[i] [R, kv_heads, S, head_dim]; token
-// t = r * new + j writes slot write_slots[t] of buffer row write_rows[t], and attends as
-// `attend_cached` does (counts, slots) over the first `rows` buffer rows. widths: the outputs of
-// qkv, o, gate_up and down. gelu: GELU(gate) * up (Gemma) instead of SiLU. Returns x after the
-// last layer, then x after each layer listed in `keep` (positions in the given list).
+// x [rows * new, hidden] float32 through the given layers. Per layer i: attn_norm[i], qkv[i] (its
+// parts: one packed matrix, or several stacked over their outputs), qkv_bias[i] (Qwen2's, added to
+// the product as the loop's `qkv + bias`; an empty tensor for none), q_norm[i], k_norm[i] (Qwen3's
+// and Gemma 3's per-head norms, as `rotary_split` applies them; empty for none), o[i], mlp_norm[i],
+// gate_up[i], down[i], post_attn_norm[i] and post_mlp_norm[i] (Gemma 3's norms of the attention's
+// and the MLP's outputs before they join the residual stream; empty for none), and its cache
+// buffers keys[i], values[i] [R, kv_heads, S, head_dim]; token t = r * new + j writes slot
+// write_slots[t] of buffer row write_rows[t], and attends as `attend_cached` does (counts, slots)
+// over the first `rows` buffer rows. parts: (kind, outputs) of every matrix part, in the order
+// layer, then qkv, o, gate_up, down, then part (kind: PartKind). gelu: GELU(gate) * up (Gemma)
+// instead of SiLU. Returns x after the last layer, then x after each layer listed in `keep`
+// (positions in the given list).
 std::vector<at::Tensor> forward_layers(
-    at::Tensor x, const std::vector<at::Tensor>& attn_norm, const std::vector<at::Tensor>& qkv,
+    at::Tensor x, const std::vector<at::Tensor>& attn_norm, const LayerParts& qkv,
     const std::vector<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& q_norm, const std::vector<at::Tensor>& k_norm,
-    const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
-    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
+    const LayerParts& o, const std::vector<at::Tensor>& mlp_norm, const LayerParts& gate_up, const LayerParts& down,
     const std::vector<at::Tensor>& post_attn_norm, const std::vector<at::Tensor>& post_mlp_norm,
-    std::vector<int64_t> widths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+    const std::vector<int64_t>& parts, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     const at::Tensor& write_rows, const at::Tensor& write_slots, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& counts, const at::Tensor& slots, int64_t rows,
     int64_t heads, int64_t kv_heads, double eps, double scale, int64_t isa, const std::vector<int64_t>& keep,
@@ -86,7 +107,9 @@ std::vector<at::Tensor> forward_layers(
                     down.size() == layers && post_attn_norm.size() == layers && post_mlp_norm.size() == layers &&
                     keys.size() == layers && values.size() == layers,
                 "one entry per layer in every list");
-    TORCH_CHECK(widths.size() == 4, "widths: qkv, o, gate_up, down");
+    size_t specs = 0;
+    for (size_t i = 0; i < layers; ++i) specs += qkv[i].size() + o[i].size() + gate_up[i].size() + down[i].size();
+    TORCH_CHECK(parts.size() == 2 * specs, "parts: a kind and an output count for every matrix part");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) % rows == 0, "x must be [rows * new, hidden] float32");
     const int64_t tokens = x.size(0);
     const at::Tensor wr = write_rows.to(at::kLong).contiguous(), ws = write_slots.to(at::kLong).contiguous();
@@ -97,8 +120,16 @@ std::vector<at::Tensor> forward_layers(
         kept[i] = true;
     }
     std::vector<at::Tensor> out{at::Tensor()};
+    const int64_t* spec = parts.data();
+    auto matrix = [&](const std::vector<at::Tensor>& matrix_parts) {
+        TORCH_CHECK(!matrix_parts.empty(), "a layer's matrix has no parts");
+        const Matrix m{matrix_parts, spec};
+        spec += 2 * matrix_parts.size();
+        return m;
+    };
     for (size_t i = 0; i < layers; ++i) {
-        at::Tensor h = product(rms_norm(x, attn_norm[i], eps), qkv[i], widths[0], isa);
+        const Matrix qkv_m = matrix(qkv[i]), o_m = matrix(o[i]), gate_up_m = matrix(gate_up[i]), down_m = matrix(down[i]);
+        at::Tensor h = product(rms_norm(x, attn_norm[i], eps), qkv_m, isa);
         if (qkv_bias[i].numel()) h = at::add(h, qkv_bias[i]);
         const std::vector<at::Tensor> qkv_rotated = rotary_split(h, cos, sin, rows, heads, kv_heads, q_norm[i], k_norm[i], eps);
         write_cache(qkv_rotated[1], keys[i], wr.data_ptr<int64_t>(), ws.data_ptr<int64_t>());
@@ -108,12 +139,12 @@ std::vector<at::Tensor> forward_layers(
         // Each sublayer's output joins the residual stream in the product's stores, or, normed
         // first (Gemma 3), by one add: the Python loop's `x + norm(...)`.
         if (post_attn_norm[i].numel())
-            x = at::add(x, rms_norm(product(attended.view({tokens, -1}), o[i], widths[1], isa), post_attn_norm[i], eps));
-        else x = product(attended.view({tokens, -1}), o[i], widths[1], isa, x);
-        const at::Tensor g = product(rms_norm(x, mlp_norm[i], eps), gate_up[i], widths[2], isa);
+            x = at::add(x, rms_norm(product(attended.view({tokens, -1}), o_m, isa), post_attn_norm[i], eps));
+        else x = product(attended.view({tokens, -1}), o_m, isa, x);
+        const at::Tensor g = product(rms_norm(x, mlp_norm[i], eps), gate_up_m, isa);
         const at::Tensor act = gelu ? gelu_mul(g) : silu_mul(g);
-        if (post_mlp_norm[i].numel()) x = at::add(x, rms_norm(product(act, down[i], widths[3], isa), post_mlp_norm[i], eps));
-        else x = product(act, down[i], widths[3], isa, x);
+        if (post_mlp_norm[i].numel()) x = at::add(x, rms_norm(product(act, down_m, isa), post_mlp_norm[i], eps));
+        else x = product(act, down_m, isa, x);
         if (kept[i]) out.push_back(x);
     }
     out[0] = x;

@@ -44,14 +44,14 @@ std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& co
 at::Tensor silu_mul(const at::Tensor& h);
 at::Tensor gelu_mul(const at::Tensor& h);
 at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8);
-// forward.cpp
+// forward.cpp. A matrix per layer, as its parts (one, or several stacked over their outputs).
+using LayerParts = std::vector<std::vector<at::Tensor>>;
 std::vector<at::Tensor> forward_layers(
-    at::Tensor x, const std::vector<at::Tensor>& attn_norm, const std::vector<at::Tensor>& qkv,
+    at::Tensor x, const std::vector<at::Tensor>& attn_norm, const LayerParts& qkv,
     const std::vector<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& q_norm, const std::vector<at::Tensor>& k_norm,
-    const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& mlp_norm,
-    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
+    const LayerParts& o, const std::vector<at::Tensor>& mlp_norm, const LayerParts& gate_up, const LayerParts& down,
     const std::vector<at::Tensor>& post_attn_norm, const std::vector<at::Tensor>& post_mlp_norm,
-    std::vector<int64_t> widths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+    const std::vector<int64_t>& parts, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     const at::Tensor& write_rows, const at::Tensor& write_slots, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& counts, const at::Tensor& slots, int64_t rows,
     int64_t heads, int64_t kv_heads, double eps, double scale, int64_t isa, const std::vector<int64_t>& keep,

@@ -80,6 +80,7 @@ KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 ENV_KV_DTYPE = "SPECDEC_KV_DTYPE"
 
 _NONE = torch.empty(0)  # a layer without Qwen2's bias or Qwen3's query and key norms, to the kernels
+_PART_KINDS = {"q4": 0, "q8": 1, "f16": 2}  # forward.cpp's PartKind of each kernel format
 
 
 @dataclass
@@ -475,10 +476,9 @@ class NativeBackend:
 
     def _one_call(self) -> list[bool]:
         """Per layer, whether the one-call forward takes it: the kernels built and its matrices all
-        in formats `forward_layers` reads (not float ones, a Q5 record or a stacked projection)."""
+        in formats `forward_layers` reads (specdec's kernel formats, stacked or not; no float ones)."""
         if self._fusable_for[0] is not self.layers:  # checked once per set of layers
-            able = [self.fused and all(isinstance(lin, PackedLinear) and lin.one_call
-                                       for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            able = [self.fused and all(lin.one_call for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
                     for layer in self.layers]
             self._fusable_for = (self.layers, able)
             self._fused_weights = {}
@@ -490,17 +490,21 @@ class NativeBackend:
         key = tuple(ids)
         if key not in self._fused_weights:
             layers = [self.layers[i] for i in ids]
+            # Each matrix as its parts' tensors, and every part's (kind, outputs) in the order
+            # layer, matrix, part: the kind tells Q5_K's q4 records from Q6_K's q8 ones (both 640 bytes).
+            specs = [value for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                     for part in lin.parts for value in (_PART_KINDS[part.fmt], part.out_features)]
+            parts = {name: [[part.tensors["weight"] for part in getattr(layer, name).parts] for layer in layers]
+                     for name in ("qkv", "o", "gate_up", "down")}
             self._fused_weights[key] = [
-                [layer.attn_norm for layer in layers], [layer.qkv.tensors["weight"] for layer in layers],
+                [layer.attn_norm for layer in layers], parts["qkv"],
                 [layer.qkv_bias if layer.qkv_bias is not None else _NONE for layer in layers],
                 [layer.q_norm if layer.q_norm is not None else _NONE for layer in layers],
                 [layer.k_norm if layer.k_norm is not None else _NONE for layer in layers],
-                [layer.o.tensors["weight"] for layer in layers], [layer.mlp_norm for layer in layers],
-                [layer.gate_up.tensors["weight"] for layer in layers], [layer.down.tensors["weight"] for layer in layers],
+                parts["o"], [layer.mlp_norm for layer in layers], parts["gate_up"], parts["down"],
                 [layer.post_attn_norm if layer.post_attn_norm is not None else _NONE for layer in layers],
                 [layer.post_mlp_norm if layer.post_mlp_norm is not None else _NONE for layer in layers],
-                [layers[0].qkv.out_features, layers[0].o.out_features, layers[0].gate_up.out_features,
-                 layers[0].down.out_features]]
+                specs]
         return self._fused_weights[key]
 
     def _fused_layers(self, cache, ids: list[int], x: torch.Tensor, rows: int, cos: torch.Tensor, sin: torch.Tensor,

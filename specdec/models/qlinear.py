@@ -261,17 +261,20 @@ class PackedLinear:
 
     @property
     def one_call(self) -> bool:
-        """Whether the one-call forward (`forward_layers`) takes it: specdec's kernel formats, but
-        for Q5_K's and Q5_1's byte records, which only the products' own entry points tell from Q6_K's."""
-        return self.fmt in KERNEL_FORMATS and not (
-            self.fmt == "q4" and self.tensors["weight"].shape[-1] == packing.Q5_RECORD)
+        """Whether the one-call forward (`forward_layers`) takes it: specdec's kernel formats."""
+        return self.fmt in KERNEL_FORMATS
+
+    @property
+    def parts(self) -> list[PackedLinear]:
+        """The matrices stacked in it: itself."""
+        return [self]
 
 
 class StackedLinear:
     """Matrices stacked over their outputs, each a :class:`PackedLinear` in its own format: the
     product is their products side by side (each row's bits its parts' own). What a fused
-    projection becomes when its parts' blocks share no exact format; the one-call forward does not
-    take it (the loop runs the layers)."""
+    projection becomes when its parts' blocks share no exact format; the one-call forward takes it
+    where it takes every part."""
 
     def __init__(self, parts: list[PackedLinear]) -> None:
         self.parts = parts
@@ -282,6 +285,10 @@ class StackedLinear:
     @property
     def formats(self) -> set[str]:
         return {p.fmt for p in self.parts}
+
+    @property
+    def one_call(self) -> bool:
+        return all(p.one_call for p in self.parts)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.cat([p(x).float() for p in self.parts], dim=-1)  # [rows, out_features]

@@ -176,18 +176,8 @@ def test_formats_without_the_kernels_run_the_loop(tiny_model: LoadedModel) -> No
     assert not any(backend._one_call())
 
 
-def test_layers_the_call_cannot_take_run_the_loop_between_calls(quantized: LoadedModel) -> None:
-    # A layer with a stacked projection (as a Q4_K_M file's Q4_K query and key beside a Q6_K
-    # value) takes the loop; the layers around it still take the call, and the pass's bits are
-    # those of the loop throughout.
-    backend = quantized.backend
-    layer = backend.layers[0]
-    q, rest = layer.qkv.dequantized().split([backend.heads * backend.head_dim, 2 * backend.kv_heads * backend.head_dim])
-    stacked = dataclasses.replace(layer, qkv=StackedLinear([PackedLinear.pack(q, "q8"), PackedLinear.pack(rest, "q8")]))
-    mixed = copy.copy(backend)
-    mixed.layers = [stacked, *backend.layers[1:]]
-    assert mixed._one_call() == [False] + [True] * (backend.num_layers - 1)
-    calls = []
+def _counting(backend, calls: list[int]):
+    """The backend's kernels, with each forward_layers call's layer count noted in `calls`."""
     ops = backend._ops
 
     class Counting:
@@ -196,13 +186,70 @@ def test_layers_the_call_cannot_take_run_the_loop_between_calls(quantized: Loade
                 return lambda *args: calls.append(len(args[1])) or ops.forward_layers(*args)
             return getattr(ops, name)
 
-    mixed._ops = Counting()
+    return Counting()
+
+
+def _calls_and_loop(quantized: LoadedModel, layers: list) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """The passes of `_single_passes` with these layers, through the one-call forward (and the
+    layers' count of each call) and through the loop."""
+    mixed = copy.copy(quantized.backend)
+    mixed.layers = layers
+    calls: list[int] = []
+    mixed._ops = _counting(quantized.backend, calls)
     plain = copy.copy(mixed)
-    plain._ops = ops
+    plain._ops = quantized.backend._ops
     plain.fuse_layers = False
-    with_calls, loop = _single_passes(dataclasses.replace(quantized, backend=mixed), True), \
-        _single_passes(dataclasses.replace(quantized, backend=plain), False)
+    with_calls = _single_passes(dataclasses.replace(quantized, backend=mixed), True)
+    return calls, with_calls, _single_passes(dataclasses.replace(quantized, backend=plain), False)
+
+
+def test_layers_the_call_cannot_take_run_the_loop_between_calls(quantized: LoadedModel) -> None:
+    # A layer with a float matrix takes the loop; the layers around it still take the call, and
+    # the pass's bits are those of the loop throughout.
+    backend = quantized.backend
+    layer = backend.layers[0]
+    widened = dataclasses.replace(layer, o=PackedLinear.pack(layer.o.dequantized(), "float32"))
+    mixed = copy.copy(backend)
+    mixed.layers = [widened, *backend.layers[1:]]
+    assert mixed._one_call() == [False] + [True] * (backend.num_layers - 1)
+    calls, with_calls, loop = _calls_and_loop(quantized, mixed.layers)
     assert calls and all(n == backend.num_layers - 1 for n in calls)
+    for got, want in zip(with_calls, loop):
+        assert torch.equal(got, want)
+
+
+def test_stacked_and_five_bit_matrices_run_in_the_call(quantized: LoadedModel) -> None:
+    # A Q4_K_M file's query/key/value (Q4_K beside Q6_K) and a Q5_K_M file's matrices (Q5_K's q4
+    # records of 640 bytes, which only their kind tells from Q6_K's q8 records of the same size)
+    # run in the one-call forward: every layer in it, the bits of the loop.
+    from specdec.kernels import packing
+    from specdec.models.qlinear import Int4Groups, Int8Groups
+
+    backend = quantized.backend
+    generator = torch.Generator().manual_seed(5)
+
+    def five_bit(out_features: int, in_features: int) -> PackedLinear:
+        scale = (torch.rand(out_features, in_features // 32, generator=generator) / 200).half().float()
+        q = torch.randint(0, 32, (out_features, in_features), generator=generator)
+        return PackedLinear.pack(Int4Groups(q, scale, -16 * scale), "q4")
+
+    def six_bit(out_features: int, in_features: int) -> PackedLinear:
+        scale = torch.rand(out_features, in_features // 16, generator=generator) / 300  # float32, per 16
+        return PackedLinear.pack(Int8Groups(torch.randint(-32, 32, (out_features, in_features), generator=generator),
+                                            scale), "q8")
+
+    hidden, queries = backend.hidden_size, backend.heads * backend.head_dim
+    rest = 2 * backend.kv_heads * backend.head_dim
+    layer = backend.layers[0]
+    mixed = dataclasses.replace(
+        layer, qkv=StackedLinear([five_bit(queries, hidden), six_bit(rest, hidden)]),
+        down=five_bit(layer.down.out_features, layer.down.in_features))
+    assert mixed.qkv.parts[0].tensors["weight"].shape[-1] == packing.Q5_RECORD == packing.Q6_RECORD
+    mixed_backend = copy.copy(backend)
+    mixed_backend.layers = [mixed, *backend.layers[1:]]
+    assert all(mixed_backend._one_call())
+    calls, with_calls, loop = _calls_and_loop(quantized, mixed_backend.layers)
+    assert calls and calls == _calls_and_loop(quantized, backend.layers)[0]  # as many layers a call as before
     for got, want in zip(with_calls, loop):
         assert torch.equal(got, want)
 
