@@ -174,7 +174,10 @@ def accept_batch(
     tokens = draft_tokens.new_full((rows, n + 1), PAD_TOKEN)
     num_accepted = draft_tokens.new_zeros(rows)
     greedy = [i for i in range(rows) if params[i].greedy]
-    if greedy:
+    if len(greedy) == rows:  # all greedy: no copy of the logits
+        result = greedy_accept(target_logits, draft_tokens)
+        tokens, num_accepted = result.tokens, result.num_accepted
+    elif greedy:
         index = torch.tensor(greedy, device=draft_tokens.device)
         result = greedy_accept(target_logits[index], draft_tokens[index])
         tokens[index], num_accepted[index] = result.tokens, result.num_accepted
