@@ -70,3 +70,63 @@ def test_earliest_stop_string_wins(tokenizer) -> None:
     assert update.stopped
     assert text.text == "one "
     assert update.delta == "one "
+
+
+def _sentencepiece_like():
+    """A tokenizer decoding as Llama 2's and Gemma's do: pieces with `▁` for a space, byte pieces
+    <0xNN> joined into characters, the first piece's leading space stripped."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "▁the", "▁a", "s", "'", "▁.",
+              ".", "▁n't", "é", "▁ok", "!"]
+    backend = Tokenizer(BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece-like"])
+def test_text_is_always_the_whole_outputs_decode(kind: str, tokenizer) -> None:
+    # Each step decodes a window of the last tokens and the new ones, not the whole output: the
+    # text must still be the whole output's decode after every step, through characters split
+    # across tokens (byte tokens, emoji), special tokens, stripped and cleaned-up spaces.
+    import random
+
+    decoder = tokenizer if kind == "byte-level" else _sentencepiece_like()
+    if kind == "byte-level":
+        pool = ids(decoder, "Hello, wörld! It's 🙂 a test . — ok") + [decoder.eos_token_id]
+    else:
+        pool = list(range(len(decoder)))
+    for seed in range(20):
+        rng = random.Random(seed)
+        text = TextAssembler(decoder)
+        added: list[int] = []
+        streamed = ""
+        while len(added) < 120:
+            chunk = [rng.choice(pool) for _ in range(rng.randint(1, 4))]
+            # Byte pieces in runs, as a character's UTF-8 bytes come.
+            if kind != "byte-level" and rng.random() < 0.3:
+                chunk = [3 + b for b in "é🙂".encode()[rng.randint(0, 5):]]
+            added += chunk
+            streamed += text.add(chunk).delta
+            assert text.text == decoder.decode(added, skip_special_tokens=True), (seed, len(added))
+        if kind == "byte-level":  # (random byte pieces make invalid runs, which turn text already
+            # released into replacement characters: a stream of them is not its final text)
+            assert streamed + text.finish() == text.text
+
+
+def test_a_run_of_byte_pieces_is_decoded_whole() -> None:
+    # A run of byte pieces longer than the window, then an invalid byte: the whole run turns into
+    # replacement characters, text before the window included.
+    decoder = _sentencepiece_like()
+    byte = lambda b: 3 + b  # noqa: E731 (<0xNN>'s id)
+    text = TextAssembler(decoder)
+    added = [decoder.convert_tokens_to_ids("▁ok")] + [byte(0x61)] * 30
+    text.add(added)
+    for chunk in ([byte(0x62)], [decoder.eos_token_id], [byte(0xFF)], [byte(0x63)]):
+        added += chunk
+        text.add(chunk)
+        assert text.text == decoder.decode(added, skip_special_tokens=True)
+    assert text.text.count("\ufffd") == 33
