@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from tokenizers import Tokenizer, decoders
+from tokenizers.models import BPE
+from transformers import PreTrainedTokenizerFast
 
 from specdec.engine.text import TextAssembler
 from specdec.models import LoadedModel
@@ -75,10 +80,6 @@ def test_earliest_stop_string_wins(tokenizer) -> None:
 def _sentencepiece_like():
     """A tokenizer decoding as Llama 2's and Gemma's do: pieces with `▁` for a space, byte pieces
     <0xNN> joined into characters, the first piece's leading space stripped."""
-    from tokenizers import Tokenizer, decoders
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-
     pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "▁the", "▁a", "s", "'", "▁.",
               ".", "▁n't", "é", "▁ok", "!"]
     backend = Tokenizer(BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True, unk_token="<unk>"))
@@ -91,9 +92,7 @@ def _sentencepiece_like():
 def test_text_is_always_the_whole_outputs_decode(kind: str, tokenizer) -> None:
     # Each step decodes a window of the last tokens and the new ones, not the whole output: the
     # text must still be the whole output's decode after every step, through characters split
-    # across tokens (byte tokens, emoji), special tokens, stripped and cleaned-up spaces.
-    import random
-
+    # across tokens (byte tokens, emoji), special tokens, stripped spaces.
     decoder = tokenizer if kind == "byte-level" else _sentencepiece_like()
     if kind == "byte-level":
         pool = ids(decoder, "Hello, wörld! It's 🙂 a test . — ok") + [decoder.eos_token_id]

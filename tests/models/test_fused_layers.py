@@ -19,7 +19,8 @@ from specdec.models import LoadedModel, load_model
 from specdec.models.loader import resolve_backend
 from specdec.models.batch_cache import BatchCache
 from specdec.models.cache import PreallocatedCache
-from specdec.models.qlinear import PackedLinear, StackedLinear
+from specdec.kernels import packing
+from specdec.models.qlinear import Int4Groups, Int8Groups, PackedLinear, StackedLinear
 from specdec.models.runner import ModelRunner
 from tests.conftest import tiny_tokenizer
 
@@ -222,9 +223,6 @@ def test_stacked_and_five_bit_matrices_run_in_the_call(quantized: LoadedModel) -
     # A Q4_K_M file's query/key/value (Q4_K beside Q6_K) and a Q5_K_M file's matrices (Q5_K's q4
     # records of 640 bytes, which only their kind tells from Q6_K's q8 records of the same size)
     # run in the one-call forward: every layer in it, the bits of the loop.
-    from specdec.kernels import packing
-    from specdec.models.qlinear import Int4Groups, Int8Groups
-
     backend = quantized.backend
     generator = torch.Generator().manual_seed(5)
 
