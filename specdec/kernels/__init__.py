@@ -3,7 +3,8 @@
 `quant.cpp` holds products of a few float rows with GGUF-style quantized weights (q4: Q4_0/Q4_1
 blocks, q8: Q8_0 blocks), with AVX-512 VNNI and AVX2 paths chosen at run time; `packing.py` lays
 weights out for them, `half.cpp` multiplies float16 weights (GGUF's F16) as stored, and
-`reference.py` is the plain PyTorch arithmetic they are tested against bit for bit. `attention.cpp` attends a few queries per row over the KV cache in one call a layer;
+`reference.py` is the plain PyTorch arithmetic they are tested against bit for bit.
+`attention.cpp` attends a few queries per row over the KV cache in one call a layer;
 `layer_ops.cpp` fuses RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate)
 * up (GELU for Gemma) (tested against PyTorch within float32 rounding, the rotary bitwise, and all of them bitwise
 across pass shapes: a row's result never depends on the other rows). `forward.cpp` runs the decoder

@@ -155,9 +155,9 @@ at::Tensor half_matmul(const at::Tensor& x, const at::Tensor& w, int64_t out_fea
             const int64_t c_end = std::min(out_features, (u + 1) * UNIT);
             for (int64_t row = 0; row < rows; row += max_rows) {
                 const int n = static_cast<int>(std::min<int64_t>(max_rows, rows - row));
+                const Tile wide = tile(n, true), narrow = tile(n, false);
                 for (int64_t c = u * UNIT; c < c_end;) {
-                    Tile t = tile(n, true);
-                    if (c_end - c < t.cols) t = tile(n, false);
+                    const Tile& t = c_end - c >= wide.cols ? wide : narrow;
                     t.fn(wp + c * K, K, xp + row * K, o + row * out_features + c,
                          res ? res + row * out_features + c : nullptr, out_features);
                     c += t.cols;

@@ -362,6 +362,7 @@ class Embedding:
         table = self.table
         return table.numel() * table.element_size() if isinstance(table, torch.Tensor) else table.nbytes
 
+
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
     """The float16 each block [..., bytes] holds at byte `at`, as float32 [...]."""
     return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)

@@ -13,6 +13,7 @@ to float32, the same values transformers loads (F16 matrices then run in float16
 from __future__ import annotations
 
 import re
+from collections.abc import Container
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +73,13 @@ def _runnable(fmt: str) -> str:
 def _dtype_format(dtype: torch.dtype | None) -> str:
     """What `auto` runs a checkpoint's matrix of this dtype in: bfloat16 and float16 as stored."""
     return {torch.bfloat16: "bfloat16", torch.float16: _runnable("f16")}.get(dtype, "float32")
+
+
+def _stored(name: str, present: Container[str], tied: bool) -> str:
+    """The tensor that holds `name`: a tied LM head is the embedding's table."""
+    return "model.embed_tokens.weight" if name == "lm_head.weight" and name not in present and tied else name
+
+
 # The block types read as groups, exactly as stored (a matrix's raw bytes, out, in -> groups).
 _UNPACK = {
     GGMLQuantizationType.Q4_0: lambda raw, out, inp: unpack_q4_blocks(raw, out, inp, with_min=False),
@@ -208,11 +216,8 @@ class SafetensorsWeights:
         self.tied = tie_word_embeddings
         self.dtypes: dict[str, torch.dtype] = {}
 
-    def _stored(self, name: str) -> str:
-        return "model.embed_tokens.weight" if name == "lm_head.weight" and name not in self.where and self.tied else name
-
     def raw(self, name: str) -> torch.Tensor:
-        name = self._stored(name)
+        name = _stored(name, self.where, self.tied)
         if name not in self.where:
             raise ModelLoadError(f"{self.path} has no tensor {name}")
         with safe_open(self.where[name], "pt") as handle:
@@ -221,7 +226,7 @@ class SafetensorsWeights:
         return tensor.float()
 
     def auto_format(self, name: str) -> str:
-        return _dtype_format(self.dtypes.get(self._stored(name)))
+        return _dtype_format(self.dtypes.get(_stored(name, self.where, self.tied)))
 
 
 class StateDictWeights:
@@ -232,15 +237,12 @@ class StateDictWeights:
         self.state_dict = state_dict
         self.tied = tie_word_embeddings
 
-    def _stored(self, name: str) -> str:
-        return "model.embed_tokens.weight" if name == "lm_head.weight" and name not in self.state_dict and self.tied else name
-
     def raw(self, name: str) -> torch.Tensor:
-        name = self._stored(name)
+        name = _stored(name, self.state_dict, self.tied)
         if name not in self.state_dict:
             raise ModelLoadError(f"the model has no tensor {name}")
         return self.state_dict[name].detach().float()
 
     def auto_format(self, name: str) -> str:
-        tensor = self.state_dict.get(self._stored(name))
+        tensor = self.state_dict.get(_stored(name, self.state_dict, self.tied))
         return _dtype_format(None if tensor is None else tensor.dtype)
