@@ -7,10 +7,10 @@
 // Tiles: tmm0..tmm3 the int32 sums C [16 rows, 16 columns] of four blocks in flight, tmm4/tmm5
 // activations A [16 rows, 32 bytes], tmm6/tmm7 weights B [8 rows of 4 inputs, 16 columns x 4
 // bytes]. A q8 record is B's layout as packed; a q4 record's nibbles are split into bytes first
-// (inputs 0..15 are the low nibbles of its 4 vectors, 16..31 the high ones). Blocks go in chunks
-// of 8: the chunk's q4 bytes are written first (a tile load that read stores just made would wait
-// for them), then its tile products run as four independent chains, then its epilogues in block
-// order.
+// (inputs 0..15 are the low nibbles of its 4 vectors, 16..31 the high ones), once a unit when
+// several tiles read it. A block's sums are stored two products after its own (a store right
+// after its product waits for it, and holds up the tile unit), and the blocks' epilogues run a
+// group of four behind their products, in block order.
 //
 // Linux hands a process the tile state only on request (arch_prctl), and each thread must load a
 // tile configuration before its first tile instruction: amx_begin() does that for every chunk of
@@ -40,7 +40,6 @@ namespace {
 constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
 constexpr long XFEATURE_XTILEDATA = 18;
 constexpr int PREFETCH_AHEAD = 8;  // blocks, as the VNNI tiles
-constexpr int CHUNK = 8;           // blocks whose tile products run before their epilogues
 
 struct State {
     bool usable;
@@ -105,32 +104,35 @@ template <class K>
 constexpr bool is_affine() { return !std::is_same_v<K, Symmetric>; }
 
 // One block's tile product, C = A B, into tile S of tmm0..3 (A and B in tmm4/5 and tmm6/7 by S's
-// parity), C stored to sums; B from the nibbles' bytes or from the record itself.
+// parity); B from the nibbles' bytes or from the record itself. The caller stores C later: a
+// store right after its product waits for it, and the tile unit with it.
 template <int S, class K>
 __attribute__((target(SPECDEC_AMX_TARGET), always_inline))
-inline void issue(const uint8_t* rec, const int8_t* xq, const uint8_t* bytes, int32_t* sums) {
+inline void issue(const uint8_t* weights, const int8_t* xq) {
     constexpr int A = 4 + S % 2, B = 6 + S % 2;
-    tile_load<B>(K::nibbles ? bytes : rec, 64);
+    tile_load<B>(weights, 64);
     tile_load<A>(xq, QK);
     tile_zero<S>();
     tile_dot<S, A, B, is_affine<K>()>();
-    tile_store<S>(sums, 64);
+}
+
+// Asks for the record PREFETCH_AHEAD blocks on.
+template <class K>
+__attribute__((target(SPECDEC_AMX_TARGET), always_inline))
+inline void prefetch_ahead(const uint8_t* rec) {
+    for (int line = 0; line < K::record; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD * K::record + line), _MM_HINT_T0);
 }
 
 // A nibble record's weights as B's bytes (inputs 0..15: the low nibbles of its 4 vectors, 16..31
-// the high ones), and the record PREFETCH_AHEAD blocks on asked for.
-template <class K>
+// the high ones).
 __attribute__((target(SPECDEC_AMX_TARGET), always_inline))
-inline void prepare(const uint8_t* rec, uint8_t* bytes) {
-    for (int line = 0; line < K::record; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD * K::record + line), _MM_HINT_T0);
-    if constexpr (K::nibbles) {
-        const __m512i low = _mm512_set1_epi8(0x0F);
-        for (int p = 0; p < 4; ++p) {
-            const __m512i v = _mm512_loadu_si512(rec + 64 * p);
-            _mm512_store_si512(bytes + 64 * p, _mm512_and_si512(v, low));
-            _mm512_store_si512(bytes + 256 + 64 * p, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-        }
+inline void split_nibbles(const uint8_t* rec, uint8_t* bytes) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(rec + 64 * p);
+        _mm512_store_si512(bytes + 64 * p, _mm512_and_si512(v, low));
+        _mm512_store_si512(bytes + 256 + 64 * p, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
     }
 }
 
@@ -166,35 +168,90 @@ inline void finish(const uint8_t* rec, const int32_t* sums, const float* xd, con
     }
 }
 
-template <int T, class K>
-__attribute__((target(SPECDEC_AMX_TARGET)))
-void tile_amx(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
-    constexpr int RECORD = K::record;
-    alignas(64) uint8_t bytes[CHUNK][QK * NC];       // nibble records: each block's weights as B's bytes
-    alignas(64) int32_t sums[CHUNK][AMX_ROWS * NC];  // each block's C
-    __m512 acc[T];
-    for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
-    const int8_t* xq = x.q + row0 * QK;
-    const int64_t G = x.G, n = x.rows;
-    for (int64_t g0 = 0; g0 < G; g0 += CHUNK) {
-        // 1. The chunk's tile products, four independent chains (a block's product waits on its
-        //    loads, and its store on the product: one block at a time would wait out each).
-        const int64_t blocks = std::min<int64_t>(CHUNK, G - g0);
-        auto rec = [&](int64_t i) { return unit + (g0 + i) * RECORD; };  // block g0 + i's weights
-        auto act = [&](int64_t i) { return xq + (g0 + i) * n * QK; };      // and its activations
-        for (int64_t i = 0; i < blocks; ++i) prepare<K>(rec(i), bytes[i]);
-        for (int64_t i = 0; i < blocks; i += 4) {
-            issue<0, K>(rec(i), act(i), bytes[i], sums[i]);
-            if (i + 1 < blocks) issue<1, K>(rec(i + 1), act(i + 1), bytes[i + 1], sums[i + 1]);
-            if (i + 2 < blocks) issue<2, K>(rec(i + 2), act(i + 2), bytes[i + 2], sums[i + 2]);
-            if (i + 3 < blocks) issue<3, K>(rec(i + 3), act(i + 3), bytes[i + 3], sums[i + 3]);
-        }
-        // 2. Their epilogues, block by block in order.
-        for (int64_t i = 0; i < blocks; ++i) {
-            const int64_t g = g0 + i;
-            finish<T, K>(unit + g * RECORD, sums[i], x.d + g * n + row0, x.sf + g * n + row0, acc);
+// A tile's blocks in flight: the nibble records' bytes (a ring of three groups) and the blocks'
+// sums (a ring of two), in buffers of the caller's. The accumulators stay with the caller too: the
+// tile instructions' memory clobbers would otherwise send them to memory at every block.
+template <class K>
+struct Pipeline {
+    static constexpr int W = 4, RECORD = K::record;
+    const uint8_t* unit;
+    const uint8_t* unpacked;  // the caller's bytes for nibble records, or null
+    const Rows& x;
+    int64_t row0;
+    uint8_t (*bytes)[QK * NC];      // [3 W], when unpacked is null
+    int32_t (*sums)[AMX_ROWS * NC];  // [2 W]
+
+    const uint8_t* rec(int64_t g) const { return unit + g * RECORD; }
+    const int8_t* act(int64_t g) const { return x.q + (g * x.rows + row0) * QK; }
+    // B's bytes for block g: the record's own (q8, bytes), the caller's split copy, or the ring's
+    const uint8_t* weights(int64_t g) const {
+        if constexpr (!K::nibbles) return rec(g);
+        else return unpacked ? unpacked + g * QK * NC : bytes[g % (3 * W)];
+    }
+
+    // Group g0's bytes split from their nibbles and its records asked for PREFETCH_AHEAD blocks
+    // on, where the caller has not split the unit.
+    __attribute__((target(SPECDEC_AMX_TARGET), always_inline)) void split(int64_t g0) const {
+        if (unpacked) return;
+        for (int64_t g = g0; g < std::min<int64_t>(g0 + W, x.G); ++g) {
+            prefetch_ahead<K>(rec(g));
+            if constexpr (K::nibbles) split_nibbles(rec(g), bytes[g % (3 * W)]);
         }
     }
+    int32_t* slot(int64_t g) const { return sums[g % (2 * W)]; }
+    // Block g's product into tile S, and the sums of block g - 2 (tile S + 2) stored: two products
+    // stand between a product and its store.
+    template <int S>
+    __attribute__((target(SPECDEC_AMX_TARGET), always_inline)) void block(int64_t g) const {
+        issue<S, K>(weights(g), act(g));
+        if (g >= 2) tile_store<(S + 2) % 4>(slot(g - 2), 64);
+    }
+    __attribute__((target(SPECDEC_AMX_TARGET), always_inline)) void products(int64_t g0) const {
+        if (g0 < x.G) block<0>(g0);
+        if (g0 + 1 < x.G) block<1>(g0 + 1);
+        if (g0 + 2 < x.G) block<2>(g0 + 2);
+        if (g0 + 3 < x.G) block<3>(g0 + 3);
+    }
+    // The last two blocks' sums, which no later product stores.
+    __attribute__((target(SPECDEC_AMX_TARGET), always_inline)) void flush() const {
+        for (int64_t g = std::max<int64_t>(0, x.G - 2); g < x.G; ++g) {
+            switch (g % 4) {
+                case 0: tile_store<0>(slot(g), 64); break;
+                case 1: tile_store<1>(slot(g), 64); break;
+                case 2: tile_store<2>(slot(g), 64); break;
+                default: tile_store<3>(slot(g), 64); break;
+            }
+        }
+    }
+    template <int T>
+    __attribute__((target(SPECDEC_AMX_TARGET), always_inline)) void epilogues(int64_t g0, __m512* acc) const {
+        for (int64_t g = g0; g < std::min<int64_t>(g0 + W, x.G); ++g)
+            finish<T, K>(rec(g), slot(g), x.d + g * x.rows + row0, x.sf + g * x.rows + row0, acc);
+    }
+};
+
+// Blocks go in groups of 4, software-pipelined: group i's tile products are issued, then group
+// i + 2's nibbles split into bytes (a tile load right after the stores that made its bytes would
+// wait for them), then group i - 1's epilogues run, in block order.
+template <int T, class K>
+__attribute__((target(SPECDEC_AMX_TARGET)))
+void tile_amx(const uint8_t* unit, const uint8_t* unpacked, const Rows& x, int64_t row0, float* out,
+              const float* res, int64_t ldo, int ncols) {
+    constexpr int W = Pipeline<K>::W;
+    alignas(64) uint8_t bytes[3 * W][QK * NC];
+    alignas(64) int32_t sums[2 * W][AMX_ROWS * NC];
+    const Pipeline<K> p{unit, unpacked, x, row0, bytes, sums};
+    __m512 acc[T];
+    for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
+    p.split(0);
+    p.split(W);
+    for (int64_t g0 = 0; g0 < x.G; g0 += W) {
+        p.products(g0);
+        if (g0 + W >= x.G) p.flush();
+        p.split(g0 + 2 * W);
+        if (g0 > 0) p.template epilogues<T>(g0 - W, acc);
+    }
+    p.template epilogues<T>((x.G - 1) / W * W, acc);
     const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
     for (int r = 0; r < T; ++r) {
         const int64_t at = (row0 + r) * ldo;
@@ -204,8 +261,8 @@ void tile_amx(const uint8_t* unit, const Rows& x, int64_t row0, float* out, cons
 }
 
 template <class K, int... T>
-TileFn pick(int rows, std::integer_sequence<int, T...>) {
-    static const TileFn table[] = {tile_amx<T + 1, K>...};
+AmxTileFn pick(int rows, std::integer_sequence<int, T...>) {
+    static const AmxTileFn table[] = {tile_amx<T + 1, K>...};
     return table[rows - 1];
 }
 
@@ -214,10 +271,15 @@ TileFn pick(int rows, std::integer_sequence<int, T...>) {
 bool amx_usable() { return state().usable; }
 const std::string& amx_unavailable_reason() { return state().reason; }
 
-TileFn q4_tile_amx(int rows) { return pick<Q4Half>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
-TileFn q4f_tile_amx(int rows) { return pick<Q4Float>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
-TileFn q5_tile_amx(int rows) { return pick<Q5Float>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
-TileFn q8_tile_amx(int rows) { return pick<Symmetric>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
+AmxTileFn q4_tile_amx(int rows) { return pick<Q4Half>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
+AmxTileFn q4f_tile_amx(int rows) { return pick<Q4Float>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
+AmxTileFn q5_tile_amx(int rows) { return pick<Q5Float>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
+AmxTileFn q8_tile_amx(int rows) { return pick<Symmetric>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
+
+__attribute__((target(SPECDEC_AMX_TARGET)))
+void amx_split_unit(const uint8_t* unit, int64_t G, int record, uint8_t* bytes) {
+    for (int64_t g = 0; g < G; ++g) split_nibbles(unit + g * record, bytes + g * QK * NC);
+}
 
 void amx_begin() { __asm__ volatile("ldtilecfg %0" ::"m"(CONFIG)); }
 void amx_end() { __asm__ volatile("tilerelease" ::: "memory"); }

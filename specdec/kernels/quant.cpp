@@ -59,10 +59,28 @@ constexpr int PREFETCH_AHEAD = 8;
 // same for 1 row as for 16, so the VNNI tiles are cheaper for a few rows.
 constexpr int64_t AMX_MIN_ROWS = 8;
 
+// Rows are quantized and multiplied in panels of this many (an AMX tile's rows), and a thread's
+// columns run over PANEL_GROUP panels at a time.
+constexpr int64_t PANEL = specdec::AMX_ROWS;
+constexpr int64_t PANEL_GROUP = 8;
+
 template <int RECORD>
 inline void prefetch_ahead(const uint8_t* rec) {
     for (int line = 0; line < RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD * RECORD + line), _MM_HINT_T0);
 }
+
+// Storage for what tiles load with aligned loads (64-byte lines).
+template <typename T>
+struct Aligned64 {
+    using value_type = T;
+    Aligned64() = default;
+    template <typename U>
+    Aligned64(const Aligned64<U>&) {}
+    T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+    void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+    template <typename U>
+    bool operator==(const Aligned64<U>&) const { return true; }
+};
 
 bool has_avx512() {
     static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -122,19 +140,30 @@ void quantize_block_avx2(const float* xb, int8_t* qb, float* d, int32_t* s, floa
     *s16 = first;
 }
 
-// Activation quantization: x [rows, K] float -> q [G, rows, 32] int8, d, s, sf, s16 [G, rows].
+// Activation quantization: x [rows, K] float -> panels of up to PANEL rows, each block-major: the
+// panel of rows p0 .. p0 + n - 1 holds q [G, n, 32] int8 and d, s, sf, s16 [G, n], and starts
+// where the rows before it end (rows p0 .. with block g of its row i at (p0 G + g n + i) * 32).
 // Block-major, so that a tile reads every row's block g from one pointer at fixed offsets (no
-// per-row pointers competing for registers in the inner loop). One thread quantizes up to 1024
-// blocks: a worker quantizing part of a short pass would pull the caller's float rows into its
-// core and the caller then pull the bytes back, which costs more than the work saved.
+// per-row pointers competing for registers in the inner loop); in panels, so that a tile's rows
+// over all blocks are a few kilobytes in a row (with all rows block-major, a tile's blocks lay
+// rows * 32 bytes apart: at a prefill's thousand rows, 32 KB, one cache set). One thread quantizes
+// up to 1024 blocks: a worker quantizing part of a short pass would pull the caller's float rows
+// into its core and the caller then pull the bytes back, which costs more than the work saved.
 void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s, float* sf, int32_t* s16) {
     const int64_t G = K / QK;
     specdec::parallel_chunks(rows * G, 1024, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
-            const int64_t r = i / G, g = i % G, j = g * rows + r;
+            const int64_t r = i / G, g = i % G, p0 = r / PANEL * PANEL;
+            const int64_t j = p0 * G + g * std::min<int64_t>(PANEL, rows - p0) + (r - p0);
             quantize_block_avx2(x + r * K + g * QK, q + j * QK, d + j, s + j, sf + j, s16 + j);
         }
     });
+}
+
+// The panel of rows p0 .. p0 + n - 1 as the tiles read it.
+Rows panel(const Rows& all, int64_t p0, int64_t n) {
+    const int64_t at = p0 * all.G;
+    return {all.q + at * QK, all.d + at, all.s + at, all.sf + at, all.s16 + at, n, all.G};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -490,34 +519,57 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
         if (q4) return q5 ? specdec::q5_tile_amx(n) : f32 ? specdec::q4f_tile_amx(n) : specdec::q4_tile_amx(n);
         return specdec::q8_tile_amx(n);
     };
-    std::vector<std::pair<int64_t, TileFn>> plan;  // (first row, tile function)
-    int64_t row = 0;
-    if (amx) {
-        const TileFn full = amx_tile(specdec::AMX_ROWS);
-        for (; rows - row >= specdec::AMX_ROWS; row += specdec::AMX_ROWS) plan.emplace_back(row, full);
-        if (rows - row >= AMX_MIN_ROWS) {
-            plan.emplace_back(row, amx_tile(static_cast<int>(rows - row)));
-            row = rows;
-        }
-    }
-    // The rest in VNNI or AVX2 tiles: as few as the registers allow, of balanced sizes (7 rows:
-    // 4 + 3, not 6 + 1, whose lone row would be latency-bound). A row's bits never depend on the
-    // tile it lands in.
+    // Per panel of 16 rows (the last may hold fewer): an AMX tile, or VNNI/AVX2 tiles, as few as
+    // the registers allow, of balanced sizes (7 rows: 4 + 3, not 6 + 1, whose lone row would be
+    // latency-bound). A row's bits never depend on the tile it lands in.
+    struct Panel {
+        Rows x;
+        int64_t first;                                   // its first row
+        specdec::AmxTileFn amx;                           // or null
+        std::vector<std::pair<int64_t, TileFn>> tiles;    // (first row in the panel, tile function)
+    };
+    std::vector<Panel> panels;
     const int max_tile = isa == ISA_AVX2 ? 4 : 8;
-    const int64_t tiles = (rows - row + max_tile - 1) / max_tile;
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int size = static_cast<int>((rows - row) / (tiles - t) + ((rows - row) % (tiles - t) ? 1 : 0));
-        plan.emplace_back(row, vnni_tile(size));
-        row += size;
+    int64_t amx_panels = 0;
+    for (int64_t p0 = 0; p0 < rows; p0 += PANEL) {
+        const int64_t n = std::min<int64_t>(PANEL, rows - p0);
+        Panel pn{panel(xr, p0, n), p0, nullptr, {}};
+        if (amx && n >= AMX_MIN_ROWS) {
+            pn.amx = amx_tile(static_cast<int>(n));
+            ++amx_panels;
+        } else {
+            const int64_t tiles = (n + max_tile - 1) / max_tile;
+            for (int64_t t = 0, row = 0; t < tiles; ++t) {
+                const int size = static_cast<int>((n - row) / (tiles - t) + ((n - row) % (tiles - t) ? 1 : 0));
+                pn.tiles.emplace_back(row, vnni_tile(size));
+                row += size;
+            }
+        }
+        panels.push_back(std::move(pn));
     }
+    // A thread's units run over a group of panels at a time: the group's rows of the thread's
+    // columns (their outputs) stay in its caches until they are done, where a unit over all of a
+    // prefill's rows would leave a line of each row half written. A nibble unit that several AMX
+    // tiles read is split into bytes once a group.
+    const bool split = amx_panels > 1 && q4 && !q5;
     specdec::parallel_chunks(units, 1, [&](int64_t begin, int64_t end) {
         if (amx) specdec::amx_begin();
-        for (int64_t u = begin; u < end; ++u) {
-            const uint8_t* unit = w + u * G * record;
-            const int ncols = static_cast<int>(std::min<int64_t>(NC, out_features - u * NC));
-            float* col = o + u * NC;
-            const float* res_col = res ? res + u * NC : nullptr;
-            for (const auto& [row, fn] : plan) fn(unit, xr, row, col, res_col, out_features, ncols);
+        thread_local std::vector<uint8_t, Aligned64<uint8_t>> bytes;
+        if (split) bytes.resize(G * QK * NC);
+        for (size_t first = 0; first < panels.size(); first += PANEL_GROUP) {
+            const size_t last = std::min(panels.size(), first + PANEL_GROUP);
+            for (int64_t u = begin; u < end; ++u) {
+                const uint8_t* unit = w + u * G * record;
+                const int ncols = static_cast<int>(std::min<int64_t>(NC, out_features - u * NC));
+                if (split) specdec::amx_split_unit(unit, G, record, bytes.data());
+                for (size_t i = first; i < last; ++i) {
+                    const Panel& pn = panels[i];
+                    float* col = o + pn.first * out_features + u * NC;
+                    const float* res_col = res ? res + pn.first * out_features + u * NC : nullptr;
+                    if (pn.amx) pn.amx(unit, split ? bytes.data() : nullptr, pn.x, 0, col, res_col, out_features, ncols);
+                    for (const auto& [row, fn] : pn.tiles) fn(unit, pn.x, row, col, res_col, out_features, ncols);
+                }
+            }
         }
         if (amx) specdec::amx_end();
     });

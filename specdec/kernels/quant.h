@@ -44,11 +44,17 @@ const std::string& amx_unavailable_reason();
 // The largest tile: an AMX tile holds 16 rows.
 constexpr int AMX_ROWS = 16;
 // Tiles of 1 .. 16 rows. A thread runs them between amx_begin() (its tile configuration) and
-// amx_end() (the tile state released).
-TileFn q4_tile_amx(int rows);
-TileFn q4f_tile_amx(int rows);  // q4 records with float32 scales
-TileFn q5_tile_amx(int rows);   // q4's form with bytes for weights (Q5_K)
-TileFn q8_tile_amx(int rows);
+// amx_end() (the tile state released). A tile of nibble records (q4) takes the unit's weights
+// already split into bytes (amx_split_unit, once for all of a unit's tiles) or null to split them
+// itself; other records are read as they are.
+using AmxTileFn = void (*)(const uint8_t* unit, const uint8_t* unpacked, const Rows& x, int64_t row0, float* out,
+                           const float* res, int64_t ldo, int ncols);
+AmxTileFn q4_tile_amx(int rows);
+AmxTileFn q4f_tile_amx(int rows);  // q4 records with float32 scales
+AmxTileFn q5_tile_amx(int rows);   // q4's form with bytes for weights (Q5_K)
+AmxTileFn q8_tile_amx(int rows);
+// A nibble unit's G records (each `record` bytes) as B's bytes, QK * NC a block.
+void amx_split_unit(const uint8_t* unit, int64_t G, int record, uint8_t* bytes);
 void amx_begin();
 void amx_end();
 // The bytes a tile may read past the last row of the activations' last block (a 16-row tile

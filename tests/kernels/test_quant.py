@@ -144,6 +144,24 @@ def test_every_path_gives_the_same_bits(isa: str, fmt: str) -> None:
         assert torch.equal(product(x, packed, 88, isa), product(x, packed, 88, "avx2")), rows
 
 
+@pytest.mark.parametrize("fmt", ["q4", "q4k", "q5k", "q8"])
+@pytest.mark.parametrize("in_features", [32, 64, 96, 160])
+def test_odd_block_counts_and_many_panels(isa: str, fmt: str, in_features: int) -> None:
+    # 1, 2, 3 and 5 blocks of 32 (the AMX tiles run blocks four at a time, two products ahead of
+    # their stores), and 150 rows: nine full panels of 16 (more than a group of eight, whose
+    # units are split into bytes once) and a last panel of 6. Each row as it is alone.
+    if fmt in Q4_KINDS:
+        *_, packed = Q4_KINDS[fmt][0](40, in_features, seed=11)
+        product = kernels.q4_matmul
+    else:
+        *_, packed = _q8(40, in_features, seed=11)
+        product = kernels.q8_matmul
+    x = _activations(150, in_features, seed=12)
+    alone = torch.cat([product(x[i : i + 1], packed, 40, isa) for i in range(150)])
+    for rows in (17, 24, 150):
+        assert torch.equal(product(x[:rows], packed, 40, isa), alone[:rows]), rows
+
+
 def test_packing_round_trips() -> None:
     q, d, m, packed = _q4(37, 96, seed=9)
     assert packed.shape == (3, 3, packing.Q4_RECORD)
