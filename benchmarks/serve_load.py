@@ -19,6 +19,10 @@ With `--url` it drives a running server; name its routes with `--route-on/--rout
 `--threads` sets the started server's torch threads; the results record what the server reports
 in /health, since its intra-op threads compete for the cores with the event loop and the client.
 
+With `--library` (the default when it starts the server) it also decodes the 1-stream level's
+requests plainly through the library (`LLM.chat`, one at a time, the server's threads), after the
+server has stopped, and reports the server's 1-stream tokens/s as a fraction of that.
+
     python benchmarks/serve_load.py --requests 4 --max-tokens 32 --concurrency 1,2,4   # ~1 minute
     python benchmarks/serve_load.py --requests 32 --max-tokens 128 --json out/serve_load.json
 """
@@ -117,6 +121,25 @@ def summarise(mode: str, concurrency: int, runs: list[tuple[list[RequestResult],
                        round(statistics.median(r.ttft_s for r in results), 3))
 
 
+def library_plain(args: argparse.Namespace, prompts: list[str], requests: int, threads: int | None) -> float:
+    """Tokens/s of plain decoding through the library, one request at a time, on the requests
+    the server's 1-stream level sent (tokens over wall time, prefill included, as there)."""
+    import torch
+
+    from specdec import LLM, SamplingParams
+
+    if threads:
+        torch.set_num_threads(threads)
+    llm = LLM(args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)
+    llm.chat([{"role": "user", "content": prompts[0]}], SamplingParams(max_tokens=4), speculate=False)  # warm-up
+    start, tokens = time.perf_counter(), 0
+    for i in range(requests):
+        out = llm.chat([{"role": "user", "content": prompts[i % len(prompts)]}], params, speculate=False)
+        tokens += len(out.token_ids)
+    return tokens / (time.perf_counter() - start)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -188,6 +211,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--route-on", default="spec-on")
     parser.add_argument("--route-off", default="spec-off")
     parser.add_argument("--route-load-aware", default="spec-load-aware")
+    parser.add_argument("--library", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the library's plain decoding of the 1-stream requests "
+                             "(default: on when the server is started here)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--verbose", action="store_true", help="show the started server's log")
     args = parser.parse_args(argv)
@@ -235,12 +261,20 @@ def main(argv: list[str] | None = None) -> None:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
     print_table(levels)
+    library = None
+    single = next((level for level in levels if level.mode == "off" and level.concurrency == 1), None)
+    if (args.library if args.library is not None else args.url is None) and single is not None:
+        print("library plain decoding of the same requests ...", file=sys.stderr)
+        library = round(library_plain(args, prompts, single.requests, threads), 2)
+        print(f"library plain, 1 stream: {library:.1f} tok/s; the server's 1 stream (off): "
+              f"{single.tokens_per_s:.1f} tok/s = {single.tokens_per_s / library:.2f}x")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"url": args.url, "model": args.model or "default", "max_tokens": args.max_tokens,
                 "ignore_eos": args.ignore_eos, "rounds": args.rounds, "k": args.k, "schedule": args.schedule,
                 "data": str(args.data), "threads": threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
-        args.json.write_text(json.dumps({"meta": meta, "levels": [asdict(level) for level in levels]}, indent=2))
+        args.json.write_text(json.dumps({"meta": meta, "levels": [asdict(level) for level in levels],
+                                         "library_plain_tokens_per_s": library}, indent=2))
         print(f"written to {args.json}", file=sys.stderr)
 
 
