@@ -39,7 +39,7 @@ log = logging.getLogger("specdec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("quant.cpp", "amx.cpp", "half.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "pool.cpp",
-                        "bindings.cpp")]
+                        "distribution.cpp", "bindings.cpp")]
 # The instruction sets a product may be asked to run on: auto picks the best this CPU has.
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3}
 # The paths, slowest first: AVX2 (every supported CPU), AVX-512 VNNI, and AMX tiles for products
@@ -239,6 +239,15 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
 def gelu_mul(h: torch.Tensor) -> torch.Tensor:
     """h [rows, 2 * inter] (gate, then up) -> GELU(gate) (tanh approximation) * up [rows, inter]."""
     return load().gelu_mul(h)
+
+
+def draft_distribution(logits: torch.Tensor, draft_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [positions, vocab] float32, draft_ids [draft] int64 -> (top [positions]: the first most
+    likely token of the vocabulary; index [positions, k]: the k most likely draft tokens as positions
+    in draft_ids, best first, ties to the earlier position; values [positions, k]: their
+    probabilities under the softmax over the whole vocabulary)."""
+    top, index, values = load().draft_distribution(logits, draft_ids, k)
+    return top, index, values
 
 
 def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor,

@@ -26,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_mul", &silu_mul, "h [rows, 2 * inter] -> silu(gate) * up [rows, inter]");
     m.def("gelu_mul", &gelu_mul, "h [rows, 2 * inter] -> gelu_tanh(gate) * up [rows, inter]");
     m.def("embed_rows", &embed_rows, "rows ids [n] of a packed q8 or q4 matrix, dequantized -> [n, in] float32");
+    m.def("draft_distribution", &draft_distribution,
+          "logits [positions, vocab] -> top token, the k best draft tokens' positions and probabilities");
     m.def("forward_layers", &forward_layers, "decoder layers of a short pass in one call (see forward.cpp)");
     m.def("instruction_sets", &instruction_sets, "the kernel paths this CPU can run");
     m.def("amx_unavailable_reason", []() { return specdec::amx_unavailable_reason(); },

@@ -44,6 +44,11 @@ std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& co
 at::Tensor silu_mul(const at::Tensor& h);
 at::Tensor gelu_mul(const at::Tensor& h);
 at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8);
+// distribution.cpp: logits [positions, vocab] float32, draft_ids [draft] int64 -> the first
+// most likely token [positions], and the k most likely draft tokens' positions in draft_ids
+// [positions, k] (best first; ties to the earlier position) and probabilities under the softmax
+// over the whole vocabulary [positions, k] float32.
+std::vector<at::Tensor> draft_distribution(const at::Tensor& logits, const at::Tensor& draft_ids, int64_t k);
 // forward.cpp. A matrix per layer, as its parts (one, or several stacked over their outputs).
 using LayerParts = std::vector<std::vector<at::Tensor>>;
 std::vector<at::Tensor> forward_layers(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec import LLM, SamplingParams
+from specdec import LLM, SamplingParams, kernels
 from specdec.drafters.base import Drafter
 from specdec.drafters.eagle import EagleDrafter, EagleHead, default_target_layers
 from specdec.drafters.eagle_unroll import ttt_forward
@@ -389,3 +389,16 @@ def test_hybrid_drafts_lookup_up_to_k_and_the_head_up_to_its_own_bound(tiny_nati
     out = Engine(tiny_native, hybrid, 4).generate(prompt, params)
     assert out.token_ids == Engine(tiny_native).generate(prompt, params).token_ids
     assert by_head and max(by_head) == 1  # the head: at most hybrid_head_tokens
+
+
+@pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built on this machine")
+def test_views_keep_the_same_distribution_without_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdec.training.heads import draft_distribution
+
+    logits = 3 * torch.randn(20, 300, generator=torch.Generator().manual_seed(4))
+    draft = torch.randperm(300, generator=torch.Generator().manual_seed(5))[:100]
+    fast = draft_distribution(logits, draft, 16)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    plain = draft_distribution(logits, draft, 16)
+    assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
+    torch.testing.assert_close(fast[2], plain[2], rtol=1e-5, atol=1e-8)

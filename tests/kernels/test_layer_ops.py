@@ -196,3 +196,26 @@ def test_a_query_that_sees_nothing_gets_zeros(isa: str) -> None:
     q = torch.randn(1, HEADS, 2, HEAD_DIM)
     out = kernels.attend_cached(q, keys, values, torch.tensor([[0, 3]], dtype=torch.int32), isa=isa)
     assert torch.equal(out[0, 0], torch.zeros(HEADS * HEAD_DIM)) and bool(out[0, 1].abs().sum() > 0)
+
+
+@pytest.mark.parametrize("vocab", [5, 1003])
+def test_draft_distribution_is_pytorchs(vocab: int) -> None:
+    # What a head's target view keeps of each position: the first most likely token, and the k
+    # most likely draft tokens (positions in the draft ids, best first, ties to the earlier one)
+    # with their probabilities under the softmax over the whole vocabulary.
+    gen = torch.Generator().manual_seed(21)
+    logits = 4 * torch.randn(37, vocab, generator=gen)
+    logits[3] = 0.5  # a row of ties: the first position wins everywhere
+    logits[4, vocab // 2] = logits[4, 1] = 30.0  # two maxima: the first one's index
+    draft = torch.randperm(vocab, generator=gen)[: max(3, vocab // 3)]
+    k = min(8, len(draft))
+    top, index, values = kernels.draft_distribution(logits, draft, k)
+    assert torch.equal(top, logits.argmax(-1)) and int(top[4]) == 1
+    want_values, want_index = torch.softmax(logits.double(), -1)[:, draft].sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(index, want_index[:, :k])
+    torch.testing.assert_close(values.double(), want_values[:, :k], rtol=1e-5, atol=1e-9)
+    assert torch.equal(index[3], torch.arange(k))
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        kernels.draft_distribution(logits, torch.tensor([vocab]), 1)
+    with pytest.raises(RuntimeError, match="k <= the draft tokens"):
+        kernels.draft_distribution(logits, draft, len(draft) + 1)
