@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec.sampling.probs import argmax
+
 if TYPE_CHECKING:
     from specdec.models.runner import ModelRunner
     from specdec.sampling.params import SamplingParams
@@ -63,7 +65,7 @@ class Verified:
     def top(self) -> list[int]:
         if self._top is None:
             assert self._logits is not None
-            self._top = self._logits.argmax(-1).tolist()
+            self._top = argmax(self._logits).tolist()
         return self._top
 
 

@@ -241,6 +241,12 @@ def gelu_mul(h: torch.Tensor) -> torch.Tensor:
     return load().gelu_mul(h)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] float32 on the CPU -> [...] int64: the index of each row's first maximum (a NaN's,
+    where the row holds one), as `x.argmax(-1)` gives it, several times faster."""
+    return load().argmax_rows(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])
+
+
 def draft_distribution(logits: torch.Tensor, draft_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [positions, vocab] float32, draft_ids [draft] int64 -> (top [positions]: the first most
     likely token of the vocabulary; index [positions, k]: the k most likely draft tokens as positions

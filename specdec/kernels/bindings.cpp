@@ -26,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_mul", &silu_mul, "h [rows, 2 * inter] -> silu(gate) * up [rows, inter]");
     m.def("gelu_mul", &gelu_mul, "h [rows, 2 * inter] -> gelu_tanh(gate) * up [rows, inter]");
     m.def("embed_rows", &embed_rows, "rows ids [n] of a packed q8 or q4 matrix, dequantized -> [n, in] float32");
+    m.def("argmax_rows", &argmax_rows, "x [rows, n] float32 -> [rows] int64, each row's first maximum (as torch.argmax)");
     m.def("draft_distribution", &draft_distribution,
           "logits [positions, vocab] -> top token, the k best draft tokens' positions and probabilities");
     m.def("forward_layers", &forward_layers, "decoder layers of a short pass in one call (see forward.cpp)");

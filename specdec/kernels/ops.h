@@ -44,7 +44,10 @@ std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& co
 at::Tensor silu_mul(const at::Tensor& h);
 at::Tensor gelu_mul(const at::Tensor& h);
 at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids, bool q8);
-// distribution.cpp: logits [positions, vocab] float32, draft_ids [draft] int64 -> the first
+// distribution.cpp: x [rows, n] float32 -> [rows] int64, the first maximum's index (a NaN's, where
+// the row holds one), as torch.argmax.
+at::Tensor argmax_rows(const at::Tensor& x);
+// logits [positions, vocab] float32, draft_ids [draft] int64 -> the first
 // most likely token [positions], and the k most likely draft tokens' positions in draft_ids
 // [positions, k] (best first; ties to the earlier position) and probabilities under the softmax
 // over the whole vocabulary [positions, k] float32.

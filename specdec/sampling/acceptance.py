@@ -31,7 +31,7 @@ import torch
 
 from specdec.sampling.invariant import perturbed_log_probs
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.probs import logits_to_probs, sample
+from specdec.sampling.probs import argmax, logits_to_probs, sample
 from specdec.sampling.tree import TokenTree, TreeRule, accept_tree, accept_tree_sampling
 
 PAD_TOKEN = -1
@@ -80,7 +80,7 @@ def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Ac
     target_logits: [batch, k + 1, vocab]; draft_tokens: [batch, k].
     """
     _, k = _check_shapes(target_logits, draft_tokens)
-    target_tokens = target_logits.argmax(dim=-1)  # [batch, k + 1]
+    target_tokens = argmax(target_logits)  # [batch, k + 1]
     num_accepted = _leading_true(draft_tokens == target_tokens[:, :k])  # [batch]
     final_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # recovered or bonus
     return _commit(draft_tokens, num_accepted, final_token)

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from specdec import kernels
 from specdec.sampling.params import SamplingParams
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[..., vocab] -> [...] int64: each row's most likely token (its first maximum), as
+    `logits.argmax(-1)`; on specdec's kernels for float32 logits on the CPU (PyTorch's argmax took
+    64 us a row of 49,152 logits, a tenth of a 16-row batch step)."""
+    if logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.numel() and kernels.available():
+        return kernels.argmax(logits)
+    return logits.argmax(-1)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -25,7 +35,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         raise ValueError(f"logits must have a vocab dimension, got shape {tuple(logits.shape)}")
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     # Shift by the row maximum, then scale: (logits - max) / T <= 0 (softmax is shift-invariant).
     # With a tiny T, `shifted / T` is -inf below the maximum and 0 / 0 = NaN at it (T rounds to 0
     # in float32 below 1.4e-45); an infinite T gives -inf / inf = NaN at masked tokens. Both are

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.sampling.invariant import perturbed_at_depths
-from specdec.sampling.probs import logits_to_probs, sample
+from specdec.sampling.probs import argmax, logits_to_probs, sample
 
 if TYPE_CHECKING:
     from specdec.sampling.params import SamplingParams
@@ -93,7 +93,7 @@ class TokenTree:
 
 def accept_tree_greedy(target_logits: torch.Tensor, tree: TokenTree) -> tuple[list[int], int]:
     """target_logits: [1 + n, vocab]. Returns (accepted path, final token)."""
-    top = target_logits.argmax(-1).tolist()  # [1 + n]
+    top = argmax(target_logits).tolist()  # [1 + n]
     path, node = [], -1
     while True:
         wanted = top[node + 1]

@@ -219,3 +219,20 @@ def test_draft_distribution_is_pytorchs(vocab: int) -> None:
         kernels.draft_distribution(logits, torch.tensor([vocab]), 1)
     with pytest.raises(RuntimeError, match="k <= the draft tokens"):
         kernels.draft_distribution(logits, draft, len(draft) + 1)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 49, 1003])
+def test_argmax_is_pytorchs(n: int) -> None:
+    # Each row's first maximum, as torch.argmax: ties, a NaN (which counts as the maximum, the
+    # first one's index), a row of -inf, a 3-D input and a non-contiguous one.
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(2, 23, n, generator=gen)
+    x[0, 1] = 2.0  # all tied
+    x[0, 2, n // 2] = x[0, 2, -1] = 50.0
+    x[0, 3] = -float("inf")
+    x[0, 4, n // 3] = float("nan")
+    x[0, 5, -1] = x[0, 5, 0] = float("nan")
+    x[0, 6, -1] = float("inf")
+    assert torch.equal(kernels.argmax(x), x.argmax(-1))
+    wide = torch.randn(9, 2 * n, generator=gen)[:, ::2]
+    assert not wide.is_contiguous() and torch.equal(kernels.argmax(wide), wide.argmax(-1))
