@@ -171,6 +171,7 @@ class ServerMetrics:
         self._prompts: dict[str, list[int]] = {}  # route -> [prompt tokens, prefix cache hits]
         self._position: dict[str, list[list[int]]] = {}  # route -> [[drafted, accepted] per position]
         self._recent: dict[str, deque[tuple[float, int]]] = {}  # route -> (time, tokens)
+        self._recent_total: dict[str, int] = {}  # route -> the tokens in its _recent
 
     def add_route(self, route: str) -> None:
         """Create a route's series at zero, so they exist before the first request."""
@@ -179,6 +180,7 @@ class ServerMetrics:
         self._prompts[route] = [0, 0]
         self._position[route] = []
         self._recent[route] = deque()
+        self._recent_total[route] = 0
         for metric in (self.drafted, self.accepted, self.committed, self.steps, self.generated, self.prompt_tokens,
                        self.prefix_hits):
             metric.labels(route)
@@ -235,13 +237,20 @@ class ServerMetrics:
         """Output tokens returned to a client; updates the 10 s tokens/s gauge."""
         now = time.monotonic() if now is None else now
         self.generated.labels(route).inc(tokens)
-        recent = self._recent[route]
-        recent.append((now, tokens))
-        self.refresh_rates(now)
+        self._recent[route].append((now, tokens))
+        self._recent_total[route] += tokens
+        self._refresh(route, now)
 
     def refresh_rates(self, now: float | None = None) -> None:
+        """Every route's tokens/s gauge over the last 10 s (a route that went quiet decays)."""
         now = time.monotonic() if now is None else now
-        for route, recent in self._recent.items():
-            while recent and recent[0][0] < now - 10.0:
-                recent.popleft()
-            self.tokens_per_second.labels(route).set(sum(n for _, n in recent) / 10.0)
+        for route in self._recent:
+            self._refresh(route, now)
+
+    def _refresh(self, route: str, now: float) -> None:
+        # A running total: a step of 16 rows records 16 times, and summing 10 s of entries each
+        # time cost 2% of the scheduler's thread.
+        recent = self._recent[route]
+        while recent and recent[0][0] < now - 10.0:
+            self._recent_total[route] -= recent.popleft()[1]
+        self.tokens_per_second.labels(route).set(self._recent_total[route] / 10.0)

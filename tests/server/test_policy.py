@@ -143,6 +143,21 @@ def test_drift_warns_when_acceptance_drops_and_recovers(caplog: pytest.LogCaptur
     assert not drift.drifting
 
 
+def test_tokens_per_second_is_the_last_ten_seconds() -> None:
+    metrics = ServerMetrics(DriftConfig(window=8, baseline=16, threshold=0.4))
+    metrics.add_route("a")
+    metrics.add_route("b")
+    gauge = metrics.tokens_per_second
+    metrics.record_tokens("a", 30, now=100.0)
+    metrics.record_tokens("a", 20, now=105.0)
+    metrics.record_tokens("b", 7, now=105.0)
+    assert (gauge.labels("a")._value.get(), gauge.labels("b")._value.get()) == (5.0, 0.7)
+    metrics.record_tokens("a", 10, now=111.0)  # the first 30 left the window
+    assert gauge.labels("a")._value.get() == 3.0
+    metrics.refresh_rates(now=116.0)  # quiet routes decay on a refresh
+    assert (gauge.labels("a")._value.get(), gauge.labels("b")._value.get()) == (1.0, 0.0)
+
+
 def test_memory_plan_takes_the_draft_from_the_budget(tiny_model: LoadedModel, small_model_factory) -> None:
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.ngram import NgramDrafter
