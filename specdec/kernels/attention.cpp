@@ -165,22 +165,70 @@ void attend_heads(const Heads<HG, T>& it, int64_t head_dim, float scale, std::ve
 // (8 lanes, another tree). The softmax is the shared code above, and the weighted sum of the
 // values is the AVX2 path's arithmetic per element (the same FMAs in the same order), 16 wide.
 
-// v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes, in a fixed order.
+// v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes, in a fixed order. In two parts:
+// keys 0..7 and 8..15 give two vectors each (halves), then the four are folded (fold). A key's
+// lanes meet only their own, so the halves can be made apart, for several heads at once.
+
+// v[0..7] -> u[0..1]: per 128-bit block, keys 4i .. 4i + 3, each its block's four lanes summed.
 __attribute__((target("avx512f")))
-inline __m512 lane_sums(const __m512* v) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; ++i)  // per 128-bit block: (a0 + a2, b0 + b2, a1 + a3, b1 + b3)
+inline void lane_sums_half(const __m512* v, __m512* u) {
+    __m512 t[4];
+    for (int i = 0; i < 4; ++i)  // per 128-bit block: (a0 + a2, b0 + b2, a1 + a3, b1 + b3)
         t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; ++i)  // per block: keys 4i .. 4i + 3, each its block's four lanes summed
+    for (int i = 0; i < 2; ++i)
         u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    // the four blocks of each key: (b0 + b1) + (b2 + b3), keys landing in order
+}
+
+// u[0..3] -> the 16 keys' sums: the four blocks of each key, (b0 + b1) + (b2 + b3), keys in order.
+__attribute__((target("avx512f")))
+inline __m512 lane_sums_fold(const __m512* u) {
     const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                      _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
                                      _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+__attribute__((target("avx512f")))
+inline __m512 lane_sums(const __m512* v) {
+    __m512 u[4];
+    lane_sums_half(v, u);
+    lane_sums_half(v + 8, u + 2);
+    return lane_sums_fold(u);
+}
+
+// Step 1 for head_dim 64 and several heads: each key is loaded (and widened) once for all of
+// them, 8 keys at a time (HG x 8 accumulators and the key's 4 vectors fit the 32 registers; the
+// queries are read from memory). Every score is the one-head loop's arithmetic, bit for bit.
+template <int HG, typename T>
+__attribute__((target("avx512f,avx2,fma,f16c")))
+void scores_shared(const Heads<HG, T>& it, float scale, float* buffer, int64_t stride, __m512* top) {
+    auto slot = [&](int64_t j) { return it.slots ? it.slots[j] : j; };
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < it.n; j0 += 16) {
+        alignas(64) __m512 u[HG][4];
+        for (int half = 0; half < 2; ++half) {
+            __m512 a[HG][8];
+            for (int jj = 0; jj < 8; ++jj) {
+                const T* k = it.keys + slot(std::min<int64_t>(j0 + 8 * half + jj, it.n - 1)) * it.slot_stride;
+                __m512 kc[4];
+                for (int c = 0; c < 4; ++c) kc[c] = load16(k + 16 * c);
+                for (int h = 0; h < HG; ++h) {
+                    __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(it.q[h]), kc[0], _mm512_setzero_ps());
+                    for (int c = 1; c < 4; ++c) x = _mm512_fmadd_ps(_mm512_loadu_ps(it.q[h] + 16 * c), kc[c], x);
+                    a[h][jj] = x;
+                }
+            }
+            for (int h = 0; h < HG; ++h) lane_sums_half(a[h], u[h] + 2 * half);
+        }
+        for (int h = 0; h < HG; ++h) {
+            const __m512 dots = _mm512_mul_ps(lane_sums_fold(u[h]), factor);
+            _mm512_storeu_ps(buffer + h * stride + j0, dots);
+            top[h] = _mm512_max_ps(top[h], dots);  // a copy's score equals its key's: the maximum holds
+        }
+    }
 }
 
 template <int HG, int CH, typename T>
@@ -192,7 +240,13 @@ void attend_heads_avx512(const Heads<HG, T>& it, float scale, std::vector<float>
 
     // 1. scores, 16 keys at a time (a tail block repeats its last key; the copies land past n)
     float inverse[HG];
-    for (int h = 0; h < HG; ++h) {
+    if constexpr (CH == 4 && HG > 1) {
+        __m512 top[HG];
+        for (int h = 0; h < HG; ++h) top[h] = _mm512_set1_ps(-INFINITY);
+        scores_shared<HG, T>(it, scale, buffer.data(), stride, top);
+        for (int h = 0; h < HG; ++h)  // 2. softmax weights (unnormalized) and their sum: the shared code
+            inverse[h] = softmax_weights(buffer.data() + h * stride, it.n, _mm512_reduce_max_ps(top[h]));
+    } else for (int h = 0; h < HG; ++h) {
         float* sc = buffer.data() + h * stride;
         __m512 q[CH];
         for (int c = 0; c < CH; ++c) q[c] = _mm512_loadu_ps(it.q[h] + 16 * c);

@@ -60,6 +60,22 @@ def test_attention_over_a_float16_cache_is_attention_over_its_widened_values(isa
                            kernels.attend_cached(q, keys16.float(), values16.float(), listed, slots, isa=isa))
 
 
+@pytest.mark.parametrize("group", [2, 3, 4, 5])
+def test_heads_sharing_a_key_value_head_get_their_own_bits(isa: str, group: int) -> None:
+    # Heads that share a key/value head are computed together (each key loaded once for them):
+    # each head's output is bitwise what it gets alone, for a float16 and a float32 cache.
+    keys, values = _cache(1, 70, seed=9)
+    heads = group * KV_HEADS
+    q = torch.randn(1, heads, 4, HEAD_DIM, generator=torch.Generator().manual_seed(group))
+    counts = torch.tensor([[1, 17, 33, 70]], dtype=torch.int32)
+    for k, v in ((keys, values), (keys.half(), values.half())):
+        together = kernels.attend_cached(q, k, v, counts, isa=isa)
+        for h in range(heads):
+            kvh = h // group
+            alone = kernels.attend_cached(q[:, h : h + 1], k[:, kvh : kvh + 1], v[:, kvh : kvh + 1], counts, isa=isa)
+            assert torch.equal(together[..., h * HEAD_DIM : (h + 1) * HEAD_DIM], alone), (group, h)
+
+
 def test_attention_refuses_keys_and_values_of_two_formats() -> None:
     keys, values = _cache(1, 10, seed=5)
     with pytest.raises(RuntimeError, match="both float32 or both float16"):
