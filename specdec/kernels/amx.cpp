@@ -39,7 +39,6 @@ namespace {
 
 constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
 constexpr long XFEATURE_XTILEDATA = 18;
-constexpr int PREFETCH_AHEAD = 8;  // blocks, as the VNNI tiles
 
 struct State {
     bool usable;
@@ -116,14 +115,6 @@ inline void issue(const uint8_t* weights, const int8_t* xq) {
     tile_dot<S, A, B, is_affine<K>()>();
 }
 
-// Asks for the record PREFETCH_AHEAD blocks on.
-template <class K>
-__attribute__((target(SPECDEC_AMX_TARGET), always_inline))
-inline void prefetch_ahead(const uint8_t* rec) {
-    for (int line = 0; line < K::record; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD * K::record + line), _MM_HINT_T0);
-}
-
 // A nibble record's weights as B's bytes (inputs 0..15: the low nibbles of its 4 vectors, 16..31
 // the high ones).
 __attribute__((target(SPECDEC_AMX_TARGET), always_inline))
@@ -131,8 +122,8 @@ inline void split_nibbles(const uint8_t* rec, uint8_t* bytes) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int p = 0; p < 4; ++p) {
         const __m512i v = _mm512_loadu_si512(rec + 64 * p);
-        _mm512_store_si512(bytes + 64 * p, _mm512_and_si512(v, low));
-        _mm512_store_si512(bytes + 256 + 64 * p, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        _mm512_storeu_si512(bytes + 64 * p, _mm512_and_si512(v, low));
+        _mm512_storeu_si512(bytes + 256 + 64 * p, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
     }
 }
 
@@ -194,7 +185,7 @@ struct Pipeline {
     __attribute__((target(SPECDEC_AMX_TARGET), always_inline)) void split(int64_t g0) const {
         if (unpacked) return;
         for (int64_t g = g0; g < std::min<int64_t>(g0 + W, x.G); ++g) {
-            prefetch_ahead<K>(rec(g));
+            prefetch_ahead<K::record>(rec(g));
             if constexpr (K::nibbles) split_nibbles(rec(g), bytes[g % (3 * W)]);
         }
     }

@@ -48,11 +48,8 @@ using specdec::NC;
 using specdec::QK;
 using specdec::Rows;
 using specdec::TileFn;
+using specdec::prefetch_ahead;
 // Q4_RECORD and Q8_RECORD, the bytes per (unit, block): ops.h.
-// Weights stream from memory (a model's matrices do not fit in the caches): each tile asks for
-// the record this many blocks ahead, which the hardware prefetcher alone does not fetch early
-// enough once the loop does several rows' arithmetic per record. Prefetching changes no bits.
-constexpr int PREFETCH_AHEAD = 8;
 
 // Under the AMX path, rows run on AMX tiles 16 at a time, and a remainder of fewer than this many
 // rows on the VNNI tiles (the same bits): an AMX tile's loads, product and stores cost about the
@@ -63,24 +60,6 @@ constexpr int64_t AMX_MIN_ROWS = 8;
 // columns run over PANEL_GROUP panels at a time.
 constexpr int64_t PANEL = specdec::AMX_ROWS;
 constexpr int64_t PANEL_GROUP = 8;
-
-template <int RECORD>
-inline void prefetch_ahead(const uint8_t* rec) {
-    for (int line = 0; line < RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD * RECORD + line), _MM_HINT_T0);
-}
-
-// Storage for what tiles load with aligned loads (64-byte lines).
-template <typename T>
-struct Aligned64 {
-    using value_type = T;
-    Aligned64() = default;
-    template <typename U>
-    Aligned64(const Aligned64<U>&) {}
-    T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-    void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-    template <typename U>
-    bool operator==(const Aligned64<U>&) const { return true; }
-};
 
 bool has_avx512() {
     static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -554,7 +533,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     const bool split = amx_panels > 1 && q4 && !q5;
     specdec::parallel_chunks(units, 1, [&](int64_t begin, int64_t end) {
         if (amx) specdec::amx_begin();
-        thread_local std::vector<uint8_t, Aligned64<uint8_t>> bytes;
+        thread_local std::vector<uint8_t> bytes;
         if (split) bytes.resize(G * QK * NC);
         for (size_t first = 0; first < panels.size(); first += PANEL_GROUP) {
             const size_t last = std::min(panels.size(), first + PANEL_GROUP);
