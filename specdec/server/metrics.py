@@ -193,8 +193,8 @@ class ServerMetrics:
         self.itl.labels(route)
 
     def _at(self, metric: Any, *labels: str) -> Any:
-        """metric.labels(*labels), kept: prometheus-client's lookup (a lock, a tuple, a dict) cost
-        about 1.5 us a call, and a step's bookkeeping makes a dozen a row."""
+        """metric.labels(*labels), kept: prometheus-client's lookup takes a lock and builds a tuple
+        each call, and a step's bookkeeping makes a dozen a row."""
         key = (id(metric), labels)
         child = self._children.get(key)
         if child is None:
@@ -259,8 +259,8 @@ class ServerMetrics:
             self._refresh(route, now)
 
     def _refresh(self, route: str, now: float) -> None:
-        # A running total: a step of 16 rows records 16 times, and summing 10 s of entries each
-        # time cost 2% of the scheduler's thread.
+        # A running total: a step of many rows records once a row, and summing 10 s of entries
+        # each time grew with the traffic.
         recent = self._recent[route]
         while recent and recent[0][0] < now - 10.0:
             self._recent_total[route] -= recent.popleft()[1]

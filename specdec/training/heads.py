@@ -193,8 +193,8 @@ def draft_distribution(logits: torch.Tensor, draft_ids: torch.Tensor, k: int) ->
     """What a view keeps of the target's distributions (logits [positions, vocab]): the most
     likely token of the vocabulary, and the k most likely draft tokens (positions in `draft_ids`,
     best first) with their probabilities under the softmax over the whole vocabulary. specdec's
-    kernel where it runs (one pass a row for each; PyTorch's softmax, gather and top-k over the
-    matrix took a quarter of a view's time), else the same in PyTorch."""
+    kernel where it runs (one pass a row for each, where PyTorch's softmax, gather and top-k each
+    go over the whole matrix), else the same in PyTorch."""
     if logits.device.type == "cpu" and kernels.available():
         return kernels.draft_distribution(logits.contiguous(), draft_ids.cpu(), k)
     chosen, index = logits[:, draft_ids.to(logits.device)].topk(k, dim=-1)
