@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import time
 from collections import Counter
@@ -67,6 +68,7 @@ class TrainConfig:
     ttt_steps: int = registry.train_option_default("ttt_steps")
     lr: float = 1e-3
     warmup_steps: int = 20
+    final_lr_fraction: float = 0.1  # with a token budget, the rate falls along a cosine to this fraction of lr
     batch_sequences: int = 16  # at most this many sequences a step ...
     batch_tokens: int = 4096  # ... and this many tokens, padding included
     max_seq_len: int = 512
@@ -81,6 +83,18 @@ class TrainConfig:
     view_top: int = 64  # the target's most likely draft tokens kept per position
     bf16: str = "auto"  # the step in bfloat16 autocast: "auto" (a GPU, or a CPU that multiplies bfloat16), "on", "off"
     device: str = "cpu"  # where the head trains ("cuda": a GPU); the target runs where it was loaded
+
+
+def learning_rate(config: TrainConfig, progress: Progress) -> float:
+    """The step's rate: a linear warmup over `warmup_steps`, then, where the run has a token
+    budget, a cosine from lr down to `final_lr_fraction` of it at the budget's end (a run that
+    resumes with a larger budget stretches the rest of the curve); without one, lr throughout."""
+    rate = config.lr * min(1.0, (progress.steps + 1) / config.warmup_steps)
+    if config.max_tokens:
+        done = min(1.0, progress.tokens / config.max_tokens)
+        floor = config.final_lr_fraction
+        rate *= floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done))
+    return rate
 
 
 def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
@@ -490,7 +504,7 @@ def train_head(
             loss = sum(w * r[0] for w, r in zip(weights, results))
         loss.backward()
         for group in optimizer.param_groups:
-            group["lr"] = config.lr * min(1.0, (progress.steps + 1) / config.warmup_steps)
+            group["lr"] = learning_rate(config, progress)
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         progress.steps += 1

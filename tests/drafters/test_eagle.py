@@ -18,7 +18,7 @@ from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
-from specdec.training.heads import TargetView, TrainConfig, evaluate, new_head, train_head
+from specdec.training.heads import Progress, TargetView, TrainConfig, evaluate, learning_rate, new_head, train_head
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -189,12 +189,25 @@ def test_resume_refuses_other_settings_but_takes_a_larger_budget(tiny_native: Lo
     assert longer["steps"] > first["steps"] and first["tokens"] < 90 <= longer["tokens"] and longer["bf16"]
 
 
+def test_learning_rate_warms_up_then_falls_to_its_floor_at_the_token_budget() -> None:
+    config = TrainConfig(lr=1e-3, warmup_steps=10, max_tokens=1000, final_lr_fraction=0.1)
+    assert learning_rate(config, Progress(steps=0)) == pytest.approx(1e-4)
+    assert learning_rate(config, Progress(steps=9)) == pytest.approx(1e-3)
+    rates = [learning_rate(config, Progress(steps=50, tokens=t)) for t in range(0, 1001, 100)]
+    assert rates[5] == pytest.approx(0.55e-3) and rates[-1] == pytest.approx(1e-4)
+    assert all(a > b for a, b in zip(rates, rates[1:]))
+    assert learning_rate(config, Progress(steps=50, tokens=5000)) == pytest.approx(1e-4)  # past the budget: the floor
+    # A time budget alone gives no end to fall towards: the rate stays.
+    assert learning_rate(TrainConfig(lr=1e-3, warmup_steps=10, max_time=60.0), Progress(steps=50, tokens=10**9)) == 1e-3
+
+
 def test_training_learns(self_distilled, tmp_path) -> None:
     # A short run on the target's own greedy text must lift the head's agreement with the target
-    # on that text far above an untrained head's.
+    # on that text far above an untrained head's. (A constant rate: 60 steps are too few to
+    # spend half of them on a falling one.)
     target, records = self_distilled(24)
     config = TrainConfig(draft_vocab_size=8, batch_sequences=4, max_tokens=30 * 4 * 60, validation_fraction=0.0,
-                         lr=3e-3, ttt_steps=2)
+                         lr=3e-3, ttt_steps=2, final_lr_fraction=1.0)
     train_head(target, records, tmp_path, config)
     head = EagleHead.load(tmp_path, target)
     untrained = random_head(target)
@@ -267,6 +280,9 @@ def test_an_oracle_tree_is_accepted_along_its_right_branch(tiny_native: LoadedMo
     result = Engine(tiny_native, Oracle(), 3).generate(prompt, params)
     assert result.token_ids == reference[len(prompt):]
     assert result.stats.target_steps == 3  # 1 from the prefill, then 4 tokens a step
+    # The target verified every node, the wrong root child included: 5 tokens a step for 4 kept.
+    assert result.stats.target_tokens == 3 * 5
+    assert result.stats.target_tokens_per_output_token == 15 / 12
 
 
 def test_view_store_reads_back_what_it_made_and_survives_a_kill(tiny_native: LoadedModel, tmp_path) -> None:
