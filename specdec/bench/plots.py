@@ -64,6 +64,12 @@ def plot_acceptance_by_position(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _costs(summary: dict[str, Any]) -> str:
+    """Two cells: target tokens per output token, and CPU milliseconds per output token."""
+    target, cpu = summary.get("target_tokens_per_output_token"), summary.get("cpu_s_per_output_token")
+    return f"{'-' if target is None else format(target, '.2f')} | {'-' if cpu is None else format(cpu * 1000, '.1f')}"
+
+
 def markdown(report: dict[str, Any], plots: list[str]) -> str:
     lines = [
         f"# specdec bench: {report['model']}, {report['method_label']}",
@@ -71,22 +77,25 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         f"Data: `{report['data']}`, {report['max_tokens']} tokens max per turn, greedy. "
         "Speedup = tokens/s over the system's own plain decoding, measured interleaved in one process.",
         "",
-        "| category | prompts | identical | plain tok/s | spec tok/s | speedup | acceptance | mean accepted length |",
-        "|---|---|---|---|---|---|---|---|",
+        "| category | prompts | identical | plain tok/s | spec tok/s | speedup | acceptance | mean accepted length "
+        "| target tokens per token | CPU ms per token |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in sorted(report["categories"].items()) + [("**overall**", report["overall"])]:
         lines.append(
             f"| {name} | {s['prompts']} | {s['identical']}/{s['prompts']} | {s['tokens_per_s_baseline']:.1f} | "
-            f"{s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s.get('acceptance_rate', 0):.2f} | {s.get('mean_accepted_length', 0):.2f} |"
+            f"{s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s.get('acceptance_rate', 0):.2f} | {s.get('mean_accepted_length', 0):.2f} "
+            f"| {_costs(s)} |"
         )
     if len(report["systems"]) > 2:
-        lines += ["", "| system | tokens/s | speedup over own plain | identical | acceptance | mean accepted length |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| system | tokens/s | speedup over own plain | identical | acceptance | mean accepted length "
+                      "| target tokens per token | CPU ms per token |",
+                  "|---|---|---|---|---|---|---|---|"]
         for name, s in report["systems"].items():
             speedup = f"{s['speedup']:.2f}x" if "speedup" in s else "(baseline)"
             identical = f"{s['identical']}/{s['prompts']}" if "identical" in s else "-"
             accept = f"{s['acceptance_rate']:.2f} | {s['mean_accepted_length']:.2f}" if "acceptance_rate" in s else "- | -"
-            lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {speedup} | {identical} | {accept} |")
+            lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {speedup} | {identical} | {accept} | {_costs(s)} |")
         compared = [n for n, base in report["baselines"].items() if base is not None]
         lines += ["", "Speedup over own plain decoding, per category:", "",
                   "| category | " + " | ".join(compared) + " |", "|---|" + "---|" * len(compared)]

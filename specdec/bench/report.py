@@ -1,4 +1,6 @@
-"""The benchmark report: JSON with the primary comparison on top, and terminal tables."""
+"""The benchmark report: JSON with the primary comparison on top, and terminal tables. Beside
+each speedup, what it costs: the tokens the target processed per output token (target tok/tok)
+and the process CPU time per output token (CPU ms/tok)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _cpu_ms(summary: dict[str, Any]) -> str:
+    """Process CPU milliseconds per generated token."""
+    value = summary.get("cpu_s_per_output_token")
+    return _fmt(None if value is None else value * 1000, ".1f")
+
+
 def print_report(report: dict[str, Any], console: Console) -> None:
     prompt_table = Table(title="Per prompt (specdec vs its plain decoding)", show_lines=False)
     for col in ("id", "category", "tokens", "plain tok/s", "spec tok/s", "speedup", "identical", "accept", "mean len"):
@@ -42,7 +50,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     console.print(prompt_table)
 
     table = Table(title=f"specdec bench: {report['model']}, {report['method_label']}, {report['max_tokens']} tokens max")
-    for col in ("category", "prompts", "identical", "tokens", "plain tok/s", "spec tok/s", "speedup", "accept", "mean len"):
+    for col in ("category", "prompts", "identical", "tokens", "plain tok/s", "spec tok/s", "speedup", "accept", "mean len",
+                "target tok/tok", "CPU ms/tok"):
         table.add_column(col, justify="left" if col == "category" else "right", no_wrap=True)
     rows = sorted(report["categories"].items()) + [("overall", report["overall"])]
     for name, s in rows:
@@ -50,18 +59,20 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             name, str(s["prompts"]), f"{s['identical']}/{s['prompts']}", str(s["tokens"]),
             _fmt(s["tokens_per_s_baseline"], ".1f"), _fmt(s["tokens_per_s"], ".1f"), _fmt(s["speedup"]) + "x",
             _fmt(s.get("acceptance_rate")), _fmt(s.get("mean_accepted_length")),
+            _fmt(s.get("target_tokens_per_output_token")), _cpu_ms(s),
         )
     console.print(table)
 
     if len(report["systems"]) > 2:
         peers = Table(title="All systems, same prompts, same process (speedup and identity against each one's own plain decoding)")
-        for col in ("system", "tokens", "tok/s", "first token s", "speedup", "identical"):
+        for col in ("system", "tokens", "tok/s", "first token s", "speedup", "identical", "target tok/tok", "CPU ms/tok"):
             peers.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
         for name, s in report["systems"].items():
             peers.add_row(
                 name, str(s["tokens"]), _fmt(s["tokens_per_s"], ".1f"), _fmt(s.get("ttft_s"), ".3f"),
                 (_fmt(s["speedup"]) + "x") if "speedup" in s else "(baseline)",
                 f"{s['identical']}/{s['prompts']}" if "identical" in s else "-",
+                _fmt(s.get("target_tokens_per_output_token")), _cpu_ms(s),
             )
         console.print(peers)
         compared = [n for n, base in report["baselines"].items() if base is not None]

@@ -4,6 +4,11 @@ in one process, with optional peers (transformers' own generate) on the same pro
 speedup = speculative tokens/s / plain tokens/s, which is plain time / speculative time when
 the outputs are identical (greedy). Tokens/s counts generated tokens over wall time, prefill
 included.
+
+What the speed costs, per system: target_tokens_per_output_token (tokens the target processed
+after prefill, drafts included, per committed token: 1.0 for plain decoding and for peers, which
+decode plainly) and cpu_s_per_output_token (the process's CPU time over each generation call, all
+threads, prefill included, per generated token).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class RunResult:
     text: str
     seconds: float
     stats: RequestStats | None = None
+    cpu_s: float = 0.0  # process CPU time of the call (run_conversation measures it)
+    plain: bool = True  # without stats: whether the system decoded plainly (one target token per token)
 
 
 Runner = Callable[[list[Message]], RunResult]
@@ -52,6 +59,10 @@ class Tally:
     seconds: float = 0.0
     speculation: RequestStats = field(default_factory=RequestStats)  # summed over specdec runs
     timed_turns: int = 0  # runs that said when their first token came (specdec's)
+    target_tokens: int = 0  # tokens the target processed after prefill ...
+    committed_tokens: int = 0  # ... and the tokens those steps committed
+    cpu_s: float = 0.0
+    unknown_target_tokens: bool = False  # a peer that speculates without saying how much it verified
 
     def add(self, results: list[RunResult], identical: bool | None) -> None:
         self.prompts += 1
@@ -59,9 +70,17 @@ class Tally:
         for r in results:
             self.tokens += len(r.token_ids)
             self.seconds += r.seconds
+            self.cpu_s += r.cpu_s
             if r.stats is not None:
                 self.speculation.merge(r.stats)
                 self.timed_turns += 1
+                self.target_tokens += r.stats.target_tokens
+                self.committed_tokens += r.stats.committed_tokens
+            elif r.plain:  # a peer decoding plainly: one token processed per token
+                self.target_tokens += len(r.token_ids)
+                self.committed_tokens += len(r.token_ids)
+            else:
+                self.unknown_target_tokens = True
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,6 +92,9 @@ class Tally:
             "tokens": self.tokens,
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "target_tokens_per_output_token": (round(self.target_tokens / self.committed_tokens, 4)
+                                               if self.committed_tokens and not self.unknown_target_tokens else None),
+            "cpu_s_per_output_token": round(self.cpu_s / self.tokens, 6) if self.tokens else None,
         }
         if baseline is not None:
             out["identical"] = self.identical
@@ -132,7 +154,9 @@ def run_conversation(system: System, record: Record) -> list[RunResult]:
     results = []
     for turn in record.turns:
         messages.append({"role": "user", "content": turn})
+        cpu_start = time.process_time()
         result = system.run(list(messages))
+        result.cpu_s = time.process_time() - cpu_start
         results.append(result)
         messages.append({"role": "assistant", "content": result.text})
     return results
@@ -228,6 +252,6 @@ def llama_cpp_runner(gguf_path: str, encode: Callable[[list[Message]], list[int]
             new.append(token)
         seconds = time.perf_counter() - start
         text = model.detokenize(new).decode("utf-8", errors="replace")
-        return RunResult(new, text, seconds)
+        return RunResult(new, text, seconds, plain=draft is None)
 
     return run

@@ -266,6 +266,7 @@ def _scope(measured: dict[str, Any], config: RequestStats, plain: RequestStats) 
     entry = {key: measured.get(key) for key in (
         "prompts", "identical", "tokens", "tokens_per_s", "tokens_per_s_baseline", "speedup",
         "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
+        "target_tokens_per_output_token", "cpu_s_per_output_token",
     )}
     entry.update(predict(config, plain))
     predicted, speedup = entry["predicted_speedup"], entry["speedup"]
@@ -361,8 +362,8 @@ def _rel(value: Any) -> str:
 
 
 CONFIG_COLUMNS = (
-    "config", "identical", "tok/s", "speedup", "predicted", "pred. vs meas.", "accept", "mean len", "pred. len",
-    "k_eff", "drafting", "c (draft/token)", "v (verify)",
+    "config", "identical", "tok/s", "speedup", "predicted", "pred. vs meas.", "target tok/tok", "CPU ms/tok", "accept",
+    "mean len", "pred. len", "k_eff", "drafting", "c (draft/token)", "v (verify)",
 )
 
 
@@ -371,7 +372,9 @@ def config_row(c: dict[str, Any], scope: dict[str, Any]) -> list[str]:
     return [
         c["name"], f"{scope['identical']}/{scope['prompts']}", _num(scope["tokens_per_s"], ".1f"),
         _num(scope["speedup"], ".2f", "x"), _num(scope.get("predicted_speedup"), ".2f", "x"),
-        _rel(scope.get("relative_difference")), _num(scope.get("acceptance_rate")), _num(scope.get("mean_accepted_length")),
+        _rel(scope.get("relative_difference")), _num(scope.get("target_tokens_per_output_token")),
+        _num(None if scope.get("cpu_s_per_output_token") is None else scope["cpu_s_per_output_token"] * 1000, ".1f"),
+        _num(scope.get("acceptance_rate")), _num(scope.get("mean_accepted_length")),
         _num(scope.get("predicted_tokens_per_step")), _num(scope.get("k_eff")), _num(scope.get("drafting_fraction")), _num(scope.get("draft_cost"), ".3f"),
         _num(scope.get("verify_cost")),
     ]
@@ -417,6 +420,11 @@ the acceptance model is what misses, not the costs: it takes every tested token 
 independently with probability a, while acceptance within a step is correlated. c includes a model drafter's pass over each prompt. The recommendation is the
 config with the best measured speedup among those with output identical to plain decoding, or
 plain decoding where none beats it.
+
+What the speedup costs: target tok/tok is the tokens the target processed after prefill, drafts
+included, per committed token (1.0 for plain decoding: the rest are rejected drafts); CPU ms/tok is
+the process's CPU time (all threads, prefill included) per generated token. Speculation raises
+both while it lowers the time per token.
 """
 
 

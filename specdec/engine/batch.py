@@ -201,6 +201,7 @@ class BatchEngine:
             raise RuntimeError(f"batch is full ({self.max_rows} sequences)")
         params = seq.params
         seq._start = time.perf_counter()
+        cpu_start = time.process_time()
         stats = seq.result.stats
         stats.prompt_tokens = len(seq.prompt_ids)
         seq.budget = min(params.max_tokens, self.max_model_len - len(seq.prompt_ids))
@@ -237,6 +238,7 @@ class BatchEngine:
         seq.context = list(seq.prompt_ids) + first
         seq.row = self.cache.insert_row(prefill_cache)
         stats.prefill_time_s = time.perf_counter() - seq._start
+        stats.cpu_time_s += time.process_time() - cpu_start
         self.sequences.append(seq)
         return self._emit(seq, first, drafted=0, accepted=0, raw=raw, offsets=[0])
 
@@ -287,6 +289,7 @@ class BatchEngine:
         batch until :meth:`remove`; the caller removes them."""
         if not self.sequences:
             return []
+        cpu_start = time.process_time()
         seqs = list(self.sequences)
 
         # 1. Draft: each row proposes up to its k, never more than it can still use. A tree's
@@ -359,6 +362,9 @@ class BatchEngine:
         # 4. Commit: a row keeps its fed token and accepted drafts; its length forgets the rest.
         #    Committed token j was chosen at new-token offset ([0] + kept)[j].
         self.cache.commit(new, torch.tensor([1 + len(row.offsets) for row in accepted]))
+        # The step's CPU time (drafting, the pass, acceptance) in equal shares: every row fed the
+        # pass the same padded width.
+        cpu_share = (time.process_time() - cpu_start) / len(seqs)
         outputs = []
         for i, (seq, tree, row) in enumerate(zip(seqs, trees, accepted)):
             committed, kept = row.committed, row.offsets
@@ -377,7 +383,8 @@ class BatchEngine:
                 seq.drafter.commit(seq.context, num_accepted)
             if seq.policy is not None:
                 seq.policy.observe(drafted, num_accepted, draft_times[i], verify_time)
-            seq.result.stats.record_step(drafted, num_accepted, draft_times[i], verify_time)
+            seq.result.stats.record_step(drafted, num_accepted, draft_times[i], verify_time,
+                                         verified_tokens=1 + len(drafts[i]), cpu_time_s=cpu_share)
             outputs.append(self._emit(seq, committed, drafted=drafted, accepted=num_accepted, raw=raw[i], offsets=[0, *kept]))
         return outputs
 

@@ -21,6 +21,14 @@
   the acceptance rate a of the expected-speedup formula, which acceptance_rate underestimates.
 - undrafted_steps: target steps that verified an empty draft (nothing proposed, or
   speculation switched off by adaptive k); they cost what a plain step costs.
+- target_tokens: tokens the target processed after prefill, drafts included (each step: the
+  fed token and every drafted token or tree node, verified or not; a batch's padding is not
+  counted). target_tokens_per_output_token = target_tokens / committed tokens: 1.0 for plain
+  decoding, above it by the drafts the target rejected. Speculation buys speed with this extra
+  compute.
+- cpu_time_s: process CPU time (every thread) spent on the request: its prefill, and an equal
+  share of each batch step it took part in (exact for a request decoded alone).
+  cpu_s_per_output_token = cpu_time_s / generated_tokens.
 
 Counts are taken before truncation at a stop condition, so committed tokens may exceed
 generated_tokens by the tokens dropped after EOS, a stop string or max_tokens.
@@ -47,11 +55,18 @@ class RequestStats:
     verify_time_s: float = 0.0
     undrafted_steps: int = 0
     rejected_steps: int = 0
+    target_tokens: int = 0
+    cpu_time_s: float = 0.0
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
 
-    def record_step(self, drafted: int, accepted: int, draft_time_s: float = 0.0, verify_time_s: float = 0.0) -> None:
+    def record_step(self, drafted: int, accepted: int, draft_time_s: float = 0.0, verify_time_s: float = 0.0,
+                    verified_tokens: int | None = None, cpu_time_s: float = 0.0) -> None:
+        """One target step: `drafted` positions (a tree's depth), `accepted` of them kept;
+        `verified_tokens` the tokens the target processed for it (default: a chain's drafted + 1)."""
         self.target_steps += 1
+        self.target_tokens += drafted + 1 if verified_tokens is None else verified_tokens
+        self.cpu_time_s += cpu_time_s
         self.draft_time_s += draft_time_s
         self.verify_time_s += verify_time_s
         self.undrafted_steps += drafted == 0
@@ -72,7 +87,7 @@ class RequestStats:
         """Add another request's counts and times to these (for totals over many requests)."""
         for name in ("prompt_tokens", "cached_tokens", "generated_tokens", "drafted_tokens", "accepted_tokens", "committed_tokens",
                      "target_steps", "prefill_time_s", "wall_time_s", "draft_time_s", "verify_time_s",
-                     "undrafted_steps", "rejected_steps"):
+                     "undrafted_steps", "rejected_steps", "target_tokens", "cpu_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         grow = len(other.drafted_at) - len(self.drafted_at)
         if grow > 0:
@@ -104,6 +119,14 @@ class RequestStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
     @property
+    def target_tokens_per_output_token(self) -> float:
+        return self.target_tokens / self.committed_tokens if self.committed_tokens else 0.0
+
+    @property
+    def cpu_s_per_output_token(self) -> float:
+        return self.cpu_time_s / self.generated_tokens if self.generated_tokens else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
@@ -121,6 +144,10 @@ class RequestStats:
             "undrafted_steps": self.undrafted_steps,
             "rejected_steps": self.rejected_steps,
             "tested_acceptance": round(self.tested_acceptance, 4),
+            "target_tokens": self.target_tokens,
+            "target_tokens_per_output_token": round(self.target_tokens_per_output_token, 4),
+            "cpu_time_s": round(self.cpu_time_s, 4),
+            "cpu_s_per_output_token": round(self.cpu_s_per_output_token, 6),
             "draft_time_s": round(self.draft_time_s, 4),
             "verify_time_s": round(self.verify_time_s, 4),
             "wall_time_s": round(self.wall_time_s, 4),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,32 @@ def test_tallies_speedup_and_identity_against_own_baseline() -> None:
     assert fast["ttft_s"] == pytest.approx(0.25) and "ttft_s" not in raw["overall_by_system"]["plain"]
 
 
+def test_every_system_reports_target_tokens_and_cpu_time_per_output_token() -> None:
+    def spin(seconds: float) -> None:  # CPU time the tally must see
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+
+    def specdec_like(messages: list[dict]) -> RunResult:
+        spin(0.02)
+        stats = RequestStats()
+        stats.record_step(drafted=3, accepted=1)  # 4 target tokens for 2 committed
+        stats.record_step(drafted=3, accepted=3)  # 4 for 4
+        return RunResult([1] * 7, "t", 0.1, stats)
+
+    def peer(plain: bool) -> Callable[[list[dict]], RunResult]:
+        return lambda messages: RunResult([1, 2, 3, 4], "t", 0.1, plain=plain)
+
+    raw = run_bench([System("plain", peer(True)), System("spec", specdec_like, "plain"),
+                     System("peer lookup", peer(False), "plain")], [Record("a", "x", ("q",)), Record("b", "x", ("q",))])
+    systems = raw["overall_by_system"]
+    assert systems["spec"]["target_tokens_per_output_token"] == round(8 / 6, 4)
+    assert systems["plain"]["target_tokens_per_output_token"] == 1.0
+    assert systems["peer lookup"]["target_tokens_per_output_token"] is None  # it speculates, and does not say how much
+    assert systems["spec"]["cpu_s_per_output_token"] >= 0.04 / 14
+    assert systems["spec"]["cpu_s_per_output_token"] > systems["plain"]["cpu_s_per_output_token"]
+
+
 @pytest.mark.real  # the real model, in a subprocess
 def test_bench_cli_writes_report(tmp_path: Path) -> None:
     data = write_jsonl(
@@ -116,7 +144,9 @@ def test_bench_cli_writes_report(tmp_path: Path) -> None:
     assert report["overall"]["speedup"] > 0
     assert set(report["categories"]) == {"code", "chat"}
     for category in report["categories"].values():
-        assert {"speedup", "identical", "prompts", "acceptance_rate", "mean_accepted_length"} <= set(category)
+        assert {"speedup", "identical", "prompts", "acceptance_rate", "mean_accepted_length",
+                "target_tokens_per_output_token", "cpu_s_per_output_token"} <= set(category)
+    assert report["systems"]["specdec plain"]["target_tokens_per_output_token"] == 1.0
     assert report["speculative_config"]["num_speculative_tokens"] == 3
     assert 0 < report["systems"]["specdec plain"]["ttft_s"] < 60
     assert "overall" in result.stdout

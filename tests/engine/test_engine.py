@@ -313,6 +313,10 @@ def test_speculative_stats_follow_their_definitions(default_model: LoadedModel) 
         "undrafted_steps",
         "rejected_steps",
         "tested_acceptance",
+        "target_tokens",
+        "target_tokens_per_output_token",
+        "cpu_time_s",
+        "cpu_s_per_output_token",
         "draft_time_s",
         "verify_time_s",
         "wall_time_s",
@@ -323,6 +327,10 @@ def test_speculative_stats_follow_their_definitions(default_model: LoadedModel) 
     assert stats.tested_acceptance == stats.accepted_tokens / (stats.accepted_tokens + stats.rejected_steps)
     assert stats.tested_acceptance >= stats.acceptance_rate
     assert 0 < stats.draft_time_s < stats.verify_time_s < stats.wall_time_s
+    # Every step feeds its last token and its whole draft: the rejected drafts are the extra work.
+    assert stats.target_tokens == stats.target_steps + stats.drafted_tokens
+    assert stats.target_tokens_per_output_token == stats.target_tokens / stats.committed_tokens > 1.0
+    assert 0 < stats.cpu_time_s and stats.cpu_s_per_output_token == stats.cpu_time_s / 32
 
 
 def test_record_step() -> None:

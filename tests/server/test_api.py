@@ -35,6 +35,9 @@ def test_chat_completion_carries_usage_and_speculation(client: openai.OpenAI) ->
     speculation = response.model_extra["speculation"]
     assert set(speculation) == STATS_KEYS
     assert speculation["generated_tokens"] == 12 and speculation["drafted_tokens"] > 0
+    # What the speed cost: every drafted token was processed by the target, rejected or not.
+    assert speculation["target_tokens"] == speculation["target_forward_passes"] - 1 + speculation["drafted_tokens"]
+    assert speculation["target_tokens_per_output_token"] >= 1.0 and speculation["cpu_s_per_output_token"] > 0
 
 
 def test_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
