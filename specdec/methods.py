@@ -73,6 +73,10 @@ class Options:
         """The most tokens a proposal may hold beyond k (a tree's nodes); 0: at most k."""
         return 0
 
+    def proposal_tokens(self, k: int) -> int:
+        """The most tokens a proposal of a config with this k may hold."""
+        return max(k, self.proposal_nodes)
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -240,19 +244,30 @@ class TreeOptions(Options):
 @dataclass(frozen=True)
 class HybridOptions(TreeOptions, NgramOptions):
     """Prompt lookup's n-gram sizes (here from 2 tokens by default), the most tokens the head
-    drafts in a step (None: k) and the head's tree shape."""
+    drafts in a step (None: k), the head's tree shape, and whether a step where lookup proposes
+    verifies the head's draft too, as a second branch of one tree (hybrid_branches)."""
 
     prompt_lookup_min: int = 2
     hybrid_head_tokens: int | None = 1
+    hybrid_branches: bool = False
 
     def __post_init__(self) -> None:
         NgramOptions.__post_init__(self)
         TreeOptions.__post_init__(self)
         require_int("hybrid_head_tokens", self.hybrid_head_tokens, 1, optional=True)
+        if not isinstance(self.hybrid_branches, bool):
+            raise ConfigError(f"hybrid_branches must be true or false, got {self.hybrid_branches!r}")
 
     def label_after_k(self) -> list[str]:
         return ([f"head k={self.hybrid_head_tokens or 'k'}"] if self.hybrid_head_tokens != 1 else []) + (
-            [f"lookup>={self.prompt_lookup_min}"] if self.prompt_lookup_min != 2 else []) + super().label_after_k()
+            [f"lookup>={self.prompt_lookup_min}"] if self.prompt_lookup_min != 2 else []) + (
+            ["branches"] if self.hybrid_branches else []) + super().label_after_k()
+
+    def proposal_tokens(self, k: int) -> int:
+        if not self.hybrid_branches:
+            return super().proposal_tokens(k)
+        head = self.proposal_nodes or min(k, self.hybrid_head_tokens or k)
+        return k + head  # lookup's chain and the head's draft beside it
 
 
 # --- the methods --------------------------------------------------------------------------------

@@ -339,8 +339,7 @@ class ServerConfig:
         prediction's k (a request's predicted output drafts on any route)."""
         def size(route: RouteConfig) -> int:
             spec = route.speculative
-            tree = spec.options.proposal_nodes if spec is not None else 0
-            return max(route.k_cap, tree)
+            return spec.options.proposal_tokens(route.k_cap) if spec is not None else route.k_cap
 
         return max(PREDICTION_K, *(size(r) for r in self.routes))
 

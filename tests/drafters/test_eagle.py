@@ -18,6 +18,7 @@ from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel
+from specdec.sampling.penalties import tree_paths
 from specdec.training.heads import Progress, TargetView, TrainConfig, evaluate, learning_rate, new_head, train_head
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -405,6 +406,51 @@ def test_hybrid_drafts_lookup_up_to_k_and_the_head_up_to_its_own_bound(tiny_nati
     out = Engine(tiny_native, hybrid, 4).generate(prompt, params)
     assert out.token_ids == Engine(tiny_native).generate(prompt, params).token_ids
     assert by_head and max(by_head) == 1  # the head: at most hybrid_head_tokens
+
+
+def test_union_of_two_drafts_is_a_tree_holding_every_path_once() -> None:
+    from specdec.drafters import Proposal
+    from specdec.drafters.hybrid import union
+
+    lookup = Proposal(tokens=[10, 11, 12])
+    # A chain that follows lookup for one token, then leaves it.
+    merged = union(lookup, Proposal(tokens=[10, 20]))
+    assert merged.tokens == [10, 11, 12, 20] and merged.parents == (-1, 0, 1, 0)
+    # A head tree: two roots, the first lookup's.
+    tree = Proposal(tokens=[10, 30, 31, 11], parents=(-1, -1, 1, 0))
+    merged = union(lookup, tree)
+    assert merged.tokens == [10, 11, 12, 30, 31] and merged.parents == (-1, 0, 1, -1, 3)
+    paths = {tuple(p) for p in tree_paths(merged.tokens, merged.parents)}
+    assert paths == {(), (10,), (10, 11), (10, 11, 12), (30,), (30, 31)}
+    # One draft inside the other: still a chain.
+    assert union(lookup, Proposal(tokens=[10, 11])) == Proposal(tokens=[10, 11, 12])
+    assert union(Proposal(tokens=[]), Proposal(tokens=[7])) == Proposal(tokens=[7])
+
+
+def test_hybrid_branches_verify_lookup_and_the_head_together(tiny_native: LoadedModel) -> None:
+    from specdec.config import SpeculativeConfig
+    from specdec.drafters.hybrid import HybridDrafter
+    from specdec.drafters.ngram import NgramDrafter
+
+    head = random_head(tiny_native, 512, seed=1)
+    config = SpeculativeConfig("hybrid", 4, hybrid_head_tokens=2, hybrid_branches=True)
+    assert config.options.proposal_tokens(4) == 6 and "branches" in config.options.label_after_k()
+    hybrid = HybridDrafter(EagleDrafter(head), NgramDrafter(2, 6), head_tokens=2, branches_up_to=6)
+    context = [5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7, 8, 9]
+    hybrid.begin(context, 64)
+    hybrid.observe_target(torch.randn(len(context) - 1, 3 * head.config.hidden_size))
+    alone = EagleDrafter(head)
+    alone.begin(context, 64)
+    alone.observe_target(hybrid.eagle._pending[0])
+    own = alone.propose(context, 2, GREEDY, None).tokens
+    proposal = hybrid.propose(context, 4, GREEDY, None)
+    assert proposal.tokens[:4] == [10, 11, 12, 13] and proposal.probs is None
+    paths = {tuple(p) for p in tree_paths(proposal.tokens, proposal.parents or tuple(range(-1, len(proposal.tokens) - 1)))}
+    assert tuple(own) in paths and len(proposal.tokens) <= 6
+    prompt = [20, 21, 22, 20, 21, 22, 20]
+    params = dataclasses.replace(GREEDY, max_tokens=16)
+    out = Engine(tiny_native, hybrid, 4).generate(prompt, params)
+    assert out.token_ids == Engine(tiny_native).generate(prompt, params).token_ids
 
 
 @pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built on this machine")

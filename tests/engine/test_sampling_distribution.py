@@ -291,6 +291,8 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoi
         return Engine(target, LookaheadDrafter(window=2, n=2, guesses=2, pool_size=4), 2)
     if name == "hybrid":  # lookup where a 2-token match exists (the prompt repeats), the head elsewhere
         return Engine(target, HybridDrafter(EagleDrafter(eagle_head(target)), NgramDrafter(2, 3)), 2)
+    if name == "hybrid-branches":  # where lookup matches, the head's most likely tokens as a second branch
+        return Engine(target, HybridDrafter(EagleDrafter(eagle_head(target)), NgramDrafter(1, 3), 2, branches_up_to=4), 2)
     raise ValueError(name)
 
 
@@ -320,8 +322,8 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
 
 
 @pytest.mark.parametrize(("target", "drafter"), backend_matrix(
-    ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle", "eagle-tree", "hybrid", "medusa",
-     "medusa-tree", "mtp", "suffix", "suffix-tree", "lookahead"]), indirect=["target"])
+    ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle", "eagle-tree", "hybrid", "hybrid-branches",
+     "medusa", "medusa-tree", "mtp", "suffix", "suffix-tree", "lookahead"]), indirect=["target"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str, mtp_checkpoint, tmp_path,
     monkeypatch: pytest.MonkeyPatch,
@@ -329,16 +331,16 @@ def test_speculative_sampling_follows_target(
     model = deep_target if drafter == "layer_skip" else target
     engine = make_engine(drafter, model, draft, mtp_checkpoint, tmp_path)
     trees = []
-    if drafter == "suffix-tree":  # count the proposals with siblings (of every request's fork): the test must see some
-        propose = SuffixDrafter.propose
+    if drafter in ("suffix-tree", "hybrid-branches"):  # count the proposals with siblings: the test must see some
+        propose = SuffixDrafter.propose if drafter == "suffix-tree" else HybridDrafter.propose
 
         def counted(self, *args):
             trees.append(propose(self, *args))
             return trees[-1]
 
-        monkeypatch.setattr(SuffixDrafter, "propose", counted)
+        monkeypatch.setattr(SuffixDrafter if drafter == "suffix-tree" else HybridDrafter, "propose", counted)
     samples = sample_sequences(engine, SAMPLED, 2500)
-    if drafter == "suffix-tree":
+    if drafter in ("suffix-tree", "hybrid-branches"):
         assert sum(p.parents is not None for p in trees) > 100
     exact = exact_sequence_probs(model, SAMPLED)
     assert chi2_pvalue(samples, exact) > 1e-3
