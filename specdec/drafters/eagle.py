@@ -36,12 +36,14 @@ from torch import nn
 
 from specdec.drafters import eagle_unroll, head_files
 from specdec.drafters.base import Drafter, Proposal, best_subtree
-from specdec.drafters.head_parts import (TREE_SLOTS, PackedHead, TrainableHead, rms_norm, rope, rope_inv_freq,
-                                         rotate)
+from specdec import kernels
+from specdec.drafters.head_parts import (TREE_SLOTS, PackedHead, TrainableHead, draft_format, rms_norm, rope,
+                                         rope_inv_freq, rotate)
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.methods import TreeOptions
-from specdec.models.qlinear import FORMATS, PackedLinear
+from specdec.models.native import NO_SLOTS, Visible, visible_slots
+from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear
 from specdec.sampling.invariant import invariant_tokens
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import sample
@@ -192,6 +194,7 @@ class EagleHead(TrainableHead):
         else:
             self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(c.rope_theta, c.head_dim), persistent=False)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # drafting's, see rope_at
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -206,6 +209,15 @@ class EagleHead(TrainableHead):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope(self.inv_freq, positions)
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope` of positions [n] looked up in a table that grows by doubling: each entry is
+        computed alone, so the same values, without a step's half a dozen operations."""
+        needed = int(positions.max()) + 1
+        if self._rope_table is None or self._rope_table[0].shape[0] < needed:
+            self._rope_table = self.rope(torch.arange(max(4096, 1 << (needed - 1).bit_length())))
+        cos, sin = self._rope_table
+        return cos[positions], sin[positions]
 
     def project(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, query: bool = True):
         """features: [..., n, hidden] (fused target states or the head's own output); tokens:
@@ -244,8 +256,9 @@ class EagleHead(TrainableHead):
         built once and shared by every sequence; training must not change the head after."""
         cache = self.__dict__.setdefault("_packed", {})
         if fmt not in cache:
-            if fmt not in FORMATS:
-                raise ConfigError(f"unknown weight format {fmt!r} for an EAGLE head; choose one of: {', '.join(FORMATS)}")
+            if fmt not in (*FORMATS, *KERNEL_FORMATS):
+                raise ConfigError(f"unknown weight format {fmt!r} for an EAGLE head; choose one of: "
+                                  f"{', '.join((*FORMATS, *KERNEL_FORMATS))}")
             attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
             lm = self.lm_head_rows if self.lm_head is None else self.lm_head.weight
             cache[fmt] = PackedHead(
@@ -320,14 +333,17 @@ class EagleHead(TrainableHead):
 
 class EagleDrafter(Drafter):
     """One sequence's EAGLE drafting: the head's KV cache over the committed positions, built
-    from the target's features, plus the drafted positions past them."""
+    from the target's features, plus the drafted positions past them.
 
-    def __init__(self, head: EagleHead, weight_format: str = "int8", tree_width: int = 1,
+    weight_format: what the head's matrices are packed in (None: q8 on specdec's kernels, where
+    the layer runs as one call, `head_layer`; else PyTorch's int8)."""
+
+    def __init__(self, head: EagleHead, weight_format: str | None = None, tree_width: int = 1,
                  tree_nodes: int | None = None) -> None:
         if tree_width < 1 or (tree_nodes is not None and tree_nodes < 1):
             raise ConfigError("tree_width and tree_nodes must be >= 1")
         self.head = head
-        self.weight_format = weight_format
+        self.weight_format = weight_format or draft_format()
         self.tree_width = tree_width  # 1: a chain
         self.tree_nodes = tree_nodes or 4 * tree_width
         self.proposal_size = TreeOptions(tree_width, tree_nodes).proposal_nodes  # most tokens a proposal holds beyond k
@@ -338,6 +354,9 @@ class EagleDrafter(Drafter):
         self._length = 0  # committed positions with entries
         self._pending: list[torch.Tensor] = []  # target features not yet turned into entries
         self._state: torch.Tensor | None = None  # [1, hidden] the last committed position's output
+        # The kernels' one-call layer and its weight arguments, where the matrices are in their formats.
+        parts = self.weights.layer_parts()
+        self._one_call = (kernels.load(), kernels.ISAS[kernels.default_isa()], parts) if parts is not None else None
 
     @property
     def weights(self) -> PackedHead:
@@ -464,15 +483,23 @@ class EagleDrafter(Drafter):
         :meth:`EagleHead.finish`, with the packed matrices."""
         c, layer, w = self.head.config, self.head.midlayer, self.weights
         n = features.shape[0]
+        cos, sin = self.head.rope_at(positions)
+        span = int(slots.max()) + 1
+        if self._one_call is not None:
+            ops, isa, parts = self._one_call
+            visible = Visible(torch.full((1, n), span, dtype=torch.int32), None) if mask is None else \
+                visible_slots(mask[None, None], 0, n, long_blocks=True)
+            return ops.head_layer(self.head.embed[tokens], features.float(), layer.input_layernorm, layer.hidden_norm,
+                                  layer.post_attention_layernorm, *parts, self._keys[None], self._values[None], slots,
+                                  cos, sin, visible.counts, NO_SLOTS if visible.slots is None else visible.slots,
+                                  c.num_heads, c.num_kv_heads, c.rms_norm_eps, c.head_dim ** -0.5, isa)
         x = torch.cat([rms_norm(self.head.embed[tokens], layer.input_layernorm, c.rms_norm_eps),
                        rms_norm(features, layer.hidden_norm, c.rms_norm_eps)], dim=-1)  # [n, 2 * hidden]
         qkv = w.qkv(x).float().view(n, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(0, 1)
         q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads])  # [heads or kv_heads, n, head_dim]
-        cos, sin = self.head.rope(positions)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         self._keys[:, slots] = k
         self._values[:, slots] = v
-        span = int(slots.max()) + 1
         keys, values = self._keys[:, :span], self._values[:, :span]
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=q.shape[0] != keys.shape[0])  # [heads, n, head_dim]
@@ -482,7 +509,10 @@ class EagleDrafter(Drafter):
 
     def _logits(self, state: torch.Tensor) -> torch.Tensor:
         # state: [n, hidden] -> [n, draft_vocab]
-        return self.weights.lm(rms_norm(state, self.head.norm, self.head.config.rms_norm_eps)).float()
+        eps = self.head.config.rms_norm_eps
+        normed = rms_norm(state, self.head.norm, eps) if self._one_call is None else \
+            self._one_call[0].rms_norm(state, self.head.norm, eps)
+        return self.weights.lm(normed).float()
 
     def commit(self, context: list[int], num_accepted: int) -> None:
         pass  # the target's features for the committed positions arrive through observe_target

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specdec import kernels
+from specdec.models.native import PART_KINDS
 from specdec.models.qlinear import PackedLinear
 
 if TYPE_CHECKING:
@@ -58,6 +60,23 @@ class PackedHead:
 
     def nbytes(self) -> int:
         return sum(m.nbytes for m in (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm))
+
+    def layer_parts(self) -> list | None:
+        """The layer's matrices as the kernels' `head_layer` takes them (qkv, o, gate_up, down as
+        lists of part tensors, then every part's (kind, outputs)); None where a matrix is in a
+        format the kernels do not multiply (float32, bfloat16, int8, int4: the PyTorch path)."""
+        matrices = (self.qkv, self.o, self.gate_up, self.down)
+        if not all(m.one_call for m in matrices):
+            return None
+        parts = [[part.tensors["weight"] for part in m.parts] for m in matrices]
+        specs = [value for m in matrices for part in m.parts for value in (PART_KINDS[part.fmt], part.out_features)]
+        return [*parts, specs]
+
+
+def draft_format() -> str:
+    """The format a head's matrices are packed in for drafting: q8 on specdec's kernels (the
+    layer then runs as one call), else PyTorch's int8."""
+    return "q8" if kernels.available() else "int8"
 
 
 # One draft position's training entry: its states [batch, m, ...], the shift s (target row t's

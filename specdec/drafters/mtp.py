@@ -35,7 +35,7 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.head_parts import PackedHead, rms_norm, rope, rope_inv_freq, rotate
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
-from specdec.models.qlinear import FORMATS, PackedLinear
+from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear
 
 if TYPE_CHECKING:
     from specdec.config import SpeculativeConfig
@@ -144,8 +144,9 @@ class MtpHead:
         """The matrices packed for drafting in `fmt`, built once and shared."""
         cache = self._packed
         if fmt not in cache:
-            if fmt not in FORMATS:
-                raise ConfigError(f"unknown weight format {fmt!r} for an MTP module; choose one of: {', '.join(FORMATS)}")
+            if fmt not in (*FORMATS, *KERNEL_FORMATS):
+                raise ConfigError(f"unknown weight format {fmt!r} for an MTP module; choose one of: "
+                                  f"{', '.join((*FORMATS, *KERNEL_FORMATS))}")
             w = self.w
             cache[fmt] = PackedHead(
                 fc=PackedLinear.pack(w["eh_proj.weight"], fmt),

@@ -30,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("draft_distribution", &draft_distribution,
           "logits [positions, vocab] -> top token, the k best draft tokens' positions and probabilities");
     m.def("forward_layers", &forward_layers, "decoder layers of a short pass in one call (see forward.cpp)");
+    m.def("head_layer", &head_layer, "a draft head's decoder layer (EAGLE-3's) in one call (see forward.cpp)");
     m.def("instruction_sets", &instruction_sets, "the kernel paths this CPU can run");
     m.def("amx_unavailable_reason", []() { return specdec::amx_unavailable_reason(); },
           "why this process has no AMX path (empty where it has one)");

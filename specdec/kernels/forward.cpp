@@ -6,6 +6,7 @@
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -149,4 +150,49 @@ std::vector<at::Tensor> forward_layers(
     }
     out[0] = x;
     return out;
+}
+
+// A draft head's decoder layer (EAGLE-3's) over n positions of one sequence, in one call: its
+// attention reads [rms_norm(embedded, input_norm), rms_norm(features, hidden_norm)] ([n, 2 *
+// hidden]), its residual stream is `features` ([n, hidden]); then o, the MLP (SiLU, its input
+// normed by mlp_norm) and their residual adds as a decoder layer. Matrices as forward_layers takes
+// them (parts: each part's kind and outputs, qkv, o, gate_up, down in order); keys, values [1, kv_heads, S, head_dim]
+// float32, position i writing slot write_slots[i] and attending as `attend_cached` does (counts
+// [1, n], slots). What the drafter's PyTorch path computes, on the kernels, without the Python
+// and the dozens of small operations between them (half a plain step of the default model).
+at::Tensor head_layer(
+    const at::Tensor& embedded, const at::Tensor& features, const at::Tensor& input_norm, const at::Tensor& hidden_norm,
+    const at::Tensor& mlp_norm, const std::vector<at::Tensor>& qkv, const std::vector<at::Tensor>& o,
+    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const std::vector<int64_t>& parts,
+    at::Tensor keys, at::Tensor values, const at::Tensor& write_slots, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& counts, const at::Tensor& slots, int64_t heads, int64_t kv_heads, double eps, double scale,
+    int64_t isa) {
+    TORCH_CHECK(features.dim() == 2 && features.scalar_type() == at::kFloat && embedded.sizes() == features.sizes() &&
+                    embedded.scalar_type() == at::kFloat,
+                "embedded and features must both be [n, hidden] float32");
+    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1, "a head's cache buffers must be [1, kv_heads, S, head_dim]");
+    TORCH_CHECK(parts.size() == 2 * (qkv.size() + o.size() + gate_up.size() + down.size()),
+                "parts: a kind and an output count for every matrix part");
+    const int64_t n = features.size(0);
+    const at::Tensor ws = write_slots.to(at::kLong).contiguous();
+    TORCH_CHECK(ws.numel() == n, "one cache write per position");
+    const std::vector<int64_t> row_of(n, 0);
+    const int64_t* spec = parts.data();
+    auto matrix = [&](const std::vector<at::Tensor>& matrix_parts) {
+        TORCH_CHECK(!matrix_parts.empty(), "a head's matrix has no parts");
+        const Matrix m{matrix_parts, spec};
+        spec += 2 * matrix_parts.size();
+        return m;
+    };
+    const Matrix qkv_m = matrix(qkv), o_m = matrix(o), gate_up_m = matrix(gate_up), down_m = matrix(down);
+    at::Tensor x = features.contiguous();
+    const at::Tensor input = at::cat({rms_norm(embedded.contiguous(), input_norm, eps), rms_norm(x, hidden_norm, eps)}, 1);
+    const at::Tensor none = at::empty({0}, at::kFloat);  // no per-head query and key norms
+    const std::vector<at::Tensor> rotated =
+        rotary_split(product(input, qkv_m, isa), cos, sin, 1, heads, kv_heads, none, none, eps);
+    write_cache(rotated[1], keys, row_of.data(), ws.data_ptr<int64_t>());
+    write_cache(rotated[2], values, row_of.data(), ws.data_ptr<int64_t>());
+    const at::Tensor attended = attend_cached(rotated[0], keys, values, counts, slots, scale, isa);
+    x = product(attended.view({n, -1}), o_m, isa, x);
+    return product(silu_mul(product(rms_norm(x, mlp_norm, eps), gate_up_m, isa)), down_m, isa, x);
 }

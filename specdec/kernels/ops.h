@@ -64,3 +64,11 @@ std::vector<at::Tensor> forward_layers(
     const at::Tensor& sin, const at::Tensor& counts, const at::Tensor& slots, int64_t rows,
     int64_t heads, int64_t kv_heads, double eps, double scale, int64_t isa, const std::vector<int64_t>& keep,
     bool gelu);
+// forward.cpp: a draft head's decoder layer (EAGLE-3's) in one call.
+at::Tensor head_layer(
+    const at::Tensor& embedded, const at::Tensor& features, const at::Tensor& input_norm, const at::Tensor& hidden_norm,
+    const at::Tensor& mlp_norm, const std::vector<at::Tensor>& qkv, const std::vector<at::Tensor>& o,
+    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const std::vector<int64_t>& parts,
+    at::Tensor keys, at::Tensor values, const at::Tensor& write_slots, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& counts, const at::Tensor& slots, int64_t heads, int64_t kv_heads, double eps, double scale,
+    int64_t isa);

@@ -74,13 +74,13 @@ class NativeLayer:
 # faster and rounds differently. With them, every block attends per query in one call a layer,
 # so a prompt's positions are bitwise what decoding them one by one would give.
 PER_QUERY_MAX = 32
-_NO_SLOTS = torch.empty(0, dtype=torch.int32)  # every query sees a prefix
+NO_SLOTS = torch.empty(0, dtype=torch.int32)  # every query sees a prefix
 # The KV cache's formats (see NativeBackend._choose_kv_dtype), and the variable that picks one for `auto`.
 KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 ENV_KV_DTYPE = "SPECDEC_KV_DTYPE"
 
 _NONE = torch.empty(0)  # a layer without Qwen2's bias or Qwen3's query and key norms, to the kernels
-_PART_KINDS = {"q4": 0, "q8": 1, "f16": 2}  # forward.cpp's PartKind of each kernel format
+PART_KINDS = {"q4": 0, "q8": 1, "f16": 2}  # forward.cpp's PartKind of each kernel format
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Visible:
         return [[self.slots[r, i, :n].long() for i, n in enumerate(row)] for r, row in enumerate(counts)]
 
 
-def _visible_slots(mask: torch.Tensor | None, cached: int, new: int, long_blocks: bool = False) -> Visible | None:
+def visible_slots(mask: torch.Tensor | None, cached: int, new: int, long_blocks: bool = False) -> Visible | None:
     """The slots each query of a block sees (see :class:`Visible`); None for a long block
     (prefill) unless `long_blocks`."""
     if new > PER_QUERY_MAX and not long_blocks:
@@ -455,7 +455,7 @@ class NativeBackend:
         kernels' attention (and PyTorch's per query), else a mask (a long block without kernels)."""
         if window is not None and cached + new > window:
             mask = self._windowed(mask, cached, new, positions, window)
-        visible = _visible_slots(mask, cached, new, long_blocks=self.fused)
+        visible = visible_slots(mask, cached, new, long_blocks=self.fused)
         if visible is not None:
             return None, visible
         if mask is None:  # a long block (prefill) of one row: causal over the cache, built once
@@ -493,7 +493,7 @@ class NativeBackend:
             # Each matrix as its parts' tensors, and every part's (kind, outputs) in the order
             # layer, matrix, part: the kind tells Q5_K's q4 records from Q6_K's q8 ones (both 640 bytes).
             specs = [value for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                     for part in lin.parts for value in (_PART_KINDS[part.fmt], part.out_features)]
+                     for part in lin.parts for value in (PART_KINDS[part.fmt], part.out_features)]
             parts = {name: [[part.tensors["weight"] for part in getattr(layer, name).parts] for layer in layers]
                      for name in ("qkv", "o", "gate_up", "down")}
             self._fused_weights[key] = [
@@ -538,7 +538,7 @@ class NativeBackend:
         kept = [n for n, i in enumerate(ids) if i in hidden_layers]
         outs = self._ops.forward_layers(
             x, *self._layer_weights(ids), keys, values, write_rows, write_slots, cos, sin, visible.counts,
-            _NO_SLOTS if visible.slots is None else visible.slots, rows, self.heads, self.kv_heads, self.eps,
+            NO_SLOTS if visible.slots is None else visible.slots, rows, self.heads, self.kv_heads, self.eps,
             self.attn_scale, self._isa, kept, self.gemma)
         for layer in advance or ():
             layer.advance(new)
@@ -587,7 +587,7 @@ class NativeBackend:
         if visible is not None and self.fused:
             # Each query of each row attends alone over its row's visible slots, exactly as a
             # one-token step of that sequence alone would (specdec's kernel: one call a layer).
-            slots = _NO_SLOTS if visible.slots is None else visible.slots
+            slots = NO_SLOTS if visible.slots is None else visible.slots
             return self._ops.attend_cached(q, keys, values, visible.counts, slots, self.attn_scale,
                                           self._isa).view(rows * new, -1)
         gqa = self.heads != self.kv_heads

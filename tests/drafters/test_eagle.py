@@ -464,3 +464,52 @@ def test_views_keep_the_same_distribution_without_the_kernels(monkeypatch: pytes
     plain = draft_distribution(logits, draft, 16)
     assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
     torch.testing.assert_close(fast[2], plain[2], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built on this machine")
+@pytest.mark.parametrize("width", [1, 3])
+def test_the_one_call_layer_drafts_what_the_pytorch_path_does(tiny_native: LoadedModel, width: int) -> None:
+    # The kernels' `head_layer` against the PyTorch operations on the same q8 matrices: every
+    # step's draft logits agree to float rounding (the order of sums in the norms and attention),
+    # and so do the proposals, over a catch-up of several positions, a chain and a tree.
+    head = random_head(tiny_native, 512, seed=6)
+    torch.manual_seed(1)
+    features = torch.randn(11, len(head.config.target_layers) * head.config.hidden_size)
+    context = torch.randint(0, 512, (12,)).tolist()
+    runs = []
+    for one_call in (True, False):
+        drafter = EagleDrafter(head, "q8", tree_width=width, tree_nodes=6 if width > 1 else None)
+        assert drafter._one_call is not None
+        if not one_call:
+            drafter._one_call = None
+        seen: list[torch.Tensor] = []
+        logits_of = drafter._logits
+        drafter._logits = lambda state, f=logits_of, seen=seen: seen.append(f(state)) or seen[-1]
+        drafter.begin(context[:2], 32)
+        drafter.observe_target(features[:6])
+        first = drafter.propose(context[:7], 3, GREEDY, None)
+        drafter.observe_target(features[6:])
+        second = drafter.propose(context, 3, GREEDY, None)
+        runs.append((seen, first, second))
+    (fast, *fast_proposals), (plain, *plain_proposals) = runs
+    assert len(fast) == len(plain) == 6  # three draft depths in each of two proposals
+    for a, b in zip(fast, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert [(p.tokens, p.parents) for p in fast_proposals] == [(p.tokens, p.parents) for p in plain_proposals]
+    if width > 1:
+        assert fast_proposals[0].parents.count(-1) == width
+
+
+def test_a_head_packs_in_the_kernels_formats_or_runs_without_them(tiny_native: LoadedModel,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Drafting packs the head in q8 where the kernels run (the one-call layer), else in PyTorch's
+    # int8; a float format always takes the PyTorch path.
+    head = random_head(tiny_native, 64)
+    assert EagleDrafter(head, "float32")._one_call is None
+    if kernels.available():
+        assert EagleDrafter(head).weight_format == "q8" and EagleDrafter(head)._one_call is not None
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    drafter = EagleDrafter(head)
+    assert drafter.weight_format == "int8" and drafter._one_call is None
+    with pytest.raises(ConfigError, match="unknown weight format"):
+        EagleDrafter(head, "q5")
