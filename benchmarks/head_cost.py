@@ -28,7 +28,6 @@ import torch
 
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.eagle import EagleDrafter
-from specdec.drafters.head_parts import draft_format
 from specdec.engine import Engine
 from specdec.methods import build_drafter
 from specdec.models import ModelRunner, load_model
@@ -70,7 +69,7 @@ def main() -> None:
 
     report = {"model": target.name, "threads": args.threads, "plain_step_ms": median_ms(target_step, args.repeats)}
     eagle = build_drafter(SpeculativeConfig.from_dict({"method": "eagle"}), target)
-    formats = args.format or list(dict.fromkeys([draft_format(), "int8"]))
+    formats = args.format or list(dict.fromkeys([EagleDrafter(eagle.head).weight_format, "int8"]))
     for fmt in formats:
         drafter = EagleDrafter(eagle.head, weight_format=fmt)
         drafter.begin(context, len(context) + 16)

@@ -343,7 +343,8 @@ class EagleDrafter(Drafter):
         if tree_width < 1 or (tree_nodes is not None and tree_nodes < 1):
             raise ConfigError("tree_width and tree_nodes must be >= 1")
         self.head = head
-        self.weight_format = weight_format or draft_format()
+        c = head.config
+        self.weight_format = weight_format or draft_format(c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)
         self.tree_width = tree_width  # 1: a chain
         self.tree_nodes = tree_nodes or 4 * tree_width
         self.proposal_size = TreeOptions(tree_width, tree_nodes).proposal_nodes  # most tokens a proposal holds beyond k

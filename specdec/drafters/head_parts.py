@@ -73,10 +73,11 @@ class PackedHead:
         return [*parts, specs]
 
 
-def draft_format() -> str:
-    """The format a head's matrices are packed in for drafting: q8 on specdec's kernels (the
-    layer then runs as one call), else PyTorch's int8."""
-    return "q8" if kernels.available() else "int8"
+def draft_format(*in_features: int) -> str:
+    """The format a head's matrices (with these input widths) are packed in for drafting: q8 on
+    specdec's kernels (the layer then runs as one call), else PyTorch's int8 (no kernels, or a
+    width that is not a whole number of q8's 32-input blocks)."""
+    return "q8" if kernels.available() and all(n % 32 == 0 for n in in_features) else "int8"
 
 
 # One draft position's training entry: its states [batch, m, ...], the shift s (target row t's
