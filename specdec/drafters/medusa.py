@@ -27,11 +27,11 @@ from torch import nn
 
 from specdec.drafters import head_files
 from specdec.drafters.base import Drafter, Proposal, best_subtree
-from specdec.drafters.head_parts import TrainableHead
+from specdec.drafters.head_parts import TrainableHead, draft_format
 from specdec.methods import TreeOptions
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
-from specdec.models.qlinear import FORMATS, PackedLinear
+from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear
 from specdec.sampling.invariant import invariant_tokens
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import sample
@@ -124,8 +124,9 @@ class MedusaHeads(TrainableHead):
         """The matrices packed for drafting in `fmt`, built once and shared by every sequence."""
         cache = self.__dict__.setdefault("_packed", {})
         if fmt not in cache:
-            if fmt not in FORMATS:
-                raise ConfigError(f"unknown weight format {fmt!r} for Medusa heads; choose one of: {', '.join(FORMATS)}")
+            if fmt not in (*FORMATS, *KERNEL_FORMATS):
+                raise ConfigError(f"unknown weight format {fmt!r} for Medusa heads; choose one of: "
+                                  f"{', '.join((*FORMATS, *KERNEL_FORMATS))}")
             blocks = [head[0].linear for head in self.medusa_head]
             cache[fmt] = PackedMedusa(
                 blocks=[PackedLinear.pack(b.weight, fmt) for b in blocks],
@@ -197,11 +198,13 @@ class MedusaDrafter(Drafter):
     """One sequence's Medusa drafting: the heads applied to the target's last committed state.
     tree_width > 1: a token tree (Medusa's tree of per-depth top tokens), see `_propose_tree`."""
 
-    def __init__(self, heads: MedusaHeads, num_layers: int, weight_format: str = "int8", tree_width: int = 1,
+    def __init__(self, heads: MedusaHeads, num_layers: int, weight_format: str | None = None, tree_width: int = 1,
                  tree_nodes: int | None = None) -> None:
         tree = TreeOptions(tree_width, tree_nodes)  # checks both
         self.heads = heads
-        self.weight_format = weight_format
+        # q8 on specdec's kernels (PyTorch's int8 products leave its threads spinning on the
+        # cores the next target pass needs), else int8.
+        self.weight_format = weight_format or draft_format(heads.config.hidden_size)
         self.target_layers = (num_layers - 1,)
         self.tree_width, self.tree_nodes = tree_width, tree_nodes  # width 1: a chain
         self.proposal_size = tree.proposal_nodes  # the most nodes a tree keeps (0: a chain)
