@@ -448,7 +448,8 @@ class EagleDrafter(Drafter):
                         walk = parents[walk]
                 outputs = self._run_at(torch.cat([states[parents[f]] for f in frontier]),
                                        torch.tensor([tokens[f] for f in frontier]),
-                                       torch.full((len(frontier),), length + level - 2), slots, mask)
+                                       torch.full((len(frontier),), length + level - 2), slots,
+                                       visible_slots(mask[None, None], 0, len(frontier), long_blocks=True))
                 for row, node in enumerate(frontier):
                     states[node] = outputs[row : row + 1]
             logp = torch.log_softmax(self._logits(torch.cat([states[f] for f in frontier])), dim=-1)  # [w, draft_vocab]
@@ -473,23 +474,21 @@ class EagleDrafter(Drafter):
         each attends to every entry before it. features: [n, hidden]; tokens: [n]. Returns
         [n, hidden]."""
         n = features.shape[0]
-        mask = torch.ones(n, start + n, dtype=torch.bool).tril(start) if n > 1 else None
-        return self._run_at(features, tokens, torch.arange(start, start + n), torch.arange(start, start + n), mask)
+        positions = torch.arange(start, start + n)
+        prefix = Visible(torch.arange(start + 1, start + n + 1, dtype=torch.int32)[None], None)
+        return self._run_at(features, tokens, positions, positions, prefix)
 
     def _run_at(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                visible: Visible) -> torch.Tensor:
         """The layer over n entries at these positions, written at these cache slots, each
-        attending to the slots its row of `mask` ([n, span], span = 1 + the last slot) allows
-        (None: all up to the last slot). The same arithmetic as :meth:`EagleHead.project` and
+        attending to the slots `visible` gives it (counts [1, n]: a prefix of the cache, or the
+        listed slots). The same arithmetic as :meth:`EagleHead.project` and
         :meth:`EagleHead.finish`, with the packed matrices."""
         c, layer, w = self.head.config, self.head.midlayer, self.weights
         n = features.shape[0]
         cos, sin = self.head.rope_at(positions)
-        span = int(slots.max()) + 1
         if self._one_call is not None:
             ops, isa, parts = self._one_call
-            visible = Visible(torch.full((1, n), span, dtype=torch.int32), None) if mask is None else \
-                visible_slots(mask[None, None], 0, n, long_blocks=True)
             return ops.head_layer(self.head.embed[tokens], features.float(), layer.input_layernorm, layer.hidden_norm,
                                   layer.post_attention_layernorm, *parts, self._keys[None], self._values[None], slots,
                                   cos, sin, visible.counts, NO_SLOTS if visible.slots is None else visible.slots,
@@ -501,8 +500,9 @@ class EagleDrafter(Drafter):
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         self._keys[:, slots] = k
         self._values[:, slots] = v
+        span = int(slots.max()) + 1
         keys, values = self._keys[:, :span], self._values[:, :span]
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask(visible, span),
                                                   enable_gqa=q.shape[0] != keys.shape[0])  # [heads, n, head_dim]
         x = features + w.o(attended.transpose(0, 1).reshape(n, -1)).float()
         gate, up = w.gate_up(rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)).float().chunk(2, dim=-1)
@@ -520,6 +520,18 @@ class EagleDrafter(Drafter):
 
     def fork(self) -> EagleDrafter:
         return type(self)(self.head, self.weight_format, self.tree_width, self.tree_nodes)
+
+
+def attention_mask(visible: Visible, span: int) -> torch.Tensor | None:
+    """The drafter's visible slots as PyTorch attention's mask [n, span] (None: every query sees
+    every slot)."""
+    counts = visible.counts[0]  # [n]
+    if visible.slots is None:
+        return None if bool((counts == span).all()) else torch.arange(span)[None] < counts[:, None]
+    mask = torch.zeros(len(counts), span, dtype=torch.bool)
+    for row, count in enumerate(counts.tolist()):
+        mask[row, visible.slots[0, row, :count].long()] = True
+    return mask
 
 
 def load_head(config: SpeculativeConfig, target: LoadedModel) -> EagleHead:

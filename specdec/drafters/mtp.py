@@ -31,10 +31,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle import EagleDrafter, attention_mask
 from specdec.drafters.head_parts import PackedHead, rms_norm, rope, rope_inv_freq, rotate
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
+from specdec.models.native import Visible
 from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear
 
 if TYPE_CHECKING:
@@ -213,7 +214,7 @@ class MtpDrafter(EagleDrafter):
         return rms_norm(target_states, self.head.target_norm, self.head.config.rms_norm_eps)
 
     def _run_at(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                visible: Visible) -> torch.Tensor:
         c, w, packed = self.head.config, self.head.w, self.weights
         n, eps = features.shape[0], c.rms_norm_eps
         embedded = self.head.embed[tokens] * (positions != 0)[:, None]  # vLLM zeroes position 0's
@@ -227,7 +228,8 @@ class MtpDrafter(EagleDrafter):
         self._keys[:, slots] = k
         self._values[:, slots] = v
         span = int(slots.max()) + 1
-        attended = F.scaled_dot_product_attention(q, self._keys[:, :span], self._values[:, :span], attn_mask=mask,
+        attended = F.scaled_dot_product_attention(q, self._keys[:, :span], self._values[:, :span],
+                                                  attn_mask=attention_mask(visible, span),
                                                   enable_gqa=c.num_heads != c.num_kv_heads)  # [heads, n, head_dim]
         x = x + packed.o(attended.transpose(0, 1).reshape(n, -1)).float()
         gate, up = packed.gate_up(rms_norm(x, w["post_attention_layernorm.weight"], eps)).float().chunk(2, dim=-1)
