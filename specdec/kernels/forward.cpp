@@ -29,6 +29,21 @@ struct Matrix {
     const int64_t* spec;
 };
 
+// The matrices of a call, in order, each taking its parts' entries off the flat list.
+class Matrices {
+   public:
+    explicit Matrices(const std::vector<int64_t>& parts) : spec_(parts.data()) {}
+    Matrix next(const std::vector<at::Tensor>& matrix_parts) {
+        TORCH_CHECK(!matrix_parts.empty(), "a matrix has no parts");
+        const Matrix m{matrix_parts, spec_};
+        spec_ += 2 * matrix_parts.size();
+        return m;
+    }
+
+   private:
+    const int64_t* spec_;
+};
+
 at::Tensor part_product(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t out_features, int64_t isa,
                         const c10::optional<at::Tensor>& residual) {
     if (kind == PART_F16) return half_matmul(x, w, out_features, isa, residual);
@@ -121,15 +136,10 @@ std::vector<at::Tensor> forward_layers(
         kept[i] = true;
     }
     std::vector<at::Tensor> out{at::Tensor()};
-    const int64_t* spec = parts.data();
-    auto matrix = [&](const std::vector<at::Tensor>& matrix_parts) {
-        TORCH_CHECK(!matrix_parts.empty(), "a layer's matrix has no parts");
-        const Matrix m{matrix_parts, spec};
-        spec += 2 * matrix_parts.size();
-        return m;
-    };
+    Matrices matrices(parts);
     for (size_t i = 0; i < layers; ++i) {
-        const Matrix qkv_m = matrix(qkv[i]), o_m = matrix(o[i]), gate_up_m = matrix(gate_up[i]), down_m = matrix(down[i]);
+        const Matrix qkv_m = matrices.next(qkv[i]), o_m = matrices.next(o[i]), gate_up_m = matrices.next(gate_up[i]),
+                     down_m = matrices.next(down[i]);
         at::Tensor h = product(rms_norm(x, attn_norm[i], eps), qkv_m, isa);
         if (qkv_bias[i].numel()) h = at::add(h, qkv_bias[i]);
         const std::vector<at::Tensor> qkv_rotated = rotary_split(h, cos, sin, rows, heads, kv_heads, q_norm[i], k_norm[i], eps);
@@ -177,14 +187,9 @@ at::Tensor head_layer(
     const at::Tensor ws = write_slots.to(at::kLong).contiguous();
     TORCH_CHECK(ws.numel() == n, "one cache write per position");
     const std::vector<int64_t> row_of(n, 0);
-    const int64_t* spec = parts.data();
-    auto matrix = [&](const std::vector<at::Tensor>& matrix_parts) {
-        TORCH_CHECK(!matrix_parts.empty(), "a head's matrix has no parts");
-        const Matrix m{matrix_parts, spec};
-        spec += 2 * matrix_parts.size();
-        return m;
-    };
-    const Matrix qkv_m = matrix(qkv), o_m = matrix(o), gate_up_m = matrix(gate_up), down_m = matrix(down);
+    Matrices matrices(parts);
+    const Matrix qkv_m = matrices.next(qkv), o_m = matrices.next(o), gate_up_m = matrices.next(gate_up),
+                 down_m = matrices.next(down);
     at::Tensor x = features.contiguous();
     const at::Tensor input = at::cat({rms_norm(embedded.contiguous(), input_norm, eps), rms_norm(x, hidden_norm, eps)}, 1);
     const at::Tensor none = at::empty({0}, at::kFloat);  // no per-head query and key norms
