@@ -424,8 +424,11 @@ def train_head(
         head.load_state_dict(saved["head"])
         progress = Progress(**saved["progress"])
         coverage = saved["coverage"]
+        prior = saved.get("started_from") or {}
     elif init is not None:
         start_from = family.load(init, target)
+        # What trained the starting head (none for a published one), kept with this one's.
+        prior = {"from": str(init), **start_from.config.training}
         d2t_ids = start_from.draft_ids
         if len(d2t_ids) != config.draft_vocab_size:
             raise ConfigError(f"--init head has a draft vocabulary of {len(d2t_ids)}; this run asks for {config.draft_vocab_size}")
@@ -439,7 +442,7 @@ def train_head(
         d2t_ids, coverage = draft_vocabulary([sequence(r) for r in train_ids], config.draft_vocab_size,
                                              target.backend.vocab_size)
         head = new_head(target, d2t_ids, config)
-        saved = None
+        saved, prior = None, {}
     head.to(device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     if saved is not None:
@@ -452,7 +455,7 @@ def train_head(
 
     def checkpoint() -> None:
         state = {"config": asdict(config), "d2t_ids": d2t_ids, "coverage": coverage, "head": head.state_dict(),
-                 "optimizer": compact_optimizer(optimizer), "progress": asdict(progress)}
+                 "optimizer": compact_optimizer(optimizer), "progress": asdict(progress), "started_from": prior}
         partial = checkpoint_path.with_suffix(".tmp")
         torch.save(state, partial)
         partial.replace(checkpoint_path)  # a kill mid-write leaves the previous checkpoint whole
@@ -535,6 +538,10 @@ def train_head(
         "seconds": round(progress.elapsed_s), "arch": config.arch, "ttt_steps": config.ttt_steps,
         "draft_vocab_coverage": round(coverage, 4), "seed": config.seed, "validation_agreement": agreement,
     })
+    if prior:  # a head trained further (--init): its whole history, and every token it has trained on
+        head.config.training.update({
+            "started_from": prior,
+            "total_tokens": progress.tokens + int(prior.get("total_tokens") or prior.get("tokens") or 0)})
     head.cpu().save(out)
     report = {"target": target.name, "weight_format": target.backend.weight_format, **head.config.training,
               "validation_sequences": len(validation), "head_bytes": (out / "model.safetensors").stat().st_size,

@@ -349,6 +349,15 @@ def test_init_starts_from_a_head(tiny_native: LoadedModel, tmp_path) -> None:
     a = load_file(str(tmp_path / "start" / "model.safetensors"))
     b = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert all(torch.equal(a[name], b[name]) for name in a)  # lr 0: the starting weights, saved again
+    # The head keeps what trained it before: trained further, it counts every token it has seen.
+    history = EagleHead.load(tmp_path / "out", tiny_native).config.training
+    assert history["started_from"] == {"from": str(tmp_path / "start")}  # an untrained head: no history
+    assert history["total_tokens"] == history["tokens"] > 0
+    start.config.training.update({"tokens": 1000, "total_tokens": 5000})
+    start.save(tmp_path / "start")
+    train_head(tiny_native, records, tmp_path / "again", config, init=tmp_path / "start")
+    history = EagleHead.load(tmp_path / "again", tiny_native).config.training
+    assert history["started_from"]["total_tokens"] == 5000 and history["total_tokens"] == 5000 + history["tokens"]
 
 
 def test_a_time_budget_stops_training_on_time(tiny_native: LoadedModel, tmp_path) -> None:
