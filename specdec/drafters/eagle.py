@@ -355,9 +355,11 @@ class EagleDrafter(Drafter):
         self._length = 0  # committed positions with entries
         self._pending: list[torch.Tensor] = []  # target features not yet turned into entries
         self._state: torch.Tensor | None = None  # [1, hidden] the last committed position's output
-        # The kernels' one-call layer and its weight arguments, where the matrices are in their formats.
+        # The kernels' one-call layer and its weight arguments, where the matrices are in their
+        # formats (and the heads' width is whole vectors for the kernels' attention).
         parts = self.weights.layer_parts()
-        self._one_call = (kernels.load(), kernels.ISAS[kernels.default_isa()], parts) if parts is not None else None
+        self._one_call = (kernels.load(), kernels.ISAS[kernels.default_isa()], parts) \
+            if parts is not None and c.head_dim % 8 == 0 else None
 
     @property
     def weights(self) -> PackedHead:
