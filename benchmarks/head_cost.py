@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.bench.data import load_records
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.eagle import EagleDrafter
 from specdec.engine import Engine
@@ -107,10 +108,10 @@ def main() -> None:
 def in_engine(target, head, formats: list[str], data: Path, prompts: int, max_tokens: int) -> dict:
     """Plain decoding and eagle k = 1 in each format over the first turns of `prompts` prompts
     spread over the file, interleaved prompt by prompt (the machine's drift falls on all alike)."""
-    rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines() if line.strip()]
-    chosen = rows[:: max(1, len(rows) // prompts)][:prompts]
+    records = load_records(data)
+    chosen = records[:: max(1, len(records) // prompts)][:prompts]
     encoder = PromptEncoder(target)
-    encoded = [encoder.encode([{"role": "user", "content": row["turns"][0]}]) for row in chosen]
+    encoded = [encoder.encode([{"role": "user", "content": record.turns[0]}]) for record in chosen]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engines = {"plain": Engine(target), **{f"eagle_{fmt}": Engine(target, EagleDrafter(head, fmt), 1) for fmt in formats}}
     totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "draft_s": 0.0, "verify_s": 0.0} for name in engines}

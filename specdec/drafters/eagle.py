@@ -37,13 +37,13 @@ from torch import nn
 from specdec.drafters import eagle_unroll, head_files
 from specdec.drafters.base import Drafter, Proposal, best_subtree
 from specdec import kernels
-from specdec.drafters.head_parts import (TREE_SLOTS, PackedHead, TrainableHead, draft_format, rms_norm, rope,
-                                         rope_inv_freq, rotate)
+from specdec.drafters.head_parts import (TREE_SLOTS, PackedHead, TrainableHead, check_draft_format, draft_format,
+                                         rms_norm, rope, rope_inv_freq, rotate)
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.methods import TreeOptions
 from specdec.models.native import NO_SLOTS, Visible, visible_slots
-from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear
+from specdec.models.qlinear import PackedLinear
 from specdec.sampling.invariant import invariant_tokens
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import sample
@@ -256,9 +256,7 @@ class EagleHead(TrainableHead):
         built once and shared by every sequence; training must not change the head after."""
         cache = self.__dict__.setdefault("_packed", {})
         if fmt not in cache:
-            if fmt not in (*FORMATS, *KERNEL_FORMATS):
-                raise ConfigError(f"unknown weight format {fmt!r} for an EAGLE head; choose one of: "
-                                  f"{', '.join((*FORMATS, *KERNEL_FORMATS))}")
+            check_draft_format(fmt, "an EAGLE head")
             attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
             lm = self.lm_head_rows if self.lm_head is None else self.lm_head.weight
             cache[fmt] = PackedHead(

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from specdec import kernels
-from specdec.models.native import PART_KINDS
-from specdec.models.qlinear import PackedLinear
+from specdec.models.native import part_specs, part_tensors
+from specdec.errors import ConfigError
+from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear
 
 if TYPE_CHECKING:
     from specdec.models.loader import LoadedModel
@@ -68,9 +69,13 @@ class PackedHead:
         matrices = (self.qkv, self.o, self.gate_up, self.down)
         if not all(m.one_call for m in matrices):
             return None
-        parts = [[part.tensors["weight"] for part in m.parts] for m in matrices]
-        specs = [value for m in matrices for part in m.parts for value in (PART_KINDS[part.fmt], part.out_features)]
-        return [*parts, specs]
+        return [*(part_tensors(m) for m in matrices), part_specs(matrices)]
+
+
+def check_draft_format(fmt: str, what: str) -> None:
+    """Refuse a format a head's matrices cannot be packed in (`what`: the head, for the message)."""
+    if fmt not in (*FORMATS, *KERNEL_FORMATS):
+        raise ConfigError(f"unknown weight format {fmt!r} for {what}; choose one of: {', '.join((*FORMATS, *KERNEL_FORMATS))}")
 
 
 def draft_format(*in_features: int) -> str:

@@ -27,11 +27,11 @@ from torch import nn
 
 from specdec.drafters import head_files
 from specdec.drafters.base import Drafter, Proposal, best_subtree
-from specdec.drafters.head_parts import TrainableHead, draft_format
+from specdec.drafters.head_parts import TrainableHead, check_draft_format, draft_format
 from specdec.methods import TreeOptions
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
-from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear
+from specdec.models.qlinear import PackedLinear
 from specdec.sampling.invariant import invariant_tokens
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.probs import sample
@@ -124,9 +124,7 @@ class MedusaHeads(TrainableHead):
         """The matrices packed for drafting in `fmt`, built once and shared by every sequence."""
         cache = self.__dict__.setdefault("_packed", {})
         if fmt not in cache:
-            if fmt not in (*FORMATS, *KERNEL_FORMATS):
-                raise ConfigError(f"unknown weight format {fmt!r} for Medusa heads; choose one of: "
-                                  f"{', '.join((*FORMATS, *KERNEL_FORMATS))}")
+            check_draft_format(fmt, "Medusa heads")
             blocks = [head[0].linear for head in self.medusa_head]
             cache[fmt] = PackedMedusa(
                 blocks=[PackedLinear.pack(b.weight, fmt) for b in blocks],

@@ -32,11 +32,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.drafters.eagle import EagleDrafter, attention_mask
-from specdec.drafters.head_parts import PackedHead, rms_norm, rope, rope_inv_freq, rotate
+from specdec.drafters.head_parts import PackedHead, check_draft_format, rms_norm, rope, rope_inv_freq, rotate
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.models.native import Visible
-from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear
+from specdec.models.qlinear import PackedLinear
 
 if TYPE_CHECKING:
     from specdec.config import SpeculativeConfig
@@ -145,9 +145,7 @@ class MtpHead:
         """The matrices packed for drafting in `fmt`, built once and shared."""
         cache = self._packed
         if fmt not in cache:
-            if fmt not in (*FORMATS, *KERNEL_FORMATS):
-                raise ConfigError(f"unknown weight format {fmt!r} for an MTP module; choose one of: "
-                                  f"{', '.join((*FORMATS, *KERNEL_FORMATS))}")
+            check_draft_format(fmt, "an MTP module")
             w = self.w
             cache[fmt] = PackedHead(
                 fc=PackedLinear.pack(w["eh_proj.weight"], fmt),

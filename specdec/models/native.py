@@ -80,7 +80,7 @@ KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 ENV_KV_DTYPE = "SPECDEC_KV_DTYPE"
 
 _NONE = torch.empty(0)  # a layer without Qwen2's bias or Qwen3's query and key norms, to the kernels
-PART_KINDS = {"q4": 0, "q8": 1, "f16": 2}  # forward.cpp's PartKind of each kernel format
+_PART_KINDS = {"q4": 0, "q8": 1, "f16": 2}  # forward.cpp's PartKind of each kernel format
 
 
 @dataclass
@@ -118,6 +118,17 @@ def visible_slots(mask: torch.Tensor | None, cached: int, new: int, long_blocks:
     # A tree: the visible slots in order, padded (a prefix query lists its prefix the same way).
     listed = torch.sort(torch.where(mask[:, 0], slots, mask.shape[-1]), dim=-1).values[..., : int(counts.max())]
     return Visible(counts.to(torch.int32), listed.clamp(max=mask.shape[-1] - 1).to(torch.int32).contiguous())
+
+
+def part_tensors(matrix: PackedLinear | StackedLinear) -> list[torch.Tensor]:
+    """A matrix as the kernels' one-call functions take it: its parts' packed tensors."""
+    return [part.tensors["weight"] for part in matrix.parts]
+
+
+def part_specs(matrices: Sequence[PackedLinear | StackedLinear]) -> list[int]:
+    """Every part's (kind, outputs) of these matrices, in order, flat: what the one-call functions
+    read beside the tensors (the kind tells Q5_K's q4 records from Q6_K's q8 ones, both 640 bytes)."""
+    return [value for m in matrices for part in m.parts for value in (_PART_KINDS[part.fmt], part.out_features)]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -491,10 +502,9 @@ class NativeBackend:
         if key not in self._fused_weights:
             layers = [self.layers[i] for i in ids]
             # Each matrix as its parts' tensors, and every part's (kind, outputs) in the order
-            # layer, matrix, part: the kind tells Q5_K's q4 records from Q6_K's q8 ones (both 640 bytes).
-            specs = [value for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                     for part in lin.parts for value in (PART_KINDS[part.fmt], part.out_features)]
-            parts = {name: [[part.tensors["weight"] for part in getattr(layer, name).parts] for layer in layers]
+            # layer, matrix, part.
+            specs = part_specs([lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)])
+            parts = {name: [part_tensors(getattr(layer, name)) for layer in layers]
                      for name in ("qkv", "o", "gate_up", "down")}
             self._fused_weights[key] = [
                 [layer.attn_norm for layer in layers], parts["qkv"],
