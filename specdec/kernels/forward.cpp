@@ -169,7 +169,7 @@ std::vector<at::Tensor> forward_layers(
 // them (parts: each part's kind and outputs, qkv, o, gate_up, down in order); keys, values [1, kv_heads, S, head_dim]
 // float32, position i writing slot write_slots[i] and attending as `attend_cached` does (counts
 // [1, n], slots). What the drafter's PyTorch path computes, on the kernels, without the Python
-// and the dozens of small operations between them (half a plain step of the default model).
+// and the dozens of small operations between them, whose threading also slows the next pass.
 at::Tensor head_layer(
     const at::Tensor& embedded, const at::Tensor& features, const at::Tensor& input_norm, const at::Tensor& hidden_norm,
     const at::Tensor& mlp_norm, const std::vector<at::Tensor>& qkv, const std::vector<at::Tensor>& o,
