@@ -64,7 +64,7 @@ KOpt = Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", h
 DraftOpt = Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for --method draft_model (same forms as --model); for eagle and hybrid, a head directory (default: the head shipped for the model).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda where a GPU exists.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (native where it runs the model, else hf), native (Llama family, packed weights), or hf (transformers).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="Weight format: auto (a GGUF file's own quantization on native; float32 on hf), float32, bfloat16, int8, int4.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="Weight format: auto (a GGUF file's own quantization on native; float32 on hf), float32, bfloat16, int8, int4, or r8 (rotated int8 on specdec's kernels: many-token passes several times faster, see docs/backends.md).")]
 
 
 def speculative_config(spec_json: str | None, method: str | None, k: int | None, draft_model: str | None) -> SpeculativeConfig | None:

@@ -38,7 +38,7 @@ from specdec.paths import cache_dir
 log = logging.getLogger("specdec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("quant.cpp", "amx.cpp", "half.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "pool.cpp",
+           for name in ("quant.cpp", "amx.cpp", "rotated.cpp", "half.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "pool.cpp",
                         "distribution.cpp", "bindings.cpp")]
 # The instruction sets a product may be asked to run on: auto picks the best this CPU has.
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3}

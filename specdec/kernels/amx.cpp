@@ -273,6 +273,65 @@ void amx_split_unit(const uint8_t* unit, int64_t G, int record, uint8_t* bytes) 
 }
 
 void amx_begin() { __asm__ volatile("ldtilecfg %0" ::"m"(CONFIG)); }
+
+// The r8 products (rotated.cpp): tmm0..3 the int32 sums C of up to four units, tmm4 the panel's
+// activations A [16 rows, 64 inputs], tmm5..7 a unit's weights B [16 lines of 4 inputs, 16 columns
+// x 4 bytes]; a row's sum runs over all of K in C, signed bytes times signed bytes.
+namespace {
+struct alignas(64) R8Config {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS};
+};
+const R8Config R8_CONFIG{};
+
+// C_U += A B_U for k-chunk `k` (B in tmm5 + U % 3), and the same chunk of the unit four on (the
+// next group's, which the thread most likely takes next) asked for.
+template <int U>
+__attribute__((target(SPECDEC_AMX_TARGET), always_inline))
+inline void r8_step(const uint8_t* w, int64_t unit_bytes, int64_t k) {
+    constexpr int B = 5 + U % 3;
+    const uint8_t* b = w + U * unit_bytes + k * NC;
+    for (int line = 0; line < 1024; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(b + 4 * unit_bytes + line), _MM_HINT_T0);
+    tile_load<B>(b, 64);
+    tile_dot<U, 4, B, false>();
+}
+
+template <int N>
+__attribute__((target(SPECDEC_AMX_TARGET)))
+void r8_tiles(const uint8_t* w, int64_t unit_bytes, const int8_t* xq, int64_t K, int32_t* sums) {
+    tile_zero<0>();
+    if constexpr (N > 1) tile_zero<1>();
+    if constexpr (N > 2) tile_zero<2>();
+    if constexpr (N > 3) tile_zero<3>();
+    for (int64_t k = 0; k < K; k += 64) {
+        tile_load<4>(xq + k, K);
+        r8_step<0>(w, unit_bytes, k);
+        if constexpr (N > 1) r8_step<1>(w, unit_bytes, k);
+        if constexpr (N > 2) r8_step<2>(w, unit_bytes, k);
+        if constexpr (N > 3) r8_step<3>(w, unit_bytes, k);
+    }
+    constexpr int C = AMX_ROWS * NC;
+    tile_store<0>(sums, 64);
+    if constexpr (N > 1) tile_store<1>(sums + C, 64);
+    if constexpr (N > 2) tile_store<2>(sums + 2 * C, 64);
+    if constexpr (N > 3) tile_store<3>(sums + 3 * C, 64);
+}
+}  // namespace
+
+void amx_begin_r8() { __asm__ volatile("ldtilecfg %0" ::"m"(R8_CONFIG)); }
+
+void r8_tiles_amx(const uint8_t* w, int64_t unit_bytes, int units, const int8_t* xq, int64_t K, int32_t* sums) {
+    switch (units) {
+        case 1: r8_tiles<1>(w, unit_bytes, xq, K, sums); break;
+        case 2: r8_tiles<2>(w, unit_bytes, xq, K, sums); break;
+        case 3: r8_tiles<3>(w, unit_bytes, xq, K, sums); break;
+        default: r8_tiles<4>(w, unit_bytes, xq, K, sums); break;
+    }
+}
 void amx_end() { __asm__ volatile("tilerelease" ::: "memory"); }
 
 }  // namespace specdec

@@ -20,7 +20,7 @@ namespace {
 
 // A matrix's part kinds, as the Python side names them (each part's family: q4 and q8 records of
 // 640 bytes are Q5_K's and Q6_K's, which only the kind tells apart).
-enum PartKind : int64_t { PART_Q4 = 0, PART_Q8 = 1, PART_F16 = 2 };
+enum PartKind : int64_t { PART_Q4 = 0, PART_Q8 = 1, PART_F16 = 2, PART_R8 = 3 };
 
 // One matrix of a layer: its parts (one, or several stacked over their outputs, each in its own
 // format) and each part's kind and outputs, read from the flat (kind, outputs) list at `spec`.
@@ -47,6 +47,7 @@ class Matrices {
 at::Tensor part_product(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t out_features, int64_t isa,
                         const c10::optional<at::Tensor>& residual) {
     if (kind == PART_F16) return half_matmul(x, w, out_features, isa, residual);
+    if (kind == PART_R8) return r8_matmul(x, w, out_features, isa, residual);
     TORCH_CHECK(kind == PART_Q4 || kind == PART_Q8, "a layer's matrix part has an unknown kind ", kind);
     return quantized_matmul(x, w, out_features, isa, kind == PART_Q4, residual);
 }

@@ -28,6 +28,13 @@ std::vector<std::string> instruction_sets();
 // The path a kernel takes: ISA_AUTO -> the best this CPU has (AMX, else AVX-512 with VNNI, else AVX2).
 int64_t resolve_isa(int64_t isa);
 
+// rotated.cpp: x [rows, in] float32 times r8 weights ([units, in * 16 + 64] uint8: int8 a weight,
+// a float32 scale a column, stored rotated) after the same rotation of x, plus the residual where
+// given -> [rows, out] float32; and that rotation alone (x R, for tests).
+at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t isa,
+                     const c10::optional<at::Tensor>& residual);
+at::Tensor rotate_rows(const at::Tensor& x);
+
 // half.cpp: x [rows, in] float32 times float16 weights [out, in] (+ residual) -> [rows, out] float32.
 at::Tensor half_matmul(const at::Tensor& x, const at::Tensor& w, int64_t out_features, int64_t isa,
                        const c10::optional<at::Tensor>& residual);

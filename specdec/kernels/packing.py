@@ -18,6 +18,8 @@ Columns past the matrix (out_features not a multiple of 16) are zeros and never 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 BLOCK = 32  # inputs per block: GGUF's Q4_0, Q4_1 and Q8_0 blocks
@@ -172,3 +174,90 @@ def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = torch.round(groups / safe[..., None]).clamp(-128, 127).to(torch.int32)
     return q.reshape(out_features, in_features), d
+
+
+# --- r8: rotated int8 (rotated.cpp) ----------------------------------------------------------
+
+ROTATION_BLOCK = 64  # inputs a Walsh-Hadamard block spans (and an AMX tile product)
+R8_SCALES = 64  # bytes of a unit's 16 float32 column scales
+
+
+def rotation_signs() -> torch.Tensor:
+    """S's diagonal [64] float64: rotated.cpp's fixed pattern (bit 7 of i times Knuth's hash)."""
+    return torch.tensor([1.0 if (i * 2654435761 >> 7) & 1 else -1.0 for i in range(ROTATION_BLOCK)],
+                        dtype=torch.float64)
+
+
+def rotation_dct(m: int) -> torch.Tensor:
+    """C [m, m]: the orthonormal DCT-II, computed in double as rotated.cpp computes it and rounded
+    once to float32 (returned as float64 holding those float32 values)."""
+    c = torch.empty(m, m, dtype=torch.float64)
+    for i in range(m):
+        for j in range(m):
+            v = math.cos(math.pi / m * (j + 0.5) * i) * math.sqrt(2.0 / m)
+            c[i, j] = v / math.sqrt(2.0) if i == 0 else v
+    return c.float().double()
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h
+
+
+def rotate_weights(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] -> W R^-T in float64, so that (x R) (W R^-T)^T = x W^T for the kernel's x R.
+
+    R = kron(C^T, S H) acts on x as [m, 64]: X -> C X S H. Its inverse transpose acts on W's rows
+    the same way with C^-T and (S H)^-T = S H / 64 (H H = 64 I, H symmetric, S S = I)."""
+    out_features, in_features = weight.shape
+    if in_features % ROTATION_BLOCK:
+        raise ValueError(f"r8 needs in_features divisible by {ROTATION_BLOCK}, got {in_features}")
+    m = in_features // ROTATION_BLOCK
+    c_inv_t = torch.linalg.inv(rotation_dct(m)).t()
+    sh = rotation_signs()[:, None] * _hadamard(ROTATION_BLOCK) / ROTATION_BLOCK
+    w = weight.double().reshape(out_features, m, ROTATION_BLOCK)
+    return torch.einsum("ij,njk,kl->nil", c_inv_t, w, sh).reshape(out_features, in_features)
+
+
+def quantize_r8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float matrix [out, in] -> q [out, in] int32 in -127..127 and s [out] float32: the rotated
+    weights, one scale per output column (s = amax / 127, q = round(w / s))."""
+    rotated = rotate_weights(weight)
+    s = (rotated.abs().amax(dim=1) / 127).float()
+    safe = torch.where(s > 0, s.double(), torch.ones_like(s, dtype=torch.float64))
+    q = torch.round(rotated / safe[:, None]).clamp(-127, 127).to(torch.int32)
+    return q, s
+
+
+def pack_r8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """q [out, in] integers -127..127, s [out] float32 -> [units, in * 16 + 64] uint8: per unit of 16
+    columns, in / 4 lines of 64 bytes (line j: inputs 4 j .. 4 j + 3 of column c at bytes 4 c ..),
+    then the 16 columns' scales."""
+    out_features, in_features = q.shape
+    q = _pad_columns(q.to(torch.int8))
+    units = q.shape[0] // UNIT
+    # [units, column, line, i] -> [units, line, column, i]
+    lines = q.reshape(units, UNIT, in_features // 4, 4).permute(0, 2, 1, 3).reshape(units, -1).view(torch.uint8)
+    scales = _pad_columns(s.float()[:, None]).reshape(units, UNIT).contiguous().view(torch.uint8)
+    return torch.cat([lines, scales], dim=1).contiguous()
+
+
+def unpack_r8(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_r8`: q [out, in] int32, s [out] float32."""
+    units, width = packed.shape
+    in_features = (width - R8_SCALES) // UNIT
+    q = packed[:, : in_features * UNIT].contiguous().view(torch.int8).reshape(units, in_features // 4, UNIT, 4)
+    q = q.permute(0, 2, 1, 3).reshape(units * UNIT, in_features)[:out_features].to(torch.int32)
+    s = packed[:, in_features * UNIT :].contiguous().view(torch.float32).reshape(-1)[:out_features]
+    return q, s
+
+
+def unrotate_weights(rotated: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`rotate_weights`: W R^-T [out, in] -> W, in float64."""
+    out_features, in_features = rotated.shape
+    m = in_features // ROTATION_BLOCK
+    sh_t = (rotation_signs()[:, None] * _hadamard(ROTATION_BLOCK)).t()
+    w = rotated.double().reshape(out_features, m, ROTATION_BLOCK)
+    return torch.einsum("ji,njk,kl->nil", rotation_dct(m), w, sh_t).reshape(out_features, in_features)

@@ -70,6 +70,11 @@ AmxTileFn q8_tile_amx(int rows);
 void amx_split_unit(const uint8_t* unit, int64_t G, int record, uint8_t* bytes);
 void amx_begin();
 void amx_end();
+// The r8 products' tiles (rotated.cpp): their own configuration (amx_begin_r8, then amx_end), and
+// 16 rows of int8 activations (xq, row stride K) times `units` (1..4) consecutive units of r8
+// weights, each unit_bytes long -> the int32 sums [units][16 rows][16 columns] over all of K.
+void amx_begin_r8();
+void r8_tiles_amx(const uint8_t* w, int64_t unit_bytes, int units, const int8_t* xq, int64_t K, int32_t* sums);
 // The bytes a tile may read past the last row of the activations' last block (a 16-row tile
 // loads 16 rows whatever its size; the rows past its own only reach accumulator rows it ignores).
 constexpr int64_t AMX_PAD_BYTES = AMX_ROWS * QK;

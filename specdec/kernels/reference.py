@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.packing import BLOCK
+from specdec.kernels.packing import BLOCK, ROTATION_BLOCK, rotation_dct, rotation_signs
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,3 +90,39 @@ def half_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for width in (8, 4, 2, 1):
         acc = acc[..., :width] + acc[..., width : 2 * width]
     return acc[..., 0]
+
+
+def rotate_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 -> x R as `rotated.cpp` computes it: each block of 64 times S, its
+    Walsh-Hadamard butterflies on index bits 5, 4, 3, 2, 1, 0 in that order ((a, b) -> (a + b,
+    a - b)), then y_i = C[i, 0] z_0 + C[i, 1] z_1 + ... over the blocks, first to last."""
+    rows, in_features = x.shape
+    m = in_features // ROTATION_BLOCK
+    z = (x.float().reshape(rows, m, ROTATION_BLOCK) * rotation_signs().float()).clone()
+    for bit in (5, 4, 3, 2, 1, 0):
+        t = 1 << bit
+        view = z.reshape(rows, m, ROTATION_BLOCK // (2 * t), 2, t)
+        a, b = view[..., 0, :].clone(), view[..., 1, :].clone()
+        view[..., 0, :] = a + b
+        view[..., 1, :] = a - b
+    c = rotation_dct(m).float()
+    y = torch.empty_like(z)
+    for i in range(m):
+        acc = c[i, 0] * z[:, 0]
+        for j in range(1, m):
+            acc = acc + c[i, j] * z[:, j]
+        y[:, i] = acc
+    return y.reshape(rows, in_features)
+
+
+def r8_matmul(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 times the r8 weights (q [out, in] -127..127 rotated, s [out]) -> [rows, out].
+
+    The rotated row quantized as one block (d = amax / 127, q = round(y * (1 / d)), half to even),
+    its exact integer sums over all inputs, then out = float(sum) * s * d."""
+    y = rotate_rows(x)
+    d = y.abs().amax(dim=1) / 127
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    xq = torch.round(y * inverse[:, None])
+    sums = (xq.double() @ q.double().t()).to(torch.int32)
+    return (sums.float() * s[None, :].float()) * d[:, None]

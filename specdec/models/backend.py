@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 BACKENDS = ("hf", "native")
-DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+DTYPES = ("auto", "float32", "bfloat16", "int8", "int4", "r8")
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class ForwardOutput:
 
 class Backend(Protocol):
     name: str  # "hf" or "native"
-    weight_format: str  # what the weights run in: "float32", "bfloat16", "int8", "int4", or "mixed: ..."
+    weight_format: str  # what the weights run in: "float32", "bfloat16", "int8", "int4", "r8", or "mixed: ..."
     kernel_path: str  # what runs the products: specdec's "amx", "avx512_vnni" or "avx2" path, or "pytorch"
     num_layers: int
     hidden_size: int

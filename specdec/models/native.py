@@ -80,7 +80,7 @@ KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 ENV_KV_DTYPE = "SPECDEC_KV_DTYPE"
 
 _NONE = torch.empty(0)  # a layer without Qwen2's bias or Qwen3's query and key norms, to the kernels
-_PART_KINDS = {"q4": 0, "q8": 1, "f16": 2}  # forward.cpp's PartKind of each kernel format
+_PART_KINDS = {"q4": 0, "q8": 1, "f16": 2, "r8": 3}  # forward.cpp's PartKind of each kernel format
 
 
 @dataclass

@@ -50,8 +50,9 @@ from specdec.kernels import packing
 from specdec.models.linear import thin_linear
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")  # what `--dtype` names
-KERNEL_FORMATS = ("q4", "q8", "f16")  # what `--dtype auto` runs on specdec's kernels
-QUANTIZED_FORMATS = ("int8", "int4", "q8", "q4")
+KERNEL_FORMATS = ("q4", "q8", "f16", "r8")  # what runs on specdec's kernels (`--dtype auto`: the first three)
+QUANTIZED_FORMATS = ("int8", "int4", "q8", "q4", "r8")
+R8_INPUT_MULTIPLE = packing.ROTATION_BLOCK  # r8's rotation takes inputs 64 at a time (a narrower matrix runs q8)
 INT4_GROUP = 32
 F16_INPUT_MULTIPLE = 16  # the float16 kernel's inputs come 16 at a time (a narrower matrix stays float32)
 INT4_OUT_MULTIPLE = 16  # the int4 kernel's packing needs out_features divisible by this
@@ -163,6 +164,10 @@ class PackedLinear:
             return cls._pack_q4(Int4Groups(*packing.quantize_q4(weight)))
         if fmt == "q8":
             return cls._pack_q8(Int8Groups(*packing.quantize_q8(weight)))
+        if fmt == "r8":
+            if in_features % R8_INPUT_MULTIPLE:
+                return cls._pack_q8(Int8Groups(*packing.quantize_q8(weight)))
+            return cls(fmt, out_features, in_features, {"weight": packing.pack_r8(*packing.quantize_r8(weight))})
         if fmt == "float32" or (fmt == "f16" and in_features % F16_INPUT_MULTIPLE):
             return cls("float32", out_features, in_features, {"weight": weight})
         if fmt == "f16":
@@ -244,6 +249,9 @@ class PackedLinear:
             return Int4Groups(*packing.unpack_q4(t["weight"], self.out_features)).dequantize()
         if self.fmt == "q8":
             return Int8Groups(*packing.unpack_q8(t["weight"], self.out_features)).dequantize()
+        if self.fmt == "r8":  # the stored rotated weights, rotated back: x R (W R^-T)^T = x W^T
+            q, s = packing.unpack_r8(t["weight"], self.out_features)
+            return packing.unrotate_weights(q.double() * s.double()[:, None]).float()
         if self.fmt in ("float32", "bfloat16", "f16"):
             return t["weight"].float()
         if self.fmt == "int8":

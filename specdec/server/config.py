@@ -18,7 +18,7 @@ Example (`specdec serve --config server.toml`)::
     graceful_shutdown_s = 30      # on SIGTERM, time for requests in flight to finish; then they abort
     api_keys = ["sk-..."]         # clients send one as "Authorization: Bearer KEY" (default: none asked)
     backend = "auto"              # the target's backend: auto (native where it runs the model), native, hf
-    dtype = "auto"                # its weight format: auto (a GGUF's own), float32, bfloat16, int8, int4
+    dtype = "auto"                # its weight format: auto (a GGUF's own), float32, bfloat16, int8, int4, r8
 
     [drift]                       # acceptance drift warning, per route
     window = 256                  # drafted tokens in the rolling window

@@ -26,7 +26,7 @@ PROMPTS = [
     [{"role": "user", "content": "List the planets of the solar system in order."}],
 ]
 # Relative error of a matrix product against float32 x @ W.T, per format (random weights).
-FORMAT_TOLERANCE = {"float32": 1e-6, "bfloat16": 1e-2, "int8": 2e-2, "int4": 0.12, "q4": 0.12, "q8": 2e-2}
+FORMAT_TOLERANCE = {"float32": 1e-6, "bfloat16": 1e-2, "int8": 2e-2, "int4": 0.12, "q4": 0.12, "q8": 2e-2, "r8": 3e-2}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -78,7 +78,7 @@ def test_kernel_formats_keep_gguf_blocks_exactly(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4", "q4", "q8", "f16"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4", "q4", "q8", "f16", "r8"])
 def test_products_are_row_invariant(fmt: str, threads: int) -> None:
     # What makes a verification pass bitwise a plain step: a row's product does not depend on
     # how many rows are multiplied with it. 576 x 1536 is the default model's down projection,
@@ -280,3 +280,26 @@ def test_the_default_models_weights_are_about_its_files_size(default_model: Load
     size = Path(default_model_path()).stat().st_size
     assert default_model.backend.embed.shared  # SmolLM2's embedding is its LM head's table
     assert default_model.backend.weight_bytes() <= 1.3 * size
+
+
+@pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built on this machine")
+def test_r8_runs_the_model_with_exact_passes_and_lossless_speculation(tiny_model_dir: Path) -> None:
+    # --dtype r8: every matrix rotated int8 (the tiny model's widths divide by 64), its LM head
+    # too, the embedding kept apart as the file stores it. A prompt's prefill is bitwise its
+    # tokens decoded one by one, and speculation gives plain decoding's tokens.
+    loaded = load_model(str(tiny_model_dir), backend="native", dtype="r8")
+    assert loaded.backend.weight_format == "r8"
+    reference_model = load_model(str(tiny_model_dir), backend="native", dtype="float32")
+    runner = ModelRunner(loaded)
+    tokens = [5, 9, 13, 7, 22, 31, 4, 8, 17, 3]
+    together = runner.forward(runner.new_cache(16), tokens).logits
+    cache = runner.new_cache(16)
+    one_by_one = torch.cat([runner.forward(cache, [t]).logits for t in tokens])
+    assert torch.equal(together, one_by_one)
+    want = ModelRunner(reference_model).score(tokens)
+    assert relative_error(together, want) < 0.05
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompt = "one two three one two three one two"
+    plain = LLM(loaded=loaded).generate(prompt, params, speculate=False)[0]
+    for config in ({"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix"}):
+        assert LLM(loaded=loaded, speculative_config=config).generate(prompt, params)[0].token_ids == plain.token_ids

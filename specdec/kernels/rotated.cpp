@@ -1,0 +1,379 @@
+// The r8 products: int8 weights with one scale per output column, times int8 activations with one
+// scale per row, after a fixed rotation of the inputs that spreads a row's outliers over all of it.
+//
+// Why: GGUF's blocks (q4, q8) carry a scale every 32 inputs, for the weights and, in these kernels,
+// for the activations, so every 32 inputs of every row end in a float epilogue; at 16 rows that
+// epilogue costs several times the AMX tile product it follows. Here a row's integer sum runs over
+// all of the inputs, in the tile where there is one, and meets its two scales once. A single scale
+// per row is coarse where a few inputs are far larger than the rest; the rotation (QuaRot's idea,
+// arXiv:2404.00456) mixes every input into every output first: x' = x R with R = kron(C^T, S H),
+// x as [m blocks, 64]: each block's signs flipped (S) and its Walsh-Hadamard transform taken (H,
+// unnormalized), then the blocks mixed by the orthonormal DCT-II matrix C [m, m]. The weights are
+// stored rotated the other way (W R^-T, packing.py), so x' W'^T = x W^T up to the quantization.
+//
+// Row invariance: the rotation is a fixed sequence of float32 adds and multiplies per element (AVX2
+// on every path), a row's integer sum is exact on every path (AMX, VNNI, AVX2), and its epilogue is
+// out = float(sum) * w_scale * x_scale, + residual: a row's bits never depend on the rows, threads
+// or instruction set it runs with. reference.py's r8_matmul computes the same bits in PyTorch.
+//
+// Packed weights [units, K * 16 + 64] uint8 per unit of 16 columns: K / 4 lines of 64 bytes (line j:
+// inputs 4 j .. 4 j + 3 of column c at bytes 4 c .. 4 c + 3, as an AMX tile's B and vpdpbusd read
+// them), int8 values in -127..127, then the 16 columns' float32 scales.
+
+#include "ops.h"
+#include "quant.h"
+
+#include "pool.h"
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+constexpr int RB = 64;           // inputs per rotation block (and per AMX tile product)
+constexpr int NC = specdec::NC;  // output columns per unit
+constexpr int64_t MAX_INPUTS = 1 << 16;
+// How far ahead of its reads a tile asks for the weights (they stream from memory; the hardware
+// prefetcher stops at each 4 KB page).
+#ifndef R8_PREFETCH
+#define R8_PREFETCH 4096
+#endif
+constexpr int64_t PREFETCH_BYTES = R8_PREFETCH;
+constexpr int64_t GRAIN = 1;  // |sum| <= K * 127 * 255 stays within int32
+
+bool avx512() {
+    static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return yes;
+}
+
+// The signs of S: a fixed pattern (bit 7 of i times Knuth's multiplicative hash), the same as packing.py's.
+float sign_of(int i) { return ((static_cast<uint64_t>(i) * 2654435761ull) >> 7) & 1 ? 1.0f : -1.0f; }
+
+// C [m, m] row-major as float32: C[i][j] = cos(pi / m * (j + 1/2) * i) * sqrt(2 / m), row 0 times
+// 1/sqrt(2); computed in double as packing.py computes it, then rounded once.
+const std::vector<float>& dct(int64_t m) {
+    static std::mutex lock;
+    static std::map<int64_t, std::vector<float>> tables;
+    std::lock_guard<std::mutex> guard(lock);
+    auto found = tables.find(m);
+    if (found != tables.end()) return found->second;
+    std::vector<float> c(m * m);
+    const double pi = 3.141592653589793;
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < m; ++j) {
+            double v = std::cos(pi / static_cast<double>(m) * (static_cast<double>(j) + 0.5) * static_cast<double>(i)) *
+                       std::sqrt(2.0 / static_cast<double>(m));
+            if (i == 0) v /= std::sqrt(2.0);
+            c[i * m + j] = static_cast<float>(v);
+        }
+    return tables.emplace(m, std::move(c)).first->second;
+}
+
+// One block of 64 (8 vectors) through S and H: the butterflies on input bits 5, 4, 3 (across
+// vectors), then 2, 1, 0 (within them); each (a, b) -> (a + b, a - b).
+__attribute__((target("avx2,fma")))
+inline void hadamard64(__m256* v) {
+    for (int h = 4; h >= 1; h /= 2)
+        for (int i = 0; i < 8; ++i)
+            if (!(i & h)) {
+                const __m256 a = v[i], b = v[i + h];
+                v[i] = _mm256_add_ps(a, b);
+                v[i + h] = _mm256_sub_ps(a, b);
+            }
+    for (int i = 0; i < 8; ++i) {
+        __m256 s = _mm256_permute2f128_ps(v[i], v[i], 0x01);  // lanes 4..7, 0..3
+        v[i] = _mm256_blend_ps(_mm256_add_ps(v[i], s), _mm256_sub_ps(s, v[i]), 0xF0);
+        s = _mm256_permute_ps(v[i], 0x4E);  // lanes 2, 3, 0, 1 in each half
+        v[i] = _mm256_blend_ps(_mm256_add_ps(v[i], s), _mm256_sub_ps(s, v[i]), 0xCC);
+        s = _mm256_permute_ps(v[i], 0xB1);  // lanes 1, 0, 3, 2
+        v[i] = _mm256_blend_ps(_mm256_add_ps(v[i], s), _mm256_sub_ps(s, v[i]), 0xAA);
+    }
+}
+
+// The 8 lanes' sum (integers: any order).
+__attribute__((target("avx2")))
+inline int32_t fold(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+
+// One row: x [K] -> x' = x R into y [K] (scratch z [K]).
+__attribute__((target("avx2,fma")))
+void rotate_row(const float* x, int64_t K, const float* c, float* z, float* y) {
+    const int64_t m = K / RB;
+    alignas(32) float signs[RB];
+    for (int i = 0; i < RB; ++i) signs[i] = sign_of(i);
+    for (int64_t j = 0; j < m; ++j) {
+        __m256 v[8];
+        for (int i = 0; i < 8; ++i)
+            v[i] = _mm256_mul_ps(_mm256_loadu_ps(x + j * RB + 8 * i), _mm256_load_ps(signs + 8 * i));
+        hadamard64(v);
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(z + j * RB + 8 * i, v[i]);
+    }
+    for (int64_t i = 0; i < m; ++i) {
+        const float* ci = c + i * m;
+        for (int l = 0; l < RB; l += 8) {
+            __m256 acc = _mm256_mul_ps(_mm256_set1_ps(ci[0]), _mm256_loadu_ps(z + l));
+            for (int64_t j = 1; j < m; ++j)
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(ci[j]), _mm256_loadu_ps(z + j * RB + l)));
+            _mm256_storeu_ps(y + i * RB + l, acc);
+        }
+    }
+}
+
+// One rotated row to int8: d = amax / 127, q = round(y * (1 / d)) half to even, and the sum of q.
+__attribute__((target("avx2,fma")))
+void quantize_row(const float* y, int64_t K, int8_t* q, float* d, int32_t* s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(y + k)));
+    __m128 mx = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+    mx = _mm_max_ss(mx, _mm_shuffle_ps(mx, mx, 1));
+    const float scale = _mm_cvtss_f32(mx) / 127.0f;
+    const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+    __m256i total = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m256i v[4];
+        for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(y + k + 8 * i), inv));
+        total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k),
+                            _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    *d = scale;
+    *s = fold(total);
+}
+
+// Rotated, quantized rows: q [rows, K] int8 (row-major), d and s [rows].
+struct RotRows {
+    const int8_t* q;
+    const float* d;
+    const int32_t* s;
+    int64_t rows, K;
+};
+
+void rotate_quantize(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s) {
+    const std::vector<float>& c = dct(K / RB);
+    // A row costs about K * K / 32 float operations: a few rows a chunk.
+    specdec::parallel_chunks(rows, std::max<int64_t>(1, 16384 * 64 / (K * K / RB + 1)), [&](int64_t begin, int64_t end) {
+        thread_local std::vector<float> z, y;
+        z.resize(K);
+        y.resize(K);
+        for (int64_t r = begin; r < end; ++r) {
+            rotate_row(x + r * K, K, c.data(), z.data(), y.data());
+            quantize_row(y.data(), K, q + r * K, d + r, s + r);
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI: T rows times one unit; w + 128 as unsigned bytes, the exact signed sum
+// sum((w + 128) x) - 128 sum(x).
+template <int T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void tile_avx512(const uint8_t* unit, const RotRows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
+    const int64_t K = x.K, lines = K / 4;
+    constexpr int CH = T <= 2 ? 4 : 2;  // dependency chains per row
+    __m512i acc[T][CH];
+    for (int r = 0; r < T; ++r)
+        for (int h = 0; h < CH; ++h) acc[r][h] = _mm512_setzero_si512();
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const int8_t* xq = x.q + row0 * K;
+    for (int64_t j = 0; j < lines; j += CH) {
+        for (int h = 0; h < CH; ++h)
+            _mm_prefetch(reinterpret_cast<const char*>(unit + 64 * (j + h) + PREFETCH_BYTES), _MM_HINT_T0);
+        for (int h = 0; h < CH; ++h) {
+            const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(unit + 64 * (j + h)), flip);
+            for (int r = 0; r < T; ++r) {
+                int32_t a;
+                std::memcpy(&a, xq + r * K + 4 * (j + h), 4);
+                acc[r][h] = _mm512_dpbusd_epi32(acc[r][h], w, _mm512_set1_epi32(a));
+            }
+        }
+    }
+    const __m512 ws = _mm512_loadu_ps(reinterpret_cast<const float*>(unit + K * NC));
+    const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+    for (int r = 0; r < T; ++r) {
+        __m512i sum = acc[r][0];
+        for (int h = 1; h < CH; ++h) sum = _mm512_add_epi32(sum, acc[r][h]);
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x.s[row0 + r]));
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), ws), _mm512_set1_ps(x.d[row0 + r]));
+        const int64_t at = (row0 + r) * ldo;
+        if (res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, res + at));
+        _mm512_mask_storeu_ps(out + at, mask, v);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2: 8 columns at a time; |w| times x with w's sign (maddubs: |pair| <= 2 * 127 * 127).
+__attribute__((target("avx2,fma")))
+inline void store8(float* dst, const float* res, __m256 v, int ncols) {
+    alignas(32) float tmp[8];
+    if (ncols >= 8) {
+        _mm256_storeu_ps(dst, res ? _mm256_add_ps(v, _mm256_loadu_ps(res)) : v);
+    } else if (ncols > 0) {
+        std::memset(tmp, 0, sizeof(tmp));
+        if (res) std::memcpy(tmp, res, sizeof(float) * ncols);
+        _mm256_store_ps(tmp, res ? _mm256_add_ps(v, _mm256_load_ps(tmp)) : v);
+        std::memcpy(dst, tmp, sizeof(float) * ncols);
+    }
+}
+
+template <int T>
+__attribute__((target("avx2,fma")))
+void tile_avx2(const uint8_t* unit, const RotRows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
+    const int64_t K = x.K, lines = K / 4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* xq = x.q + row0 * K;
+    for (int h = 0; h < 2; ++h) {
+        __m256i acc[T];
+        for (int r = 0; r < T; ++r) acc[r] = _mm256_setzero_si256();
+        for (int64_t j = 0; j < lines; ++j) {
+            if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(unit + 64 * j + PREFETCH_BYTES), _MM_HINT_T0);
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 64 * j + 32 * h));
+            const __m256i wabs = _mm256_abs_epi8(w);
+            for (int r = 0; r < T; ++r) {
+                int32_t a;
+                std::memcpy(&a, xq + r * K + 4 * j, 4);
+                const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+            }
+        }
+        const __m256 ws = _mm256_loadu_ps(reinterpret_cast<const float*>(unit + K * NC) + 8 * h);
+        for (int r = 0; r < T; ++r) {
+            const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r]), ws), _mm256_set1_ps(x.d[row0 + r]));
+            const int64_t at = (row0 + r) * ldo + 8 * h;
+            store8(out + at, res ? res + at : nullptr, v, ncols - 8 * h);
+        }
+    }
+}
+
+// An AMX panel's sums [16 rows, 16 columns] -> out, as the VNNI tile's epilogue.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void amx_epilogue(const int32_t* sums, const uint8_t* scales, const float* xd, float* out, const float* res,
+                  int64_t ldo, int ncols) {
+    const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+    const __m512 ws = _mm512_loadu_ps(reinterpret_cast<const float*>(scales));
+    for (int r = 0; r < specdec::AMX_ROWS; ++r) {
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + NC * r)), ws),
+                                 _mm512_set1_ps(xd[r]));
+        if (res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, res + r * ldo));
+        _mm512_mask_storeu_ps(out + r * ldo, mask, v);
+    }
+}
+
+using Tile = void (*)(const uint8_t*, const RotRows&, int64_t, float*, const float*, int64_t, int);
+
+template <int... T>
+Tile pick512(int rows, std::integer_sequence<int, T...>) {
+    static const Tile table[] = {tile_avx512<T + 1>...};
+    return table[rows - 1];
+}
+template <int... T>
+Tile pick2(int rows, std::integer_sequence<int, T...>) {
+    static const Tile table[] = {tile_avx2<T + 1>...};
+    return table[rows - 1];
+}
+
+}  // namespace
+
+// x [rows, K] float32 -> x R [rows, K] (the rotation the r8 products apply; for tests).
+at::Tensor rotate_rows(const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, in] float32");
+    const int64_t rows = x.size(0), K = x.size(1);
+    TORCH_CHECK(K % RB == 0 && K > 0, "the r8 rotation needs inputs divisible by ", RB, ", got ", K);
+    const at::Tensor xc = x.contiguous();
+    auto y = at::empty({rows, K}, at::kFloat);
+    const std::vector<float>& c = dct(K / RB);
+    std::vector<float> z(K);
+    for (int64_t r = 0; r < rows; ++r)
+        rotate_row(xc.data_ptr<float>() + r * K, K, c.data(), z.data(), y.data_ptr<float>() + r * K);
+    return y;
+}
+
+at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t isa,
+                     const c10::optional<at::Tensor>& residual) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, in] float32");
+    TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+                "r8 weights must be a contiguous [units, in * 16 + 64] uint8 tensor");
+    const int64_t rows = x.size(0), K = x.size(1), units = packed.size(0);
+    TORCH_CHECK(K % RB == 0 && K > 0 && K <= MAX_INPUTS, "r8 needs inputs divisible by ", RB, " (at most ",
+                MAX_INPUTS, "), got ", K);
+    TORCH_CHECK(packed.size(1) == K * NC + 64, "r8 weights hold ", packed.size(1) / NC, " inputs a column, x ", K);
+    TORCH_CHECK(out_features > (units - 1) * NC && out_features <= units * NC, "out_features does not match units");
+    isa = resolve_isa(isa);
+    const at::Tensor xc = x.contiguous();
+    const bool amx = isa == ISA_AMX && rows >= specdec::AMX_ROWS;
+    thread_local std::vector<int8_t> q_buf;
+    thread_local std::vector<float> d_buf;
+    thread_local std::vector<int32_t> s_buf;
+    // An AMX tile loads 16 rows whatever the panel's own: room past the last row.
+    q_buf.resize(rows * K + (amx ? specdec::AMX_ROWS * K : 0));
+    d_buf.resize(rows);
+    s_buf.resize(rows);
+    rotate_quantize(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data());
+    auto out = at::empty({rows, out_features}, at::kFloat);
+    at::Tensor res_c;
+    if (residual) {
+        TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == rows * out_features,
+                    "the residual must be [rows, out] float32");
+        res_c = residual->contiguous();
+    }
+    const float* res = residual ? res_c.data_ptr<float>() : nullptr;
+    const RotRows xr{q_buf.data(), d_buf.data(), s_buf.data(), rows, K};
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    float* o = out.data_ptr<float>();
+    const int64_t unit_bytes = K * NC + 64;
+    const bool wide = isa != ISA_AVX2 && avx512();
+    const int max_tile = wide ? 8 : 4;
+    // Rows in tiles as few as the registers allow, of balanced sizes; on AMX, whole panels of 16.
+    std::vector<std::pair<int64_t, Tile>> tiles;
+    const int64_t amx_rows = amx ? rows / specdec::AMX_ROWS * specdec::AMX_ROWS : 0;
+    const int64_t left = rows - amx_rows;
+    const int64_t count = (left + max_tile - 1) / max_tile;
+    for (int64_t t = 0, row = amx_rows; t < count; ++t) {
+        const int size = static_cast<int>((rows - row) / (count - t) + ((rows - row) % (count - t) ? 1 : 0));
+        tiles.emplace_back(row, wide ? pick512(size, std::make_integer_sequence<int, 8>{})
+                                     : pick2(size, std::make_integer_sequence<int, 4>{}));
+        row += size;
+    }
+    constexpr int GROUP = 4;  // units an AMX panel's activations are loaded once for
+    // Groups claimed a few at a time, so that a thread's weights mostly stream from one place on
+    // (the prefetches ask for what follows), a quarter of a thread's share at most.
+    const int64_t groups = (units + GROUP - 1) / GROUP;
+    const int64_t grain = GRAIN;
+    specdec::parallel_chunks(groups, grain, [&](int64_t begin, int64_t end) {
+        if (amx_rows) specdec::amx_begin_r8();
+        alignas(64) int32_t sums[GROUP][specdec::AMX_ROWS * NC];
+        for (int64_t g = begin; g < end; ++g) {
+            const int64_t u0 = g * GROUP;
+            const int n = static_cast<int>(std::min<int64_t>(GROUP, units - u0));
+            for (int64_t p0 = 0; p0 < amx_rows; p0 += specdec::AMX_ROWS) {
+                specdec::r8_tiles_amx(w + u0 * unit_bytes, unit_bytes, n, xr.q + p0 * K, K, &sums[0][0]);
+                for (int u = 0; u < n; ++u) {
+                    const uint8_t* unit = w + (u0 + u) * unit_bytes;
+                    const int ncols = static_cast<int>(std::min<int64_t>(NC, out_features - (u0 + u) * NC));
+                    const int64_t at = p0 * out_features + (u0 + u) * NC;
+                    amx_epilogue(sums[u], unit + K * NC, xr.d + p0, o + at, res ? res + at : nullptr, out_features, ncols);
+                }
+            }
+            for (int u = 0; u < n; ++u) {
+                const uint8_t* unit = w + (u0 + u) * unit_bytes;
+                const int ncols = static_cast<int>(std::min<int64_t>(NC, out_features - (u0 + u) * NC));
+                for (const auto& [row, fn] : tiles)
+                    fn(unit, xr, row, o + (u0 + u) * NC, res ? res + (u0 + u) * NC : nullptr, out_features, ncols);
+            }
+        }
+        if (amx_rows) specdec::amx_end();
+    });
+    return out;
+}
