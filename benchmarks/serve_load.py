@@ -130,7 +130,7 @@ def library_plain(args: argparse.Namespace, prompts: list[str], requests: int, t
 
     if threads:
         torch.set_num_threads(threads)
-    llm = LLM(args.model)
+    llm = LLM(args.model, dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)
     llm.chat([{"role": "user", "content": prompts[0]}], SamplingParams(max_tokens=4), speculate=False)  # warm-up
     start, tokens = time.perf_counter(), 0
@@ -170,6 +170,8 @@ load_schedule = {{ {schedule} }}
         command += ["--model", args.model]
     if args.threads:
         command += ["--threads", str(args.threads)]
+    if args.dtype != "auto":
+        command += ["--dtype", args.dtype]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL if not args.verbose else None, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, timeout=300)
@@ -208,6 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help='load schedule of the started server, JSON: \'{"1": 4, "4": 2, "8": 0}\'')
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--threads", type=int, help="torch threads of the started server (default: its default)")
+    parser.add_argument("--dtype", default="auto", help="weight format of the started server and the library run "
+                        "(auto, or e.g. r8)")
     parser.add_argument("--route-on", default="spec-on")
     parser.add_argument("--route-off", default="spec-off")
     parser.add_argument("--route-load-aware", default="spec-load-aware")
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"url": args.url, "model": args.model or "default", "max_tokens": args.max_tokens,
                 "ignore_eos": args.ignore_eos, "rounds": args.rounds, "k": args.k, "schedule": args.schedule,
-                "data": str(args.data), "threads": threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+                "data": str(args.data), "threads": threads, "dtype": args.dtype, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
         args.json.write_text(json.dumps({"meta": meta, "levels": [asdict(level) for level in levels],
                                          "library_plain_tokens_per_s": library}, indent=2))
         print(f"written to {args.json}", file=sys.stderr)

@@ -286,16 +286,16 @@ struct alignas(64) R8Config {
     uint8_t rows[16] = {AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS};
 };
 const R8Config R8_CONFIG{};
+constexpr int64_t R8_AHEAD = 2048;  // bytes: the unit's chunk two on (then the next unit's first)
 
-// C_U += A B_U for k-chunk `k` (B in tmm5 + U % 3), and the same chunk of the unit four on (the
-// next group's, which the thread most likely takes next) asked for.
+// C_U += A B_U for k-chunk `k` (B in tmm5 + U % 3), and the unit's weights R8_AHEAD on asked for.
 template <int U>
 __attribute__((target(SPECDEC_AMX_TARGET), always_inline))
 inline void r8_step(const uint8_t* w, int64_t unit_bytes, int64_t k) {
     constexpr int B = 5 + U % 3;
     const uint8_t* b = w + U * unit_bytes + k * NC;
     for (int line = 0; line < 1024; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b + 4 * unit_bytes + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + R8_AHEAD + line), _MM_HINT_T0);
     tile_load<B>(b, 64);
     tile_dot<U, 4, B, false>();
 }

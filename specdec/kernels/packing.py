@@ -178,7 +178,7 @@ def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # --- r8: rotated int8 (rotated.cpp) ----------------------------------------------------------
 
-ROTATION_BLOCK = 64  # inputs a Walsh-Hadamard block spans (and an AMX tile product)
+ROTATION_BLOCK = 64  # inputs a Walsh-Hadamard block spans (and an AMX tile product): r8's inputs come 64 at a time
 R8_SCALES = 64  # bytes of a unit's 16 float32 column scales
 
 
@@ -206,19 +206,45 @@ def _hadamard(n: int) -> torch.Tensor:
     return h
 
 
+def _butterflies(w: torch.Tensor) -> torch.Tensor:
+    """w [..., 64] times H (unnormalized Walsh-Hadamard), elementwise in a fixed order: the same
+    bits on every machine and in every process (a BLAS product's can differ with its threads and
+    alignment, and a weight rounded otherwise would change the model)."""
+    w = w.clone()
+    for bit in (5, 4, 3, 2, 1, 0):
+        t = 1 << bit
+        view = w.reshape(*w.shape[:-1], ROTATION_BLOCK // (2 * t), 2, t)
+        low, high = view[..., 0, :].clone(), view[..., 1, :].clone()
+        view[..., 0, :] = low + high
+        view[..., 1, :] = low - high
+    return w
+
+
+def _mix(c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """w [out, m, 64] -> out[:, i] = c[i, 0] w[:, 0] + c[i, 1] w[:, 1] + ..., elementwise in order."""
+    out = torch.empty_like(w)
+    for i in range(c.shape[0]):
+        acc = c[i, 0] * w[:, 0]
+        for j in range(1, c.shape[1]):
+            acc = acc + c[i, j] * w[:, j]
+        out[:, i] = acc
+    return out
+
+
 def rotate_weights(weight: torch.Tensor) -> torch.Tensor:
     """W [out, in] -> W R^-T in float64, so that (x R) (W R^-T)^T = x W^T for the kernel's x R.
 
     R = kron(C^T, S H) acts on x as [m, 64]: X -> C X S H. Its inverse transpose acts on W's rows
-    the same way with C^-T and (S H)^-T = S H / 64 (H H = 64 I, H symmetric, S S = I)."""
+    as W -> C^-T W (S H)^-T, with (S H)^-T = S H / 64 (H H = 64 I, H symmetric, S S = I) and C^-T
+    = C for the orthonormal DCT (its float32 rounding leaves C^T C within 1e-7 of I, far below
+    the int8 rounding that follows). Elementwise, in a fixed order: deterministic."""
     out_features, in_features = weight.shape
     if in_features % ROTATION_BLOCK:
         raise ValueError(f"r8 needs in_features divisible by {ROTATION_BLOCK}, got {in_features}")
     m = in_features // ROTATION_BLOCK
-    c_inv_t = torch.linalg.inv(rotation_dct(m)).t()
-    sh = rotation_signs()[:, None] * _hadamard(ROTATION_BLOCK) / ROTATION_BLOCK
-    w = weight.double().reshape(out_features, m, ROTATION_BLOCK)
-    return torch.einsum("ij,njk,kl->nil", c_inv_t, w, sh).reshape(out_features, in_features)
+    w = weight.double().reshape(out_features, m, ROTATION_BLOCK) * rotation_signs()
+    w = _butterflies(w) / ROTATION_BLOCK
+    return _mix(rotation_dct(m), w).reshape(out_features, in_features)
 
 
 def quantize_r8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,9 +281,8 @@ def unpack_r8(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, to
 
 
 def unrotate_weights(rotated: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`rotate_weights`: W R^-T [out, in] -> W, in float64."""
+    """The inverse of :func:`rotate_weights`: W R^-T [out, in] -> W (C^T W' (S H)^T), in float64."""
     out_features, in_features = rotated.shape
     m = in_features // ROTATION_BLOCK
-    sh_t = (rotation_signs()[:, None] * _hadamard(ROTATION_BLOCK)).t()
-    w = rotated.double().reshape(out_features, m, ROTATION_BLOCK)
-    return torch.einsum("ji,njk,kl->nil", rotation_dct(m), w, sh_t).reshape(out_features, in_features)
+    w = _mix(rotation_dct(m).t(), rotated.double().reshape(out_features, m, ROTATION_BLOCK))
+    return (_butterflies(w) * rotation_signs()).reshape(out_features, in_features)

@@ -102,9 +102,9 @@ def rotate_rows(x: torch.Tensor) -> torch.Tensor:
     for bit in (5, 4, 3, 2, 1, 0):
         t = 1 << bit
         view = z.reshape(rows, m, ROTATION_BLOCK // (2 * t), 2, t)
-        a, b = view[..., 0, :].clone(), view[..., 1, :].clone()
-        view[..., 0, :] = a + b
-        view[..., 1, :] = a - b
+        low, high = view[..., 0, :].clone(), view[..., 1, :].clone()
+        view[..., 0, :] = low + high
+        view[..., 1, :] = low - high
     c = rotation_dct(m).float()
     y = torch.empty_like(z)
     for i in range(m):

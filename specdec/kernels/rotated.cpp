@@ -8,7 +8,9 @@
 // per row is coarse where a few inputs are far larger than the rest; the rotation (QuaRot's idea,
 // arXiv:2404.00456) mixes every input into every output first: x' = x R with R = kron(C^T, S H),
 // x as [m blocks, 64]: each block's signs flipped (S) and its Walsh-Hadamard transform taken (H,
-// unnormalized), then the blocks mixed by the orthonormal DCT-II matrix C [m, m]. The weights are
+// unnormalized), then the blocks mixed by the orthonormal DCT-II matrix C [m, m]; about K (6 + m)
+// float operations a row. (Blocks of 128 or 512 where K allows cost less and scored no better:
+// the default model's perplexity 13.67 and 13.69 against 13.63-13.66, benchmarks/perplexity.py.) The weights are
 // stored rotated the other way (W R^-T, packing.py), so x' W'^T = x W^T up to the quantization.
 //
 // Row invariance: the rotation is a fixed sequence of float32 adds and multiplies per element (AVX2
@@ -36,16 +38,12 @@
 
 namespace {
 
-constexpr int RB = 64;           // inputs per rotation block (and per AMX tile product)
+constexpr int RB = 64;           // inputs per rotation block and per AMX tile product
 constexpr int NC = specdec::NC;  // output columns per unit
-constexpr int64_t MAX_INPUTS = 1 << 16;
+constexpr int64_t MAX_INPUTS = 1 << 16;  // |sum| <= K * 127 * 255 stays within int32
 // How far ahead of its reads a tile asks for the weights (they stream from memory; the hardware
 // prefetcher stops at each 4 KB page).
-#ifndef R8_PREFETCH
-#define R8_PREFETCH 4096
-#endif
-constexpr int64_t PREFETCH_BYTES = R8_PREFETCH;
-constexpr int64_t GRAIN = 1;  // |sum| <= K * 127 * 255 stays within int32
+constexpr int64_t PREFETCH_BYTES = 4096;
 
 bool avx512() {
     static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -76,24 +74,45 @@ const std::vector<float>& dct(int64_t m) {
     return tables.emplace(m, std::move(c)).first->second;
 }
 
-// One block of 64 (8 vectors) through S and H: the butterflies on input bits 5, 4, 3 (across
-// vectors), then 2, 1, 0 (within them); each (a, b) -> (a + b, a - b).
+// One row: x [K] -> x' = x R into y [K] (scratch z [K]). Each block of 64 inputs times S, then its
+// butterflies on index bits 5, 4, 3 (across vectors of 8), then 2, 1, 0 (within them), each
+// (a, b) -> (a + b, a - b); then y_i = C[i][0] z_0 + C[i][1] z_1 + ... block by block.
 __attribute__((target("avx2,fma")))
-inline void hadamard64(__m256* v) {
-    for (int h = 4; h >= 1; h /= 2)
-        for (int i = 0; i < 8; ++i)
-            if (!(i & h)) {
-                const __m256 a = v[i], b = v[i + h];
-                v[i] = _mm256_add_ps(a, b);
-                v[i + h] = _mm256_sub_ps(a, b);
-            }
-    for (int i = 0; i < 8; ++i) {
-        __m256 s = _mm256_permute2f128_ps(v[i], v[i], 0x01);  // lanes 4..7, 0..3
-        v[i] = _mm256_blend_ps(_mm256_add_ps(v[i], s), _mm256_sub_ps(s, v[i]), 0xF0);
-        s = _mm256_permute_ps(v[i], 0x4E);  // lanes 2, 3, 0, 1 in each half
-        v[i] = _mm256_blend_ps(_mm256_add_ps(v[i], s), _mm256_sub_ps(s, v[i]), 0xCC);
-        s = _mm256_permute_ps(v[i], 0xB1);  // lanes 1, 0, 3, 2
-        v[i] = _mm256_blend_ps(_mm256_add_ps(v[i], s), _mm256_sub_ps(s, v[i]), 0xAA);
+void rotate_row(const float* x, int64_t K, const float* c, float* z, float* y) {
+    constexpr int64_t b = RB, vectors = b / 8;
+    const int64_t m = K / b;
+    alignas(32) float signs[RB];
+    for (int64_t i = 0; i < b; ++i) signs[i] = sign_of(static_cast<int>(i));
+    for (int64_t j = 0; j < m; ++j) {
+        float* zb = z + j * b;
+        for (int64_t i = 0; i < b; i += 8)
+            _mm256_storeu_ps(zb + i, _mm256_mul_ps(_mm256_loadu_ps(x + j * b + i), _mm256_load_ps(signs + i)));
+        for (int64_t h = vectors / 2; h >= 1; h /= 2)
+            for (int64_t i = 0; i < vectors; ++i)
+                if (!(i & h)) {
+                    const __m256 p = _mm256_loadu_ps(zb + 8 * i), q = _mm256_loadu_ps(zb + 8 * (i + h));
+                    _mm256_storeu_ps(zb + 8 * i, _mm256_add_ps(p, q));
+                    _mm256_storeu_ps(zb + 8 * (i + h), _mm256_sub_ps(p, q));
+                }
+        for (int64_t i = 0; i < vectors; ++i) {
+            __m256 v = _mm256_loadu_ps(zb + 8 * i);
+            __m256 s = _mm256_permute2f128_ps(v, v, 0x01);  // lanes 4..7, 0..3
+            v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xF0);
+            s = _mm256_permute_ps(v, 0x4E);  // lanes 2, 3, 0, 1 in each half
+            v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xCC);
+            s = _mm256_permute_ps(v, 0xB1);  // lanes 1, 0, 3, 2
+            v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xAA);
+            _mm256_storeu_ps(zb + 8 * i, v);
+        }
+    }
+    for (int64_t i = 0; i < m; ++i) {
+        const float* ci = c + i * m;
+        for (int64_t l = 0; l < b; l += 8) {
+            __m256 acc = _mm256_mul_ps(_mm256_set1_ps(ci[0]), _mm256_loadu_ps(z + l));
+            for (int64_t j = 1; j < m; ++j)
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(ci[j]), _mm256_loadu_ps(z + j * b + l)));
+            _mm256_storeu_ps(y + i * b + l, acc);
+        }
     }
 }
 
@@ -103,30 +122,6 @@ inline int32_t fold(__m256i v) {
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
-}
-
-// One row: x [K] -> x' = x R into y [K] (scratch z [K]).
-__attribute__((target("avx2,fma")))
-void rotate_row(const float* x, int64_t K, const float* c, float* z, float* y) {
-    const int64_t m = K / RB;
-    alignas(32) float signs[RB];
-    for (int i = 0; i < RB; ++i) signs[i] = sign_of(i);
-    for (int64_t j = 0; j < m; ++j) {
-        __m256 v[8];
-        for (int i = 0; i < 8; ++i)
-            v[i] = _mm256_mul_ps(_mm256_loadu_ps(x + j * RB + 8 * i), _mm256_load_ps(signs + 8 * i));
-        hadamard64(v);
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(z + j * RB + 8 * i, v[i]);
-    }
-    for (int64_t i = 0; i < m; ++i) {
-        const float* ci = c + i * m;
-        for (int l = 0; l < RB; l += 8) {
-            __m256 acc = _mm256_mul_ps(_mm256_set1_ps(ci[0]), _mm256_loadu_ps(z + l));
-            for (int64_t j = 1; j < m; ++j)
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(ci[j]), _mm256_loadu_ps(z + j * RB + l)));
-            _mm256_storeu_ps(y + i * RB + l, acc);
-        }
-    }
 }
 
 // One rotated row to int8: d = amax / 127, q = round(y * (1 / d)) half to even, and the sum of q.
@@ -163,8 +158,8 @@ struct RotRows {
 
 void rotate_quantize(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s) {
     const std::vector<float>& c = dct(K / RB);
-    // A row costs about K * K / 32 float operations: a few rows a chunk.
-    specdec::parallel_chunks(rows, std::max<int64_t>(1, 16384 * 64 / (K * K / RB + 1)), [&](int64_t begin, int64_t end) {
+    // A row costs about K (6 + K / 64) float operations: chunks of some 50 thousand.
+    specdec::parallel_chunks(rows, std::max<int64_t>(1, 50000 / (K * (6 + K / RB))), [&](int64_t begin, int64_t end) {
         thread_local std::vector<float> z, y;
         z.resize(K);
         y.resize(K);
@@ -347,11 +342,7 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
         row += size;
     }
     constexpr int GROUP = 4;  // units an AMX panel's activations are loaded once for
-    // Groups claimed a few at a time, so that a thread's weights mostly stream from one place on
-    // (the prefetches ask for what follows), a quarter of a thread's share at most.
-    const int64_t groups = (units + GROUP - 1) / GROUP;
-    const int64_t grain = GRAIN;
-    specdec::parallel_chunks(groups, grain, [&](int64_t begin, int64_t end) {
+    specdec::parallel_chunks((units + GROUP - 1) / GROUP, 1, [&](int64_t begin, int64_t end) {
         if (amx_rows) specdec::amx_begin_r8();
         alignas(64) int32_t sums[GROUP][specdec::AMX_ROWS * NC];
         for (int64_t g = begin; g < end; ++g) {
