@@ -135,13 +135,8 @@ at::Tensor half_matmul(const at::Tensor& x, const at::Tensor& w, int64_t out_fea
 
     const at::Tensor xc = x.contiguous();
     auto out = at::empty({rows, out_features}, at::kFloat);
-    at::Tensor res_c;
-    if (residual) {
-        TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == rows * out_features,
-                    "the residual must be [rows, out] float32");
-        res_c = residual->contiguous();
-    }
-    const float* res = residual ? res_c.data_ptr<float>() : nullptr;
+    at::Tensor res_c;  // the residual stream, added in the tiles' stores
+    const float* res = residual_rows(residual, rows, out_features, res_c);
     const float* xp = xc.data_ptr<float>();
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>());
     float* o = out.data_ptr<float>();

@@ -16,6 +16,17 @@ constexpr int Q5_RECORD = 512 + 128;   // q4's form with a byte a weight (0..31)
 constexpr int Q8_RECORD = 512 + 32;  // int8, then 16 float16 d
 constexpr int Q6_RECORD = 512 + 128;  // int8, then 16 float32 d of inputs 0..15 and 16 of 16..31 (Q6_K)
 
+// A product's residual ([rows, out] float32, added in its stores) as a contiguous pointer, kept
+// alive in `holder`; null where there is none.
+inline const float* residual_rows(const c10::optional<at::Tensor>& residual, int64_t rows, int64_t out_features,
+                                  at::Tensor& holder) {
+    if (!residual) return nullptr;
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == rows * out_features,
+                "the residual must be [rows, out] float32");
+    holder = residual->contiguous();
+    return holder.data_ptr<float>();
+}
+
 // The kernel paths, as the `isa` arguments name them (specdec.kernels.ISAS on the Python side).
 // ISA_AMX: AMX tiles for products of several rows, the AVX-512 VNNI path for the rest and for attention.
 enum Isa : int64_t { ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };

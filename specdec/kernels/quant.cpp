@@ -33,6 +33,7 @@
 #include "quant.h"
 
 #include "pool.h"
+#include "simd.h"
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 
@@ -48,6 +49,7 @@ using specdec::NC;
 using specdec::QK;
 using specdec::Rows;
 using specdec::TileFn;
+using specdec::fold;
 using specdec::prefetch_ahead;
 // Q4_RECORD and Q8_RECORD, the bytes per (unit, block): ops.h.
 
@@ -71,14 +73,6 @@ bool has_avx2() {
     static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                             __builtin_cpu_supports("f16c");
     return yes;
-}
-
-// The 8 lanes' sum (integers: any order).
-__attribute__((target("avx2")))
-inline int32_t fold(__m256i v) {
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -475,12 +469,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
                   s16_buf.data());
     auto out = at::empty({rows, out_features}, at::kFloat);
     at::Tensor res_c;  // the residual stream, added in the tiles' stores
-    if (residual) {
-        TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == rows * out_features,
-                    "the residual must be [rows, out] float32");
-        res_c = residual->contiguous();
-    }
-    const float* res = residual ? res_c.data_ptr<float>() : nullptr;
+    const float* res = residual_rows(residual, rows, out_features, res_c);
     const Rows xr{q_buf.data(), d_buf.data(), s_buf.data(), sf_buf.data(), s16_buf.data(), rows, G};
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();

@@ -26,6 +26,7 @@
 #include "quant.h"
 
 #include "pool.h"
+#include "simd.h"
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 
@@ -37,6 +38,8 @@
 #include <vector>
 
 namespace {
+
+using specdec::fold;
 
 constexpr int RB = 64;           // inputs per rotation block and per AMX tile product
 constexpr int NC = specdec::NC;  // output columns per unit
@@ -114,14 +117,6 @@ void rotate_row(const float* x, int64_t K, const float* c, float* z, float* y) {
             _mm256_storeu_ps(y + i * b + l, acc);
         }
     }
-}
-
-// The 8 lanes' sum (integers: any order).
-__attribute__((target("avx2")))
-inline int32_t fold(__m256i v) {
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
 }
 
 // One rotated row to int8: d = amax / 127, q = round(y * (1 / d)) half to even, and the sum of q.
@@ -317,13 +312,8 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
     s_buf.resize(rows);
     rotate_quantize(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data());
     auto out = at::empty({rows, out_features}, at::kFloat);
-    at::Tensor res_c;
-    if (residual) {
-        TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == rows * out_features,
-                    "the residual must be [rows, out] float32");
-        res_c = residual->contiguous();
-    }
-    const float* res = residual ? res_c.data_ptr<float>() : nullptr;
+    at::Tensor res_c;  // the residual stream, added in the tiles' stores
+    const float* res = residual_rows(residual, rows, out_features, res_c);
     const RotRows xr{q_buf.data(), d_buf.data(), s_buf.data(), rows, K};
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();

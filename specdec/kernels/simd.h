@@ -13,6 +13,13 @@ __attribute__((target("avx2,fma"))) inline float horizontal_sum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
 }
 
+// The 8 lanes' sum (integers: any order).
+__attribute__((target("avx2"))) inline int32_t fold(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
     // x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error ~2e-7),
     // scaled by 2^n through the exponent bits; x is clamped to [-87, 88] (no infinities, no denormals).
