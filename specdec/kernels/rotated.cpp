@@ -108,14 +108,18 @@ void rotate_row(const float* x, int64_t K, const float* c, float* z, float* y) {
             _mm256_storeu_ps(zb + 8 * i, v);
         }
     }
+    // A block's 8 vectors at once: 8 independent sums, each in the order above.
     for (int64_t i = 0; i < m; ++i) {
         const float* ci = c + i * m;
-        for (int64_t l = 0; l < b; l += 8) {
-            __m256 acc = _mm256_mul_ps(_mm256_set1_ps(ci[0]), _mm256_loadu_ps(z + l));
-            for (int64_t j = 1; j < m; ++j)
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(ci[j]), _mm256_loadu_ps(z + j * b + l)));
-            _mm256_storeu_ps(y + i * b + l, acc);
+        __m256 acc[vectors];
+        const __m256 c0 = _mm256_set1_ps(ci[0]);
+        for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_mul_ps(c0, _mm256_loadu_ps(z + 8 * v));
+        for (int64_t j = 1; j < m; ++j) {
+            const __m256 cj = _mm256_set1_ps(ci[j]);
+            for (int64_t v = 0; v < vectors; ++v)
+                acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(cj, _mm256_loadu_ps(z + j * b + 8 * v)));
         }
+        for (int64_t v = 0; v < vectors; ++v) _mm256_storeu_ps(y + i * b + 8 * v, acc[v]);
     }
 }
 
