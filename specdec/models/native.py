@@ -204,6 +204,9 @@ class NativeBackend:
         self.kv_dtype = torch.float32
         # specdec's fused layer operations where the kernels are built (see `_norm`).
         self.fused = kernels.available()
+        if weight_format == "r8" and not self.fused:
+            raise ModelLoadError("--dtype r8 runs on specdec's kernels, which are not built here: "
+                                 f"{kernels.missing_reason('auto')}; --dtype auto or int8 run without them")
         self._ops = kernels.load() if self.fused else None
         # The kernels' path (products, attention), read once as the products bind theirs.
         self._isa = kernels.ISAS[kernels.default_isa()] if self.fused else None

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quantize
 
 from specdec import LLM, SamplingParams, kernels
+from specdec.errors import ModelLoadError
 from specdec.kernels import packing
 from specdec.models import LoadedModel, ModelRunner
 from specdec.models.cache import PreallocatedCache
@@ -303,3 +304,9 @@ def test_r8_runs_the_model_with_exact_passes_and_lossless_speculation(tiny_model
     plain = LLM(loaded=loaded).generate(prompt, params, speculate=False)[0]
     for config in ({"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix"}):
         assert LLM(loaded=loaded, speculative_config=config).generate(prompt, params)[0].token_ids == plain.token_ids
+
+
+def test_r8_without_the_kernels_is_refused_with_the_reason(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    with pytest.raises(ModelLoadError, match="--dtype r8 runs on specdec's kernels"):
+        load_model(str(tiny_model_dir), backend="native", dtype="r8")
