@@ -247,13 +247,21 @@ def rotate_weights(weight: torch.Tensor) -> torch.Tensor:
     return _mix(rotation_dct(m), w).reshape(out_features, in_features)
 
 
+R8_ROWS_AT_ONCE = 4096  # output columns rotated together: a 262k-row LM head in float64 would take GBs
+
+
 def quantize_r8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float matrix [out, in] -> q [out, in] int32 in -127..127 and s [out] float32: the rotated
-    weights, one scale per output column (s = amax / 127, q = round(w / s))."""
-    rotated = rotate_weights(weight)
-    s = (rotated.abs().amax(dim=1) / 127).float()
-    safe = torch.where(s > 0, s.double(), torch.ones_like(s, dtype=torch.float64))
-    q = torch.round(rotated / safe[:, None]).clamp(-127, 127).to(torch.int32)
+    """A float matrix [out, in] -> q [out, in] int8 in -127..127 and s [out] float32: the rotated
+    weights, one scale per output column (s = amax / 127, q = round(w / s)), a few thousand
+    columns at a time (each column's values do not depend on the others)."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    s = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], R8_ROWS_AT_ONCE):
+        rotated = rotate_weights(weight[start : start + R8_ROWS_AT_ONCE])
+        scale = (rotated.abs().amax(dim=1) / 127).float()
+        safe = torch.where(scale > 0, scale.double(), torch.ones_like(scale, dtype=torch.float64))
+        q[start : start + len(rotated)] = torch.round(rotated / safe[:, None]).clamp(-127, 127).to(torch.int8)
+        s[start : start + len(rotated)] = scale
     return q, s
 
 
