@@ -206,10 +206,11 @@ def _hadamard(n: int) -> torch.Tensor:
     return h
 
 
-def _butterflies(w: torch.Tensor) -> torch.Tensor:
-    """w [..., 64] times H (unnormalized Walsh-Hadamard), elementwise in a fixed order: the same
-    bits on every machine and in every process (a BLAS product's can differ with its threads and
-    alignment, and a weight rounded otherwise would change the model)."""
+def butterflies(w: torch.Tensor) -> torch.Tensor:
+    """w [..., 64] times H (unnormalized Walsh-Hadamard) in w's dtype: the butterflies on index bits
+    5, 4, 3, 2, 1, 0 in that order, (a, b) -> (a + b, a - b), as rotated.cpp takes them.
+    Elementwise, so the same bits on every machine and in every process (a BLAS product's can
+    differ with its threads and alignment, and a weight rounded otherwise would change the model)."""
     w = w.clone()
     for bit in (5, 4, 3, 2, 1, 0):
         t = 1 << bit
@@ -220,8 +221,9 @@ def _butterflies(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def _mix(c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """w [out, m, 64] -> out[:, i] = c[i, 0] w[:, 0] + c[i, 1] w[:, 1] + ..., elementwise in order."""
+def mix_blocks(c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """w [rows, m, 64] -> out[:, i] = c[i, 0] w[:, 0] + c[i, 1] w[:, 1] + ..., elementwise in that
+    order (rotated.cpp's block mix, in w's dtype)."""
     out = torch.empty_like(w)
     for i in range(c.shape[0]):
         acc = c[i, 0] * w[:, 0]
@@ -243,8 +245,8 @@ def rotate_weights(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"r8 needs in_features divisible by {ROTATION_BLOCK}, got {in_features}")
     m = in_features // ROTATION_BLOCK
     w = weight.double().reshape(out_features, m, ROTATION_BLOCK) * rotation_signs()
-    w = _butterflies(w) / ROTATION_BLOCK
-    return _mix(rotation_dct(m), w).reshape(out_features, in_features)
+    w = butterflies(w) / ROTATION_BLOCK
+    return mix_blocks(rotation_dct(m), w).reshape(out_features, in_features)
 
 
 R8_ROWS_AT_ONCE = 4096  # output columns rotated together: a 262k-row LM head in float64 would take GBs
@@ -292,5 +294,5 @@ def unrotate_weights(rotated: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`rotate_weights`: W R^-T [out, in] -> W (C^T W' (S H)^T), in float64."""
     out_features, in_features = rotated.shape
     m = in_features // ROTATION_BLOCK
-    w = _mix(rotation_dct(m).t(), rotated.double().reshape(out_features, m, ROTATION_BLOCK))
-    return (_butterflies(w) * rotation_signs()).reshape(out_features, in_features)
+    w = mix_blocks(rotation_dct(m).t(), rotated.double().reshape(out_features, m, ROTATION_BLOCK))
+    return (butterflies(w) * rotation_signs()).reshape(out_features, in_features)

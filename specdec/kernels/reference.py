@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.packing import BLOCK, ROTATION_BLOCK, rotation_dct, rotation_signs
+from specdec.kernels.packing import BLOCK, ROTATION_BLOCK, butterflies, mix_blocks, rotation_dct, rotation_signs
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,21 +98,8 @@ def rotate_rows(x: torch.Tensor) -> torch.Tensor:
     a - b)), then y_i = C[i, 0] z_0 + C[i, 1] z_1 + ... over the blocks, first to last."""
     rows, in_features = x.shape
     m = in_features // ROTATION_BLOCK
-    z = (x.float().reshape(rows, m, ROTATION_BLOCK) * rotation_signs().float()).clone()
-    for bit in (5, 4, 3, 2, 1, 0):
-        t = 1 << bit
-        view = z.reshape(rows, m, ROTATION_BLOCK // (2 * t), 2, t)
-        low, high = view[..., 0, :].clone(), view[..., 1, :].clone()
-        view[..., 0, :] = low + high
-        view[..., 1, :] = low - high
-    c = rotation_dct(m).float()
-    y = torch.empty_like(z)
-    for i in range(m):
-        acc = c[i, 0] * z[:, 0]
-        for j in range(1, m):
-            acc = acc + c[i, j] * z[:, j]
-        y[:, i] = acc
-    return y.reshape(rows, in_features)
+    z = butterflies(x.float().reshape(rows, m, ROTATION_BLOCK) * rotation_signs().float())
+    return mix_blocks(rotation_dct(m).float(), z).reshape(rows, in_features)
 
 
 def r8_matmul(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -48,14 +48,14 @@ constexpr int64_t MAX_INPUTS = 1 << 16;  // |sum| <= K * 127 * 255 stays within 
 // prefetcher stops at each 4 KB page).
 constexpr int64_t PREFETCH_BYTES = 4096;
 
-bool avx512() {
-    static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    return yes;
-}
-
 // The signs of S: a fixed pattern (bit 7 of i times Knuth's multiplicative hash), the same as packing.py's.
-float sign_of(int i) { return ((static_cast<uint64_t>(i) * 2654435761ull) >> 7) & 1 ? 1.0f : -1.0f; }
+struct Signs {
+    alignas(32) float s[RB];
+    Signs() {
+        for (int i = 0; i < RB; ++i) s[i] = ((static_cast<uint64_t>(i) * 2654435761ull) >> 7) & 1 ? 1.0f : -1.0f;
+    }
+};
+const Signs SIGNS;
 
 // C [m, m] row-major as float32: C[i][j] = cos(pi / m * (j + 1/2) * i) * sqrt(2 / m), row 0 times
 // 1/sqrt(2); computed in double as packing.py computes it, then rounded once.
@@ -84,8 +84,7 @@ __attribute__((target("avx2,fma")))
 void rotate_row(const float* x, int64_t K, const float* c, float* z, float* y) {
     constexpr int64_t b = RB, vectors = b / 8;
     const int64_t m = K / b;
-    alignas(32) float signs[RB];
-    for (int64_t i = 0; i < b; ++i) signs[i] = sign_of(static_cast<int>(i));
+    const float* signs = SIGNS.s;
     for (int64_t j = 0; j < m; ++j) {
         float* zb = z + j * b;
         for (int64_t i = 0; i < b; i += 8)
@@ -169,6 +168,15 @@ void rotate_quantize(const float* x, int64_t rows, int64_t K, int8_t* q, float* 
     });
 }
 
+// One row's 16 columns from its exact sums: float(sum) * w_scale * x_scale (+ residual), the
+// AVX-512 tiles' and the AMX panels' one epilogue (AVX2's is the same operations, 8 lanes at a time).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
+inline void store_row(__m512i sum, __m512 ws, float xd, float* out, const float* res, __mmask16 mask) {
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), ws), _mm512_set1_ps(xd));
+    if (res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, res));
+    _mm512_mask_storeu_ps(out, mask, v);
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI: T rows times one unit; w + 128 as unsigned bytes, the exact signed sum
 // sum((w + 128) x) - 128 sum(x).
@@ -200,10 +208,8 @@ void tile_avx512(const uint8_t* unit, const RotRows& x, int64_t row0, float* out
         __m512i sum = acc[r][0];
         for (int h = 1; h < CH; ++h) sum = _mm512_add_epi32(sum, acc[r][h]);
         sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x.s[row0 + r]));
-        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), ws), _mm512_set1_ps(x.d[row0 + r]));
         const int64_t at = (row0 + r) * ldo;
-        if (res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, res + at));
-        _mm512_mask_storeu_ps(out + at, mask, v);
+        store_row(sum, ws, x.d[row0 + r], out + at, res ? res + at : nullptr, mask);
     }
 }
 
@@ -251,18 +257,14 @@ void tile_avx2(const uint8_t* unit, const RotRows& x, int64_t row0, float* out, 
     }
 }
 
-// An AMX panel's sums [16 rows, 16 columns] -> out, as the VNNI tile's epilogue.
+// An AMX panel's sums [16 rows, 16 columns] -> out.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void amx_epilogue(const int32_t* sums, const uint8_t* scales, const float* xd, float* out, const float* res,
                   int64_t ldo, int ncols) {
     const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
     const __m512 ws = _mm512_loadu_ps(reinterpret_cast<const float*>(scales));
-    for (int r = 0; r < specdec::AMX_ROWS; ++r) {
-        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + NC * r)), ws),
-                                 _mm512_set1_ps(xd[r]));
-        if (res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, res + r * ldo));
-        _mm512_mask_storeu_ps(out + r * ldo, mask, v);
-    }
+    for (int r = 0; r < specdec::AMX_ROWS; ++r)
+        store_row(_mm512_load_si512(sums + NC * r), ws, xd[r], out + r * ldo, res ? res + r * ldo : nullptr, mask);
 }
 
 using Tile = void (*)(const uint8_t*, const RotRows&, int64_t, float*, const float*, int64_t, int);
@@ -322,7 +324,7 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
     const int64_t unit_bytes = K * NC + 64;
-    const bool wide = isa != ISA_AVX2 && avx512();
+    const bool wide = isa != ISA_AVX2;  // resolve_isa: AVX-512 VNNI wherever it gave another path
     const int max_tile = wide ? 8 : 4;
     // Rows in tiles as few as the registers allow, of balanced sizes; on AMX, whole panels of 16.
     std::vector<std::pair<int64_t, Tile>> tiles;
