@@ -9,9 +9,9 @@
 // arXiv:2404.00456) mixes every input into every output first: x' = x R with R = kron(C^T, S H),
 // x as [m blocks, 64]: each block's signs flipped (S) and its Walsh-Hadamard transform taken (H,
 // unnormalized), then the blocks mixed by the orthonormal DCT-II matrix C [m, m]; about K (6 + m)
-// float operations a row (blocks of 128 or 512 where K allows cost less and scored no better:
-// the default model's perplexity 13.67 and 13.69 against 13.66). The weights are stored rotated the
-// other way (W R^-T, packing.py), so x' W'^T = x W^T up to the quantization.
+// float operations a row (blocks of 128 or 512 where K allows cost less but scored no better on
+// the default model's perplexity: benchmarks/results). The weights are stored rotated the other
+// way (W R^-T, packing.py), so x' W'^T = x W^T up to the quantization.
 //
 // Row invariance: the rotation is a fixed sequence of float32 adds and multiplies per element (AVX2
 // on every path), a row's integer sum is exact on every path (AMX, VNNI, AVX2), and its epilogue is
