@@ -142,18 +142,6 @@ Rows panel(const Rows& all, int64_t p0, int64_t n) {
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI: a tile of T rows times one unit of 16 columns.
 
-// A tile's results, plus the residual stream's rows where given (x + W y: one float add per
-// element, the same add as after the product).
-template <int T>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
-inline void store_tile(const __m512* acc, float* out, const float* res, int64_t row0, int64_t ldo, __mmask16 mask) {
-    for (int r = 0; r < T; ++r) {
-        const int64_t at = (row0 + r) * ldo;
-        const __m512 v = res ? _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, res + at)) : acc[r];
-        _mm512_mask_storeu_ps(out + at, mask, v);
-    }
-}
-
 // An affine record's 16 d or m (the 16 starting at byte `at`), as float32.
 template <class K>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
@@ -171,13 +159,17 @@ inline __m256 affine_scales8(const uint8_t* rec, int at, int h) {
 }
 
 // The affine family (K: quant.h's Q4Half, Q4Float, Q5Float): weights as nibbles or as bytes, the
-// same epilogue.
+// same epilogue. The tiles' arrays are indexed by compile-time constants only (specdec::repeat) and
+// their products go through specdec::dpbusd, so that GCC keeps them in registers (simd.h); a
+// pragma, not an attribute, gives the lambdas the target too.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")
 template <int T, class K>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
+    using specdec::repeat;
     constexpr int RECORD = K::record;
     __m512 acc[T];
-    for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
+    repeat<T>([&](auto r) { acc[r] = _mm512_setzero_ps(); });
     const __m512i low = _mm512_set1_epi8(0x0F);
     const int8_t* xq = x.q + row0 * QK;
     const float* xd = x.d + row0;
@@ -186,8 +178,8 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
         const uint8_t* rec = unit + g * RECORD;
         prefetch_ahead<RECORD>(rec);
         __m512i lo_sum[T], hi_sum[T];  // two dependency chains per row
-        for (int r = 0; r < T; ++r) lo_sum[r] = hi_sum[r] = _mm512_setzero_si512();
-        for (int p = 0; p < 4; ++p) {
+        repeat<T>([&](auto r) { lo_sum[r] = hi_sum[r] = _mm512_setzero_si512(); });
+        repeat<4>([&](auto p) {
             // inputs 4 p .. 4 p + 3 (wl) and 16 + 4 p .. (wh): a nibble record's low and high
             // nibbles, or a byte record's vectors p and 4 + p
             __m512i wl, wh;
@@ -199,36 +191,42 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
                 wl = _mm512_loadu_si512(rec + 64 * p);
                 wh = _mm512_loadu_si512(rec + 64 * (p + 4));
             }
-            for (int r = 0; r < T; ++r) {
+            repeat<T>([&](auto r) {
                 const int8_t* xb = xq + r * QK;
                 int32_t a, b;
                 std::memcpy(&a, xb + 4 * p, 4);
                 std::memcpy(&b, xb + 16 + 4 * p, 4);
-                lo_sum[r] = _mm512_dpbusd_epi32(lo_sum[r], wl, _mm512_set1_epi32(a));
-                hi_sum[r] = _mm512_dpbusd_epi32(hi_sum[r], wh, _mm512_set1_epi32(b));
-            }
-        }
+                specdec::dpbusd(lo_sum[r], wl, _mm512_set1_epi32(a));
+                specdec::dpbusd(hi_sum[r], wh, _mm512_set1_epi32(b));
+            });
+        });
         const __m512 dw = affine_scales16<K>(rec, K::scales);
         const __m512 mw = affine_scales16<K>(rec, K::mins);
-        for (int r = 0; r < T; ++r) {
+        repeat<T>([&](auto r) {
             __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_sum[r], hi_sum[r]));
             t = _mm512_mul_ps(t, dw);
             t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(xs[r]), mw));
             t = _mm512_mul_ps(t, _mm512_set1_ps(xd[r]));
             acc[r] = _mm512_add_ps(acc[r], t);
-        }
+        });
     }
+    // the results, plus the residual stream's rows where given (x + W y: one float add per element,
+    // the same add as after the product)
     const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-    store_tile<T>(acc, out, res, row0, ldo, mask);
+    repeat<T>([&](auto r) {
+        const int64_t at = (row0 + r) * ldo;
+        const __m512 v = res ? _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, res + at)) : acc[r];
+        _mm512_mask_storeu_ps(out + at, mask, v);
+    });
 }
 
 // Q6: the 640-byte records, a float32 scale per 16 inputs (see the layouts above).
 template <int T, bool Q6>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
+    using specdec::repeat;
     constexpr int RECORD = Q6 ? Q6_RECORD : Q8_RECORD;
     __m512 acc[T];
-    for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
+    repeat<T>([&](auto r) { acc[r] = _mm512_setzero_ps(); });
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     const int8_t* xq = x.q + row0 * QK;
     const float* xd = x.d + row0;
@@ -238,44 +236,49 @@ void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
         const uint8_t* rec = unit + g * RECORD;
         prefetch_ahead<RECORD>(rec);
         __m512i lo[T], hi[T];  // inputs 0..15 and 16..31: two dependency chains per row
-        for (int r = 0; r < T; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
-        for (int j = 0; j < 4; ++j) {
+        repeat<T>([&](auto r) { lo[r] = hi[r] = _mm512_setzero_si512(); });
+        repeat<4>([&](auto j) {
             // w + 128 as unsigned bytes: sum((w + 128) x) - 128 sum(x) is the exact signed sum.
             const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * j), flip);
             const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * (j + 4)), flip);
-            for (int r = 0; r < T; ++r) {
+            repeat<T>([&](auto r) {
                 const int8_t* xb = xq + r * QK;
                 int32_t a, b;
                 std::memcpy(&a, xb + 4 * j, 4);
                 std::memcpy(&b, xb + 16 + 4 * j, 4);
-                lo[r] = _mm512_dpbusd_epi32(lo[r], w0, _mm512_set1_epi32(a));
-                hi[r] = _mm512_dpbusd_epi32(hi[r], w1, _mm512_set1_epi32(b));
-            }
-        }
+                specdec::dpbusd(lo[r], w0, _mm512_set1_epi32(a));
+                specdec::dpbusd(hi[r], w1, _mm512_set1_epi32(b));
+            });
+        });
         if constexpr (Q6) {
             const __m512 dlo = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 512));
             const __m512 dhi = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 576));
-            for (int r = 0; r < T; ++r) {
+            repeat<T>([&](auto r) {
                 const __m512i l = _mm512_sub_epi32(lo[r], _mm512_set1_epi32(128 * xs16[r]));
                 const __m512i h = _mm512_sub_epi32(hi[r], _mm512_set1_epi32(128 * (xs[r] - xs16[r])));
                 __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(l), dlo);
                 t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_cvtepi32_ps(h), dhi));
                 t = _mm512_mul_ps(t, _mm512_set1_ps(xd[r]));
                 acc[r] = _mm512_add_ps(acc[r], t);
-            }
+            });
         } else {
             const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
-            for (int r = 0; r < T; ++r) {
+            repeat<T>([&](auto r) {
                 const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(lo[r], hi[r]), _mm512_set1_epi32(128 * xs[r]));
                 __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dw);
                 t = _mm512_mul_ps(t, _mm512_set1_ps(xd[r]));
                 acc[r] = _mm512_add_ps(acc[r], t);
-            }
+            });
         }
     }
     const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-    store_tile<T>(acc, out, res, row0, ldo, mask);
+    repeat<T>([&](auto r) {
+        const int64_t at = (row0 + r) * ldo;
+        const __m512 v = res ? _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, res + at)) : acc[r];
+        _mm512_mask_storeu_ps(out + at, mask, v);
+    });
 }
+#pragma GCC pop_options
 
 // ---------------------------------------------------------------------------------------------
 // AVX2: the same records, 8 columns at a time (half h of a unit), maddubs for the integer sums.

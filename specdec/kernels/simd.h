@@ -4,6 +4,9 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+#include <utility>
+
 namespace specdec {
 
 __attribute__((target("avx2,fma"))) inline float horizontal_sum(__m256 v) {
@@ -18,6 +21,28 @@ __attribute__((target("avx2"))) inline int32_t fold(__m256i v) {
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+
+// acc += the 4-byte dot products of unsigned w and signed x per lane (vpdpbusd). GCC 12 copies the
+// intrinsic's accumulator to another register and back around each instruction of a tile's loop
+// (two moves a product: the loop's bottleneck); in asm, on a local copy (an asm operand that names
+// an array element would keep the array in memory), the accumulator stays in its register.
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline void dpbusd(__m512i& acc, __m512i w, __m512i x) {
+    __m512i a = acc;
+    asm("vpdpbusd %2, %1, %0" : "+v"(a) : "v"(w), "v"(x));
+    acc = a;
+}
+
+// f(std::integral_constant<int, i>) for i = 0 .. N - 1, unrolled at compile time: a tile's
+// accumulator arrays indexed only by constants, which GCC keeps in registers (loops unrolled by
+// the optimizer leave them in memory).
+template <typename F, int... I>
+__attribute__((always_inline)) inline void each_index(F&& f, std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+__attribute__((always_inline)) inline void repeat(F&& f) {
+    each_index(f, std::make_integer_sequence<int, N>{});
 }
 
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
