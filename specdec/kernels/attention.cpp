@@ -38,13 +38,12 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 load16(const uint
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Scores -> exp(score - highest) in place, 8 at a time, and 1 / their sum (summed in 8 lanes in
-// order, then folded in a fixed order): the softmax's weights, normalized at the end.
+// Scores -> exp(score - highest) in place, 8 at a time from `j` (the elements before it done, their
+// exponentials summed into `total`), and 1 / their sum (summed in 8 lanes in order, then folded in
+// a fixed order): the softmax's weights, normalized at the end.
 __attribute__((target("avx2,fma")))
-float softmax_weights(float* sc, int64_t n, float highest) {
-    __m256 total = _mm256_setzero_ps();
+float softmax_from(float* sc, int64_t n, float highest, int64_t j, __m256 total) {
     const __m256 shift = _mm256_set1_ps(highest);
-    int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), shift));
         _mm256_storeu_ps(sc + j, e);
@@ -62,6 +61,27 @@ float softmax_weights(float* sc, int64_t n, float highest) {
                                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
     }
     return 1.0f / horizontal_sum(total);
+}
+
+__attribute__((target("avx2,fma")))
+float softmax_weights(float* sc, int64_t n, float highest) {
+    return softmax_from(sc, n, highest, 0, _mm256_setzero_ps());
+}
+
+// The same, 16 exponentials at a time (exp16: exp8's operations per lane) and each 16 summed as
+// their two 8s in turn: the same bits as softmax_weights.
+__attribute__((target("avx512f,avx512dq,avx2,fma")))
+float softmax_weights16(float* sc, int64_t n, float highest) {
+    __m256 total = _mm256_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(highest);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = specdec::exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), shift));
+        _mm512_storeu_ps(sc + j, e);
+        total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+        total = _mm256_add_ps(total, _mm512_extractf32x8_ps(e, 1));
+    }
+    return softmax_from(sc, n, highest, j, total);
 }
 
 // The element type of a cache (float, or uint16_t for float16) as a value, to choose a template.
@@ -231,44 +251,12 @@ void scores_shared(const Heads<HG, T>& it, float scale, float* buffer, int64_t s
     }
 }
 
+// Step 3 of the AVX-512 path: the weighted sums of the values, 64 dimensions at a time (HG x 4
+// accumulators), every element summed over the slots in order; weights at buffer + h * stride.
 template <int HG, int CH, typename T>
 __attribute__((target("avx512f,avx2,fma,f16c")))
-void attend_heads_avx512(const Heads<HG, T>& it, float scale, std::vector<float>& buffer) {
-    const int64_t stride = it.n + 16;  // room for a tail block's copies
-    buffer.resize(static_cast<size_t>(HG * stride));
+void weighted_values(const Heads<HG, T>& it, const float* buffer, int64_t stride, const float* inverse) {
     auto slot = [&](int64_t j) { return it.slots ? it.slots[j] : j; };
-
-    // 1. scores, 16 keys at a time (a tail block repeats its last key; the copies land past n)
-    float inverse[HG];
-    if constexpr (CH == 4 && HG > 1) {
-        __m512 top[HG];
-        for (int h = 0; h < HG; ++h) top[h] = _mm512_set1_ps(-INFINITY);
-        scores_shared<HG, T>(it, scale, buffer.data(), stride, top);
-        for (int h = 0; h < HG; ++h)  // 2. softmax weights (unnormalized) and their sum: the shared code
-            inverse[h] = softmax_weights(buffer.data() + h * stride, it.n, _mm512_reduce_max_ps(top[h]));
-    } else for (int h = 0; h < HG; ++h) {
-        float* sc = buffer.data() + h * stride;
-        __m512 q[CH];
-        for (int c = 0; c < CH; ++c) q[c] = _mm512_loadu_ps(it.q[h] + 16 * c);
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int64_t j0 = 0; j0 < it.n; j0 += 16) {
-            __m512 acc[16];
-            for (int jj = 0; jj < 16; ++jj) {
-                const T* k = it.keys + slot(std::min<int64_t>(j0 + jj, it.n - 1)) * it.slot_stride;
-                __m512 a = _mm512_fmadd_ps(q[0], load16(k), _mm512_setzero_ps());
-                for (int c = 1; c < CH; ++c) a = _mm512_fmadd_ps(q[c], load16(k + 16 * c), a);
-                acc[jj] = a;
-            }
-            const __m512 dots = _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale));
-            _mm512_storeu_ps(sc + j0, dots);
-            top = _mm512_max_ps(top, dots);  // a copy's score equals its key's: the maximum holds
-        }
-        // 2. softmax weights (unnormalized) and their sum: the shared code
-        inverse[h] = softmax_weights(sc, it.n, _mm512_reduce_max_ps(top));
-    }
-
-    // 3. the weighted sums of the values, 64 dimensions at a time (HG x 4 accumulators), every
-    //    element summed over the slots in order
     for (int c0 = 0; c0 < CH; c0 += 4) {
         __m512 acc[HG][4];
         for (int h = 0; h < HG; ++h)
@@ -287,6 +275,135 @@ void attend_heads_avx512(const Heads<HG, T>& it, float scale, std::vector<float>
             for (int c = 0; c < 4; ++c) _mm512_storeu_ps(it.out[h] + 16 * (c0 + c), _mm512_mul_ps(acc[h][c], inv));
         }
     }
+}
+
+template <int HG, int CH, typename T>
+__attribute__((target("avx512f,avx2,fma,f16c")))
+void attend_heads_avx512(const Heads<HG, T>& it, float scale, std::vector<float>& buffer) {
+    const int64_t stride = it.n + 16;  // room for a tail block's copies
+    buffer.resize(static_cast<size_t>(HG * stride));
+    auto slot = [&](int64_t j) { return it.slots ? it.slots[j] : j; };
+
+    // 1. scores, 16 keys at a time (a tail block repeats its last key; the copies land past n)
+    float inverse[HG];
+    if constexpr (CH == 4 && HG > 1) {
+        __m512 top[HG];
+        for (int h = 0; h < HG; ++h) top[h] = _mm512_set1_ps(-INFINITY);
+        scores_shared<HG, T>(it, scale, buffer.data(), stride, top);
+        for (int h = 0; h < HG; ++h)  // 2. softmax weights (unnormalized) and their sum: the shared code
+            inverse[h] = softmax_weights16(buffer.data() + h * stride, it.n, _mm512_reduce_max_ps(top[h]));
+    } else for (int h = 0; h < HG; ++h) {
+        float* sc = buffer.data() + h * stride;
+        __m512 q[CH];
+        for (int c = 0; c < CH; ++c) q[c] = _mm512_loadu_ps(it.q[h] + 16 * c);
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t j0 = 0; j0 < it.n; j0 += 16) {
+            __m512 acc[16];
+            for (int jj = 0; jj < 16; ++jj) {
+                const T* k = it.keys + slot(std::min<int64_t>(j0 + jj, it.n - 1)) * it.slot_stride;
+                __m512 a = _mm512_fmadd_ps(q[0], load16(k), _mm512_setzero_ps());
+                for (int c = 1; c < CH; ++c) a = _mm512_fmadd_ps(q[c], load16(k + 16 * c), a);
+                acc[jj] = a;
+            }
+            const __m512 dots = _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale));
+            _mm512_storeu_ps(sc + j0, dots);
+            top = _mm512_max_ps(top, dots);  // a copy's score equals its key's: the maximum holds
+        }
+        // 2. softmax weights (unnormalized) and their sum: the shared code
+        inverse[h] = softmax_weights16(sc, it.n, _mm512_reduce_max_ps(top));
+    }
+
+    weighted_values<HG, CH, T>(it, buffer.data(), stride, inverse);
+}
+// Prefill and other passes of many queries over a row's prefix, head_dim 64: the row's keys are
+// laid out once per call, 16 slots at a time as 64 vectors (vector d of block b: dimension d of
+// slots 16 b .. 16 b + 15), so that a query's 16 scores come from vertical arithmetic alone. Lane
+// l of the other paths' 16-lane dot product is fma(q[48 + l], k[48 + l], .. fma(q[l], k[l], 0)),
+// and their fixed tree over the lanes is, per key, ((s0 + s1) + (s2 + s3)) with s_b = (x[4b] +
+// x[4b + 2]) + (x[4b + 1] + x[4b + 3]): the same FMAs and adds here, each with its key in a lane,
+// give every score bit for bit, without the tree's 45 shuffles per 16 keys and head.
+constexpr int KEY_BLOCK = 16, KEY_DIM = 64;
+constexpr int64_t TRANSPOSE_MIN_QUERIES = 16;  // queries a call needs to pay for the transposition
+
+template <typename T>
+__attribute__((target("avx512f,avx2,fma,f16c")))
+void transpose_keys(const T* keys, int64_t slot_stride, int64_t n, float* out) {
+    alignas(64) float tmp[KEY_BLOCK][KEY_DIM];
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        for (int s = 0; s < KEY_BLOCK; ++s) {
+            if (j0 + s < n) {
+                for (int c = 0; c < KEY_DIM / 16; ++c) _mm512_store_ps(tmp[s] + 16 * c, load16(keys + (j0 + s) * slot_stride + 16 * c));
+            } else {
+                for (int c = 0; c < KEY_DIM / 16; ++c) _mm512_store_ps(tmp[s] + 16 * c, _mm512_setzero_ps());
+            }
+        }
+        float* o = out + j0 * KEY_DIM;
+        for (int d = 0; d < KEY_DIM; ++d)
+            _mm512_storeu_ps(o + d * KEY_BLOCK, _mm512_i32gather_ps(_mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576,
+                                                                                      640, 704, 768, 832, 896, 960),
+                                                                    &tmp[0][d], 4));
+    }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+template <int HG>
+void scores_transposed(const float* const* q, const float* kt, int64_t n, float scale, float* buffer, int64_t stride,
+                       __m512* top) {
+    using specdec::repeat;
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        const float* block = kt + j0 * KEY_DIM;
+        __m512 half[HG][2], quarter[HG];  // (s0 + s1), (s2 + s3); s_b while it is summed
+        repeat<4>([&](auto b) {
+            repeat<2>([&](auto odd) {  // lanes 4b + odd and 4b + 2 + odd, summed
+                __m512 pair[HG][2];
+                repeat<2>([&](auto i) {
+                    constexpr int l = 4 * b + odd + 2 * i;
+                    __m512 kd[4];
+                    repeat<4>([&](auto c) {
+                        kd[c] = _mm512_loadu_ps(block + (16 * c + l) * KEY_BLOCK);
+                        asm("" : "+v"(kd[c]));  // in a register, loaded once for the HG heads (not folded into each FMA)
+                    });
+                    repeat<HG>([&](auto h) {
+                        __m512 x = _mm512_fmadd_ps(_mm512_set1_ps(q[h][l]), kd[0], _mm512_setzero_ps());
+                        repeat<3>([&](auto c) { x = _mm512_fmadd_ps(_mm512_set1_ps(q[h][16 * (c + 1) + l]), kd[c + 1], x); });
+                        pair[h][i] = x;
+                    });
+                });
+                repeat<HG>([&](auto h) {
+                    const __m512 t = _mm512_add_ps(pair[h][0], pair[h][1]);
+                    quarter[h] = odd == 0 ? t : _mm512_add_ps(quarter[h], t);
+                });
+            });
+            repeat<HG>([&](auto h) {
+                if constexpr (b % 2 == 0) half[h][b / 2] = quarter[h];
+                else half[h][b / 2] = _mm512_add_ps(half[h][b / 2], quarter[h]);
+            });
+        });
+        const int64_t valid = std::min<int64_t>(KEY_BLOCK, n - j0);
+        const __mmask16 mask = valid >= KEY_BLOCK ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+        repeat<HG>([&](auto h) {
+            const __m512 dots = _mm512_mul_ps(_mm512_add_ps(half[h][0], half[h][1]), factor);
+            _mm512_storeu_ps(buffer + h * stride + j0, dots);  // past n: never read
+            top[h] = _mm512_mask_max_ps(top[h], mask, top[h], dots);
+        });
+    }
+}
+#pragma GCC pop_options
+
+template <int HG, typename T>
+__attribute__((target("avx512f,avx2,fma,f16c")))
+void attend_heads_transposed(const Heads<HG, T>& it, const float* kt, float scale, std::vector<float>& buffer) {
+    const int64_t stride = it.n + KEY_BLOCK;
+    buffer.resize(static_cast<size_t>(HG * stride));
+    __m512 top[HG];
+    for (int h = 0; h < HG; ++h) top[h] = _mm512_set1_ps(-INFINITY);
+    scores_transposed<HG>(it.q, kt, it.n, scale, buffer.data(), stride, top);
+    float inverse[HG];
+    for (int h = 0; h < HG; ++h)
+        inverse[h] = softmax_weights16(buffer.data() + h * stride, it.n, _mm512_reduce_max_ps(top[h]));
+    weighted_values<HG, 4, T>(it, buffer.data(), stride, inverse);
 }
 
 }  // namespace
@@ -339,6 +456,34 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
     // longest queries. Lanes, 4 a thread, are claimed as the threads come (a descheduled thread
     // holds up no more than the lane it runs).
     const int64_t tasks = rows * nq * kv_heads * sets;
+    // Many queries of rows that see prefixes (a prefill, a long chain): each row's keys transposed
+    // once (scores_transposed), as far as its queries see, each (row, key/value head) a chunk.
+    const bool transposed = wide && head_dim == KEY_DIM && !listed && nq >= TRANSPOSE_MIN_QUERIES;
+    // Reused from call to call (only read where this call wrote); the workers see it through kt,
+    // not by its name (a thread_local's name means each thread's own).
+    thread_local std::vector<float> transposed_keys;
+    float* kt = nullptr;
+    int64_t kt_stride = 0;  // floats per (row, key/value head)
+    if (transposed) {
+        std::vector<int64_t> seen(rows, 0);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t i = 0; i < nq; ++i) seen[r] = std::max<int64_t>(seen[r], count[r * nq + i]);
+        const int64_t most = *std::max_element(seen.begin(), seen.end());
+        kt_stride = (most + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK * KEY_DIM;
+        const size_t size = static_cast<size_t>(rows * kv_heads * kt_stride);
+        if (transposed_keys.size() < size) transposed_keys.resize(size);
+        kt = transposed_keys.data();
+        specdec::parallel_chunks(rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t t = begin; t < end; ++t) {
+                const int64_t r = t / kv_heads, kvh = t % kv_heads;
+                const int64_t at = r * keys.stride(0) + kvh * keys.stride(1);
+                if (half)
+                    transpose_keys(static_cast<const uint16_t*>(keys.data_ptr()) + at, keys.stride(2), seen[r], kt + t * kt_stride);
+                else
+                    transpose_keys(static_cast<const float*>(keys.data_ptr()) + at, keys.stride(2), seen[r], kt + t * kt_stride);
+            }
+        });
+    }
     const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(4 * specdec::kernel_threads(), tasks));
     specdec::parallel_chunks(lanes, 1, [&](int64_t first_lane, int64_t last_lane) {
         std::vector<float> buffer;
@@ -364,6 +509,8 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
                     it.slot_stride = keys.stride(2); it.slots = sl; it.n = n;
                     if (n == 0) {  // a padding query that sees nothing: zeros, not NaN
                         for (int h = 0; h < HG; ++h) std::fill(it.out[h], it.out[h] + head_dim, 0.0f);
+                    } else if (transposed) {
+                        attend_heads_transposed<HG, T>(it, kt + (r * kv_heads + kvh) * kt_stride, fscale, buffer);
                     } else if (!wide) attend_heads<HG, T>(it, head_dim, fscale, buffer);
                     else if (head_dim == 64) attend_heads_avx512<HG, 4, T>(it, fscale, buffer);
                     else attend_heads_avx512<HG, 8, T>(it, fscale, buffer);

@@ -119,6 +119,30 @@ def test_attention_is_query_invariant(threads: int, isa: str) -> None:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize(("group", "threads"), [(1, 1), (2, 2), (3, 1), (3, 2), (4, 1)])
+def test_a_prefills_queries_get_one_querys_bits(isa: str, group: int, threads: int) -> None:
+    # Many queries over prefixes (a prefill: query i sees i + 1 slots; a long chain after a cache)
+    # take another route on AVX-512 (the keys transposed once per call, by the pool's threads):
+    # each query's output is still bitwise what it gets alone, for short prefixes, block tails and
+    # longer caches.
+    keys, values = _cache(2, 140, seed=6)
+    heads = group * KV_HEADS
+    q = torch.randn(2, heads, 37, HEAD_DIM, generator=torch.Generator().manual_seed(group))
+    counts = torch.stack([torch.arange(1, 38), torch.arange(100, 137) + 3]).to(torch.int32)
+    for k, v in ((keys, values), (keys.half(), values.half())):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            together = kernels.attend_cached(q, k, v, counts, isa=isa)
+        finally:
+            torch.set_num_threads(before)
+        for r in range(2):
+            for i in range(37):
+                alone = kernels.attend_cached(q[r : r + 1, :, i : i + 1].contiguous(), k[r : r + 1], v[r : r + 1],
+                                              counts[r : r + 1, i : i + 1].contiguous(), isa=isa)
+                assert torch.equal(alone[0, 0], together[r, i]), (r, i, k.dtype)
+
+
 def test_attention_refuses_slots_past_the_cache() -> None:
     keys, values = _cache(1, 10, seed=3)
     q = torch.randn(1, HEADS, 1, HEAD_DIM)
