@@ -9,6 +9,8 @@ step. The machine is shared and noisy: the rounds interleave the variants so tha
 them alike; read the ratios between variants, not the absolute times.
 
     python benchmarks/kernels_ab.py --variant before=git:HEAD~1 --variant after=specdec/kernels
+    python benchmarks/kernels_ab.py --variant before=git:HEAD~1 --variant after=specdec/kernels \
+        --dtype r8 --context 0 --sizes 64,1024 --last-only   # prefill
 """
 
 from __future__ import annotations
@@ -57,8 +59,7 @@ def build(name: str, directory: Path):
     out.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
         name=f"specdec_kernels_ab_{digest}", sources=[str(directory / path.name) for path in kernels.SOURCES],
-        build_directory=str(out), extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
-        extra_ldflags=["-fopenmp"], verbose=False)
+        build_directory=str(out), extra_cflags=kernels.CFLAGS, verbose=False)
 
 
 def main() -> None:
@@ -70,6 +71,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="rounds over every variant")
     parser.add_argument("--repeats", type=int, default=8, help="passes per size per round (their median counts)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="the model's weight format (load_model's dtype: auto, r8, ...)")
+    parser.add_argument("--last-only", action="store_true",
+                        help="logits for each pass's last position only (a prefill's), not every position (a verification's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -80,7 +84,7 @@ def main() -> None:
             raise SystemExit(f"--variant {spec!r}: give NAME=SOURCE")
         variants[name] = build(name, sources(source))
 
-    model = load_model()
+    model = load_model(dtype=args.dtype)
     backend = model.backend
     if not backend.fused:
         raise SystemExit("specdec's kernels are not available here: nothing to compare")
@@ -106,11 +110,12 @@ def main() -> None:
                 samples = []
                 for _ in range(args.repeats):
                     start = time.perf_counter()
-                    runner.forward(cache, tokens[args.context : args.context + n])
+                    runner.forward(cache, tokens[args.context : args.context + n], last_only=args.last_only)
                     samples.append(time.perf_counter() - start)
                     cache.rollback(args.context)
                 times[name, n].append(statistics.median(samples))
-    print(f"{args.context} cached tokens, {args.threads} threads, ms per pass (ratio to the variant's {sizes[0]}-token pass)")
+    print(f"{args.dtype}, {args.context} cached tokens, {args.threads} threads, ms per pass (ratio to the variant's "
+          f"{sizes[0]}-token pass)")
     print("variant".ljust(12) + "".join(f"{n:>16d}" for n in sizes))
     for name in variants:
         base = statistics.median(times[name, sizes[0]])

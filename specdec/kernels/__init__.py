@@ -124,6 +124,9 @@ def _build() -> ModuleType | str:
     return module
 
 
+CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]  # the kernels' compiler flags (see _compile)
+
+
 def _compile(directory: Path) -> ModuleType:
     """torch's build of the extension into `directory` (or its load, where the build is current)."""
     from torch.utils import cpp_extension
@@ -134,7 +137,7 @@ def _compile(directory: Path) -> ModuleType:
         # attributes and are chosen at run time. No FMA contraction: the reference's float
         # operations are separate multiplies and adds, and the kernels must round alike.
         # No OpenMP: the kernels run on their own pool (pool.cpp).
-        extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno"], verbose=False)
+        extra_cflags=CFLAGS, verbose=False)
 
 
 def load() -> ModuleType:

@@ -182,8 +182,9 @@ void attend_heads(const Heads<HG, T>& it, int64_t head_dim, float scale, std::ve
 // vectors stay in registers). A key's score is 16-lane FMAs over the chunks in order, then a fixed
 // tree over its own lanes (pairs within each 128-bit block, then the blocks), run for 16 keys at
 // once; so a score never depends on the keys beside it, but its bits differ from the AVX2 path's
-// (8 lanes, another tree). The softmax is the shared code above, and the weighted sum of the
-// values is the AVX2 path's arithmetic per element (the same FMAs in the same order), 16 wide.
+// (8 lanes, another tree). The softmax is the shared code's (16 exponentials at a time, the same
+// bits), and the weighted sum of the values is the AVX2 path's arithmetic per element (the same
+// FMAs in the same order), 16 wide.
 
 // v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes, in a fixed order. In two parts:
 // keys 0..7 and 8..15 give two vectors each (halves), then the four are folded (fold). A key's
@@ -290,7 +291,7 @@ void attend_heads_avx512(const Heads<HG, T>& it, float scale, std::vector<float>
         __m512 top[HG];
         for (int h = 0; h < HG; ++h) top[h] = _mm512_set1_ps(-INFINITY);
         scores_shared<HG, T>(it, scale, buffer.data(), stride, top);
-        for (int h = 0; h < HG; ++h)  // 2. softmax weights (unnormalized) and their sum: the shared code
+        for (int h = 0; h < HG; ++h)  // 2. softmax weights (unnormalized) and their sum
             inverse[h] = softmax_weights16(buffer.data() + h * stride, it.n, _mm512_reduce_max_ps(top[h]));
     } else for (int h = 0; h < HG; ++h) {
         float* sc = buffer.data() + h * stride;
@@ -309,12 +310,13 @@ void attend_heads_avx512(const Heads<HG, T>& it, float scale, std::vector<float>
             _mm512_storeu_ps(sc + j0, dots);
             top = _mm512_max_ps(top, dots);  // a copy's score equals its key's: the maximum holds
         }
-        // 2. softmax weights (unnormalized) and their sum: the shared code
+        // 2. softmax weights (unnormalized) and their sum: the shared code's bits, 16 at a time
         inverse[h] = softmax_weights16(sc, it.n, _mm512_reduce_max_ps(top));
     }
 
     weighted_values<HG, CH, T>(it, buffer.data(), stride, inverse);
 }
+
 // Prefill and other passes of many queries over a row's prefix, head_dim 64: the row's keys are
 // laid out once per call, 16 slots at a time as 64 vectors (vector d of block b: dimension d of
 // slots 16 b .. 16 b + 15), so that a query's 16 scores come from vertical arithmetic alone. Lane
@@ -332,16 +334,16 @@ void transpose_keys(const T* keys, int64_t slot_stride, int64_t n, float* out) {
     for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
         for (int s = 0; s < KEY_BLOCK; ++s) {
             if (j0 + s < n) {
-                for (int c = 0; c < KEY_DIM / 16; ++c) _mm512_store_ps(tmp[s] + 16 * c, load16(keys + (j0 + s) * slot_stride + 16 * c));
+                for (int c = 0; c < KEY_DIM / 16; ++c)
+                    _mm512_store_ps(tmp[s] + 16 * c, load16(keys + (j0 + s) * slot_stride + 16 * c));
             } else {
                 for (int c = 0; c < KEY_DIM / 16; ++c) _mm512_store_ps(tmp[s] + 16 * c, _mm512_setzero_ps());
             }
         }
         float* o = out + j0 * KEY_DIM;
-        for (int d = 0; d < KEY_DIM; ++d)
-            _mm512_storeu_ps(o + d * KEY_BLOCK, _mm512_i32gather_ps(_mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576,
-                                                                                      640, 704, 768, 832, 896, 960),
-                                                                    &tmp[0][d], 4));
+        const __m512i slots = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                 _mm512_set1_epi32(KEY_DIM));
+        for (int d = 0; d < KEY_DIM; ++d) _mm512_storeu_ps(o + d * KEY_BLOCK, _mm512_i32gather_ps(slots, &tmp[0][d], 4));
     }
 }
 
@@ -477,10 +479,9 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
             for (int64_t t = begin; t < end; ++t) {
                 const int64_t r = t / kv_heads, kvh = t % kv_heads;
                 const int64_t at = r * keys.stride(0) + kvh * keys.stride(1);
-                if (half)
-                    transpose_keys(static_cast<const uint16_t*>(keys.data_ptr()) + at, keys.stride(2), seen[r], kt + t * kt_stride);
-                else
-                    transpose_keys(static_cast<const float*>(keys.data_ptr()) + at, keys.stride(2), seen[r], kt + t * kt_stride);
+                float* const into = kt + t * kt_stride;
+                if (half) transpose_keys(static_cast<const uint16_t*>(keys.data_ptr()) + at, keys.stride(2), seen[r], into);
+                else transpose_keys(static_cast<const float*>(keys.data_ptr()) + at, keys.stride(2), seen[r], into);
             }
         });
     }

@@ -181,10 +181,10 @@ inline void store_row(__m512i sum, __m512 ws, float xd, float* out, const float*
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI: T rows times U units (16 U columns) in one pass over the inputs; w + 128 as unsigned
 // bytes, the exact signed sum sum((w + 128) x) - 128 sum(x). Each broadcast of 4 activations feeds U
-// products and each weight line T: with one unit a tile spent a load for every product, and a
-// prefill's many rows ran at a third of what the multiplier allows. The T x U sums are one chain each
-// (a line's T U products are independent; at 1 row the U chains still keep the multiplier busy).
-// (A pragma, not an attribute: the lambdas that unroll the loops need the target too.)
+// products and each weight line T (a one-unit tile spends a broadcast on every product). The T x U
+// sums are one chain each: a line's T U products are independent. The arrays are indexed by
+// compile-time constants and the products are simd.h's dpbusd, so the sums stay in registers; a
+// pragma, not an attribute, gives the lambdas that unroll the loops the target too.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 template <int T, int U>
