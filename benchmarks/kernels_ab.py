@@ -91,7 +91,8 @@ def main() -> None:
     runner = ModelRunner(model, None)
     cache = runner.new_cache(args.context + max(sizes) + 1)
     tokens = torch.randint(0, model.vocab_size, (args.context + max(sizes),), generator=torch.Generator().manual_seed(0)).tolist()
-    runner.forward(cache, tokens[: args.context], last_only=True)
+    if args.context:
+        runner.forward(cache, tokens[: args.context], last_only=True)
     code = kernels.ISAS[kernels.default_isa()]
     linears = [linear for layer in backend.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [backend.lm_head]
 

@@ -197,9 +197,9 @@ void block_avx512(const uint8_t* unit, int64_t unit_bytes, const RotRows& x, int
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     const int8_t* xq = x.q + row0 * K;
     for (int64_t j = 0; j < lines; ++j) {
-        repeat<U>([&](auto u) {
+        // (a plain loop: GCC 12 drops a prefetch written in one of these lambdas)
+        for (int u = 0; u < U; ++u)
             _mm_prefetch(reinterpret_cast<const char*>(unit + u * unit_bytes + 64 * j + PREFETCH_BYTES), _MM_HINT_T0);
-        });
         __m512i w[U];
         repeat<U>([&](auto u) { w[u] = _mm512_xor_si512(_mm512_loadu_si512(unit + u * unit_bytes + 64 * j), flip); });
         repeat<T>([&](auto r) {
@@ -218,6 +218,41 @@ void block_avx512(const uint8_t* unit, int64_t unit_bytes, const RotRows& x, int
             const int64_t at = (row0 + r) * ldo + u * NC;
             store_row(sum, ws, x.d[row0 + r], out + at, res ? res + at : nullptr, mask);
         });
+    });
+}
+
+// A pass of a few rows (a step, a verification), whose weights stream from memory: one unit at a
+// time, so that the matrix is read as one stream (the units lie one after another), T rows with CH
+// sums each (consecutive lines alternate between them) to hide the product's latency.
+template <int T>
+void tile_avx512(const uint8_t* unit, const RotRows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
+    using specdec::repeat;
+    constexpr int CH = T <= 2 ? 4 : 2;
+    const int64_t K = x.K, lines = K / 4;  // a multiple of 16
+    __m512i acc[T * CH];  // row r, chain h at r CH + h
+    repeat<T * CH>([&](auto i) { acc[i] = _mm512_setzero_si512(); });
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const int8_t* xq = x.q + row0 * K;
+    for (int64_t j = 0; j < lines; j += CH) {
+        for (int h = 0; h < CH; ++h)  // a plain loop, as block_avx512's
+            _mm_prefetch(reinterpret_cast<const char*>(unit + 64 * (j + h) + PREFETCH_BYTES), _MM_HINT_T0);
+        repeat<CH>([&](auto h) {
+            const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(unit + 64 * (j + h)), flip);
+            repeat<T>([&](auto r) {
+                int32_t a;
+                std::memcpy(&a, xq + r * K + 4 * (j + h), 4);
+                specdec::dpbusd(acc[r * CH + h], w, _mm512_set1_epi32(a));
+            });
+        });
+    }
+    const __m512 ws = _mm512_loadu_ps(reinterpret_cast<const float*>(unit + K * NC));
+    const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+    repeat<T>([&](auto r) {
+        __m512i sum = acc[r * CH];
+        repeat<CH - 1>([&](auto h) { sum = _mm512_add_epi32(sum, acc[r * CH + h + 1]); });
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x.s[row0 + r]));
+        const int64_t at = (row0 + r) * ldo;
+        store_row(sum, ws, x.d[row0 + r], out + at, res ? res + at : nullptr, mask);
     });
 }
 #pragma GCC pop_options
@@ -279,15 +314,12 @@ void amx_epilogue(const int32_t* sums, const uint8_t* scales, const float* xd, f
 using Tile = void (*)(const uint8_t*, const RotRows&, int64_t, float*, const float*, int64_t, int);
 using Block = void (*)(const uint8_t*, int64_t, const RotRows&, int64_t, float*, const float*, int64_t, int);
 
-// A VNNI block's shape. For many rows, up to 6 rows times 4 units (24 sums, 4 weight lines and a
-// broadcast in the 32 registers), the weights coming from the caches. A pass of 3 to 8 rows (a
-// verification), whose weights stream from memory, runs one unit at a time in one block of all its
-// rows: the units lie one after another, so the matrix is read as one stream (4 rows, a 113 MB
-// matrix on an AMD EPYC with AVX-512: 2.4 ms, against 2.7 in 4-unit blocks). One or two rows run in
-// 4-unit blocks, whose 4 or 8 sums hide the product's latency (one row: 2.1 ms against 2.4).
+// The VNNI path's shapes: for many rows, blocks of up to 6 rows times 4 units (24 sums, 4 weight
+// lines and a broadcast in the 32 registers), the weights coming from the caches; up to 8 rows
+// (SHORT_ROWS), tile_avx512's single stream.
 constexpr int BLOCK_UNITS = 4;  // units a group (and an AMX panel's activations) covers
 constexpr int BLOCK_ROWS = 6;
-constexpr int SHORT_MIN = 3, SHORT_ROWS = 8;
+constexpr int SHORT_ROWS = 8;
 
 template <int T, int... U>
 constexpr std::array<Block, sizeof...(U)> blocks_of_rows(std::integer_sequence<int, U...>) {
@@ -302,8 +334,8 @@ Block pick_block(int rows, int units) {
     return table[rows - 1][units - 1];
 }
 template <int... T>
-Block pick_short(int rows, std::integer_sequence<int, T...>) {
-    static constexpr Block table[] = {block_avx512<T + 1, 1>...};
+Tile pick_short(int rows, std::integer_sequence<int, T...>) {
+    static constexpr Tile table[] = {tile_avx512<T + 1>...};
     return table[rows - 1];
 }
 template <int... T>
@@ -359,7 +391,7 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
     const bool wide = isa != ISA_AVX2;  // resolve_isa: AVX-512 VNNI wherever it gave another path
     const int64_t amx_rows = amx ? rows / specdec::AMX_ROWS * specdec::AMX_ROWS : 0;
     const int64_t left = rows - amx_rows;
-    const bool short_pass = wide && left >= SHORT_MIN && left <= SHORT_ROWS;
+    const bool short_pass = wide && left > 0 && left <= SHORT_ROWS;
     const int max_tile = !wide ? 4 : short_pass ? SHORT_ROWS : BLOCK_ROWS;
     // Rows in tiles as few as the registers allow, of balanced sizes; on AMX, whole panels of 16.
     std::vector<std::pair<int64_t, int>> tiles;  // (first row, rows)
@@ -390,8 +422,8 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
                 for (int u = 0; u < n; ++u)
                     for (const auto& [row, size] : tiles)
                         pick_short(size, std::make_integer_sequence<int, SHORT_ROWS>{})(
-                            w + (u0 + u) * unit_bytes, unit_bytes, xr, row, o + (u0 + u) * NC,
-                            res ? res + (u0 + u) * NC : nullptr, out_features, u == n - 1 ? last_cols : NC);
+                            w + (u0 + u) * unit_bytes, xr, row, o + (u0 + u) * NC, res ? res + (u0 + u) * NC : nullptr,
+                            out_features, u == n - 1 ? last_cols : NC);
                 continue;
             }
             if (wide) {
