@@ -21,6 +21,7 @@
 
 #include "ops.h"
 #include "quant.h"
+#include "simd.h"
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -243,7 +244,7 @@ void tile_amx(const uint8_t* unit, const uint8_t* unpacked, const Rows& x, int64
         if (g0 > 0) p.template epilogues<T>(g0 - W, acc);
     }
     p.template epilogues<T>((x.G - 1) / W * W, acc);
-    const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+    const __mmask16 mask = specdec::first_lanes(ncols);
     for (int r = 0; r < T; ++r) {
         const int64_t at = (row0 + r) * ldo;
         const __m512 v = res ? _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, res + at)) : acc[r];

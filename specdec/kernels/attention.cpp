@@ -383,8 +383,7 @@ void scores_transposed(const float* const* q, const float* kt, int64_t n, float 
                 else half[h][b / 2] = _mm512_add_ps(half[h][b / 2], quarter[h]);
             });
         });
-        const int64_t valid = std::min<int64_t>(KEY_BLOCK, n - j0);
-        const __mmask16 mask = valid >= KEY_BLOCK ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+        const __mmask16 mask = specdec::first_lanes(std::min<int64_t>(KEY_BLOCK, n - j0));
         repeat<HG>([&](auto h) {
             const __m512 dots = _mm512_mul_ps(_mm512_add_ps(half[h][0], half[h][1]), factor);
             _mm512_storeu_ps(buffer + h * stride + j0, dots);  // past n: never read

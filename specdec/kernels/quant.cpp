@@ -164,6 +164,20 @@ inline __m256 affine_scales8(const uint8_t* rec, int at, int h) {
 // pragma, not an attribute, gives the lambdas the target too.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")
+// A tile's results, plus the residual stream's rows where given (x + W y: one float add per
+// element, the same add as after the product). Inlined into the tile, so that its accumulators,
+// indexed by constants only, stay in registers.
+template <int T>
+__attribute__((always_inline)) inline void store_tile(const __m512 (&acc)[T], float* out, const float* res, int64_t row0,
+                                                      int64_t ldo, int ncols) {
+    const __mmask16 mask = specdec::first_lanes(ncols);
+    specdec::repeat<T>([&](auto r) {
+        const int64_t at = (row0 + r) * ldo;
+        const __m512 v = res ? _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, res + at)) : acc[r];
+        _mm512_mask_storeu_ps(out + at, mask, v);
+    });
+}
+
 template <int T, class K>
 void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res, int64_t ldo, int ncols) {
     using specdec::repeat;
@@ -210,14 +224,7 @@ void q4_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
             acc[r] = _mm512_add_ps(acc[r], t);
         });
     }
-    // the results, plus the residual stream's rows where given (x + W y: one float add per element,
-    // the same add as after the product)
-    const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-    repeat<T>([&](auto r) {
-        const int64_t at = (row0 + r) * ldo;
-        const __m512 v = res ? _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, res + at)) : acc[r];
-        _mm512_mask_storeu_ps(out + at, mask, v);
-    });
+    store_tile<T>(acc, out, res, row0, ldo, ncols);
 }
 
 // Q6: the 640-byte records, a float32 scale per 16 inputs (see the layouts above).
@@ -271,12 +278,7 @@ void q8_tile_avx512(const uint8_t* unit, const Rows& x, int64_t row0, float* out
             });
         }
     }
-    const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-    repeat<T>([&](auto r) {
-        const int64_t at = (row0 + r) * ldo;
-        const __m512 v = res ? _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, res + at)) : acc[r];
-        _mm512_mask_storeu_ps(out + at, mask, v);
-    });
+    store_tile<T>(acc, out, res, row0, ldo, ncols);
 }
 #pragma GCC pop_options
 

@@ -212,7 +212,7 @@ void block_avx512(const uint8_t* unit, int64_t unit_bytes, const RotRows& x, int
     repeat<U>([&](auto u) {
         const __m512 ws = _mm512_loadu_ps(reinterpret_cast<const float*>(unit + u * unit_bytes + K * NC));
         const int ncols = u == U - 1 ? last_cols : NC;
-        const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+        const __mmask16 mask = specdec::first_lanes(ncols);
         repeat<T>([&](auto r) {
             const __m512i sum = _mm512_sub_epi32(acc[r * U + u], _mm512_set1_epi32(128 * x.s[row0 + r]));
             const int64_t at = (row0 + r) * ldo + u * NC;
@@ -246,7 +246,7 @@ void tile_avx512(const uint8_t* unit, const RotRows& x, int64_t row0, float* out
         });
     }
     const __m512 ws = _mm512_loadu_ps(reinterpret_cast<const float*>(unit + K * NC));
-    const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+    const __mmask16 mask = specdec::first_lanes(ncols);
     repeat<T>([&](auto r) {
         __m512i sum = acc[r * CH];
         repeat<CH - 1>([&](auto h) { sum = _mm512_add_epi32(sum, acc[r * CH + h + 1]); });
@@ -305,7 +305,7 @@ void tile_avx2(const uint8_t* unit, const RotRows& x, int64_t row0, float* out, 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void amx_epilogue(const int32_t* sums, const uint8_t* scales, const float* xd, float* out, const float* res,
                   int64_t ldo, int ncols) {
-    const __mmask16 mask = ncols >= NC ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+    const __mmask16 mask = specdec::first_lanes(ncols);
     const __m512 ws = _mm512_loadu_ps(reinterpret_cast<const float*>(scales));
     for (int r = 0; r < specdec::AMX_ROWS; ++r)
         store_row(_mm512_load_si512(sums + NC * r), ws, xd[r], out + r * ldo, res ? res + r * ldo : nullptr, mask);

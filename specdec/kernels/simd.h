@@ -33,6 +33,12 @@ __attribute__((target("avx512f,avx512vnni"), always_inline)) inline void dpbusd(
     acc = a;
 }
 
+// The mask of a 16-lane vector's first n lanes (all 16 from n = 16 on): a tile's last, partial unit
+// of columns, a block's last keys.
+inline __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
 // f(std::integral_constant<int, i>) for i = 0 .. N - 1, unrolled at compile time: a tile's
 // accumulator arrays indexed only by constants, which GCC keeps in registers (loops unrolled by
 // the optimizer leave them in memory).
