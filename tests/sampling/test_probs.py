@@ -287,3 +287,28 @@ def test_any_positive_temperature_gives_a_distribution(row: list[float], tempera
     unfiltered = logits_to_probs(logits, SamplingParams(temperature=temperature))
     assert (probs[unfiltered == unfiltered.max()] > 0).any()  # a most likely token survives (ties: one of them)
     sample(probs[None], torch.Generator().manual_seed(0))  # multinomial accepts it
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference: rank the whole vocabulary, drop each token whose mass before reaches top_p."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    drop_sorted = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+    drop_sorted[..., 0] = False
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+@pytest.mark.parametrize("first", [1, 4, 256])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_partial_sort_drops_what_a_full_sort_drops(monkeypatch: pytest.MonkeyPatch, first: int, top_p: float) -> None:
+    # Rows from peaked to flat over a 5,000-token vocabulary: their nuclei end after 1 to
+    # thousands of tokens, so the ranked width must grow (past the vocabulary's size at the end).
+    from specdec.sampling import probs as probs_module
+
+    monkeypatch.setattr(probs_module, "NUCLEUS_FIRST", first)
+    generator = torch.Generator().manual_seed(7)
+    scales = torch.tensor([12.0, 4.0, 1.0, 0.2, 0.02])[:, None]  # [rows, 1]; no ties, whose order is arbitrary
+    logits = torch.randn(5, 5000, generator=generator) * scales  # [rows, vocab]
+    probs = torch.softmax(logits, dim=-1)
+    dropped = probs_module.outside_nucleus(probs, top_p)
+    assert torch.equal(dropped, _nucleus_by_full_sort(probs, top_p))
+    assert torch.equal(dropped[None], probs_module.outside_nucleus(probs[None], top_p))  # any leading shape
