@@ -677,6 +677,8 @@ def train_draft(
     answers_from: Annotated[Optional[Path], typer.Option("--answers-from", help="Train on the answers an earlier run wrote (its answers.jsonl) instead of answering.")] = None,
     text: Annotated[int, typer.Option("--text", min=0, help="Also train on the raw text of this many other prompts of --data (fixed text: no answering, every position counts).")] = 0,
     tasks: Annotated[int, typer.Option("--tasks", min=0, help="Also answer this many summarization- and translation-like requests built from other prompts of --data (translations are then translated back into English).")] = 0,
+    self_prompts: Annotated[int, typer.Option("--self-prompts", min=0, help="Also answer this many requests the target writes itself, sampled from its chat template's empty user turn (Magpie): open-ended chat the prompt files lack.")] = 0,
+    exclude: Annotated[Optional[list[Path]], typer.Option("--exclude", help="A prompt file (JSONL, e.g. a benchmark) that no --self-prompts request may share a 12-word run with; repeat for more.")] = None,
     answer_rows: Annotated[int, typer.Option("--answer-rows", help="Prompts answered at once (rows of the batched engine).")] = 32,
     batch_tokens: Annotated[int, typer.Option("--batch-tokens", help="Tokens per training step (padding included; at most 16 sequences).")] = 4096,
     bf16: Annotated[str, typer.Option("--bf16", help="The head's step in bfloat16 autocast: auto (where the CPU multiplies bfloat16 natively), on, off.")] = "auto",
@@ -697,7 +699,8 @@ def train_draft(
     run = TrainRun(out_dir=out_dir, arch=arch, data=data, answers=answers, code_prompts=code_prompts,
                    answer_tokens=answer_tokens, answer_time=answer_time, max_time=max_time, max_tokens=max_tokens,
                    draft_vocab=draft_vocab, ttt_steps=ttt_steps, medusa_heads=medusa_heads, seed=seed, init=init,
-                   answers_from=answers_from, text=text, tasks=tasks, answer_rows=answer_rows, batch_tokens=batch_tokens,
+                   answers_from=answers_from, text=text, tasks=tasks, self_prompts=self_prompts,
+                   exclude=tuple(exclude or ()), answer_rows=answer_rows, batch_tokens=batch_tokens,
                    bf16=bf16, device=device, checkpoint_every=checkpoint_every, resume=resume)
     run.check()  # before the target loads
     start = time.monotonic()

@@ -16,9 +16,10 @@ import json
 import random
 import re
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specdec.config import SamplingParams
 from specdec.engine.batch import BatchEngine, Sequence
@@ -259,17 +260,13 @@ def generate_answers(
             if len(ids) <= max_prompt_tokens:
                 yield prompt, ids
 
-    engine = BatchEngine(target, max_rows=rows, max_model_len=max_prompt_tokens + max_tokens + 1, max_draft=1)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    queue = encoded()
-    owners: dict[int, Prompt] = {}
     written = 0
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a", encoding="utf-8") as sink:
 
-        def finish(seq: Sequence) -> None:
+        def finish(prompt: Prompt, seq: Sequence) -> None:
             nonlocal written
-            prompt = owners.pop(seq.id)
             record = {"id": prompt.id, "category": prompt.category, "prompt_ids": seq.prompt_ids,
                       "answer_ids": seq.result.token_ids}
             sink.write(json.dumps(record) + "\n")
@@ -277,26 +274,168 @@ def generate_answers(
             written += 1
             on_answer(record)
 
-        exhausted = False
-        while True:
-            while not exhausted and not should_stop() and engine.running < rows:
-                item = next(queue, None)
-                if item is None:
-                    exhausted = True
-                    break
-                prompt, ids = item
-                seq = Sequence(ids, params)
-                owners[seq.id] = prompt
-                if engine.add(seq).finished:
-                    engine.remove(seq)
-                    finish(seq)
-            if not engine.running:
-                break
-            for output in engine.step():
-                if output.finished:
-                    engine.remove(output.sequence)
-                    finish(output.sequence)
+        decode_rows(target, ((prompt, ids, params) for prompt, ids in encoded()), rows,
+                    max_prompt_tokens + max_tokens + 1, should_stop, finish)
     return written
+
+
+def decode_rows(target: LoadedModel, requests: Iterator[tuple[Any, list[int], SamplingParams]], rows: int,
+                max_model_len: int, should_stop: Callable[[], bool], finish: Callable[[Any, Sequence], None]) -> None:
+    """Decode `(owner, prompt ids, params)` requests through the batched engine, `rows` at a
+    time, calling `finish(owner, sequence)` as each ends. Once `should_stop()` holds, no request
+    joins; the running ones finish."""
+    engine = BatchEngine(target, max_rows=rows, max_model_len=max_model_len, max_draft=1)
+    owners: dict[int, Any] = {}
+
+    def done(seq: Sequence) -> None:
+        engine.remove(seq)
+        finish(owners.pop(seq.id), seq)
+
+    exhausted = False
+    while True:
+        while not exhausted and not should_stop() and engine.running < rows:
+            item = next(requests, None)
+            if item is None:
+                exhausted = True
+                break
+            owner, ids, params = item
+            seq = Sequence(ids, params)
+            owners[seq.id] = owner
+            if engine.add(seq).finished:
+                done(seq)
+        if not engine.running:
+            break
+        for output in engine.step():
+            if output.finished:
+                done(output.sequence)
+
+
+# Requests the target writes itself (Magpie: Xu et al., 2024). An aligned chat model given its
+# template up to an empty user turn writes a plausible user request; answered, these requests
+# cover the open-ended chat (writing, advice, explanations, small programs) that the prompt
+# files lack, in the target's own words. Sampled at temperature 1 with a little of the tail cut.
+SELF_PREFIX = "self:"
+SELF_TEMPERATURE = 1.0
+SELF_TOP_P = 0.95
+SELF_WORDS = (3, 150)  # fewer words is rarely a request; more is usually a ramble
+SHARED_RUN = 12  # words: a request sharing this long a run with a benchmark prompt is dropped
+_WORD = re.compile(r"\w+")
+
+
+def open_user_turn(target: LoadedModel) -> list[int]:
+    """The target's chat template up to where a user's request begins (its system prompt and
+    the user turn's header), as token ids."""
+    tokenizer = target.tokenizer
+    mark = "\x00request\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False) \
+        if tokenizer.chat_template is not None else ""
+    if mark not in text:
+        raise ConfigError(f"--self-prompts needs a chat model: {target.name}'s tokenizer has no chat template with a user turn")
+    return list(tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"])
+
+
+def word_runs(text: str, length: int = SHARED_RUN) -> set[tuple[str, ...]]:
+    """Every run of `length` consecutive words of the text, lower-cased."""
+    words = [w.lower() for w in _WORD.findall(text)]
+    return {tuple(words[i:i + length]) for i in range(len(words) - length + 1)}
+
+
+def excluded_runs(paths: Iterable[str | Path]) -> set[tuple[str, ...]]:
+    """The word runs of every turn of the prompt files (benchmarks) no training request may share."""
+    runs: set[tuple[str, ...]] = set()
+    for path in paths:
+        for number, line in enumerate(Path(path).expanduser().read_text(encoding="utf-8").split("\n"), 1):
+            if line.strip():
+                try:
+                    turns = json.loads(line)["turns"]
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise ConfigError(f"{path}:{number}: not a prompt record ({exc})") from None
+                for turn in turns:
+                    runs |= word_runs(str(turn))
+    return runs
+
+
+class RequestFilter:
+    """The usable requests among written attempts (`{"attempt", "text", "finished"}`), judged in
+    attempt order and only over attempts 0..n-1 all written, so that a killed and resumed run
+    keeps exactly what an uninterrupted one does. Usable: ended by the model (not cut at the
+    token limit), of SELF_WORDS words, not a repeat of an earlier one, and sharing no word run
+    with `exclude`. Judging stops at `count` kept."""
+
+    def __init__(self, count: int, exclude: set[tuple[str, ...]] = frozenset()) -> None:
+        self.count = count
+        self.exclude = exclude
+        self.kept: list[Prompt] = []
+        self.judged = 0  # attempts 0..judged-1 are judged
+        self._waiting: dict[int, dict] = {}
+        self._seen: set[str] = set()
+
+    @property
+    def full(self) -> bool:
+        return len(self.kept) >= self.count
+
+    def add(self, attempt: dict) -> None:
+        self._waiting[attempt["attempt"]] = attempt
+        while not self.full and self.judged in self._waiting:
+            self._judge(self._waiting.pop(self.judged))
+            self.judged += 1
+
+    def _judge(self, attempt: dict) -> None:
+        text = attempt["text"].strip()
+        words = " ".join(_WORD.findall(text.lower()))
+        if not attempt["finished"] or not SELF_WORDS[0] <= words.count(" ") + 1 <= SELF_WORDS[1] or words in self._seen:
+            return
+        if self.exclude and word_runs(text) & self.exclude:
+            return
+        self._seen.add(words)
+        self.kept.append(Prompt(f"{SELF_PREFIX}{attempt['attempt']}", "self", text))
+
+
+def self_prompts(target: LoadedModel, count: int, out: Path, *, seed: int = 0, rows: int = 32, max_tokens: int = 128,
+                 exclude: set[tuple[str, ...]] = frozenset(), attempts_per_request: int = 4,
+                 should_stop: Callable[[], bool] = lambda: False,
+                 on_kept: Callable[[Prompt], None] = lambda request: None) -> list[Prompt]:
+    """Up to `count` requests the target writes itself from its open user turn
+    (:func:`open_user_turn`), attempt n sampled with its own seed, at most
+    `attempts_per_request` attempts a request. Every attempt is appended to `out` as it ends,
+    so a rerun continues where a killed one stopped and keeps the same requests
+    (:class:`RequestFilter`)."""
+    if count <= 0:
+        return []
+    prefix = open_user_turn(target)
+    if out.is_file() and out.read_text(encoding="utf-8") and not out.read_text(encoding="utf-8").endswith("\n"):
+        _drop_partial_line(out)
+    chosen = RequestFilter(count, exclude)
+    written = set()
+    for attempt in read_answers(out):
+        chosen.add(attempt)
+        written.add(attempt["attempt"])
+    for request in chosen.kept:
+        on_kept(request)
+
+    def requests() -> Iterator[tuple[int, list[int], SamplingParams]]:
+        for n in range(count * attempts_per_request):
+            if n not in written:
+                yield n, prefix, SamplingParams(max_tokens=max_tokens, temperature=SELF_TEMPERATURE, top_p=SELF_TOP_P,
+                                                seed=seed * 1_000_003 + n)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a", encoding="utf-8") as sink:
+
+        def finish(n: int, seq: Sequence) -> None:
+            attempt = {"attempt": n, "text": target.tokenizer.decode(seq.result.token_ids, skip_special_tokens=True),
+                       "finished": seq.result.finish_reason == "stop"}
+            sink.write(json.dumps(attempt) + "\n")
+            sink.flush()
+            before = len(chosen.kept)
+            chosen.add(attempt)
+            for request in chosen.kept[before:]:
+                on_kept(request)
+
+        if not chosen.full:
+            decode_rows(target, requests(), rows, len(prefix) + max_tokens + 1,
+                        lambda: should_stop() or chosen.full, finish)
+    return chosen.kept
 
 
 def _drop_partial_line(path: Path) -> None:

@@ -19,12 +19,13 @@ import torch
 from specdec.methods import head_class
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
-from specdec.training.corpus import (Prompt, back_translations, generate_answers, read_answers, select_prompts,
-                                     source_id, task_prompts, text_records)
+from specdec.training.corpus import (Prompt, back_translations, excluded_runs, generate_answers, read_answers,
+                                     select_prompts, self_prompts, source_id, task_prompts, text_records)
 from specdec.training.heads import (BF16, BUDGET_FIELDS, CHECKPOINT_FILE, MACHINE_FIELDS, Progress, TrainConfig, train_head,
                                     training_device)
 
 ANSWERS_FILE = "answers.jsonl"
+REQUESTS_FILE = "self_prompts.jsonl"  # every request the target wrote for --self-prompts, kept or not
 
 # progress(label, total) -> a context whose value is called once per item done
 ProgressFactory = Callable[[str, int], AbstractContextManager[Callable[[object], None]]]
@@ -56,6 +57,8 @@ class TrainRun:
     answers_from: Path | None = None
     text: int = 0
     tasks: int = 0
+    self_prompts: int = 0
+    exclude: tuple[Path, ...] = ()
     answer_rows: int = 32
     batch_tokens: int = TrainConfig.batch_tokens
     bf16: str = "auto"
@@ -76,6 +79,11 @@ class TrainRun:
             raise ConfigError("--text takes its text from the prompts of --data: give --data")
         if self.tasks and self.data is None:
             raise ConfigError("--tasks builds its requests from the prompts of --data: give --data")
+        if self.self_prompts and self.answers_from is not None:
+            raise ConfigError("--self-prompts are answered by this run: leave out --answers-from")
+        for path in self.exclude:
+            if not path.is_file():
+                raise ConfigError(f"--exclude file not found: {path}")
         if self.answer_rows < 1 or self.batch_tokens < 64 or self.checkpoint_every < 0:
             raise ConfigError("--answer-rows must be at least 1, --batch-tokens at least 64 and --checkpoint-every at least 0")
         if self.bf16 not in BF16:
@@ -125,6 +133,14 @@ def train_draft(target: LoadedModel, run: TrainRun, *, start: float | None = Non
         if answer_time is None:
             answer_time = run.max_time / 2 if run.max_time is not None else float("inf")
         out_of_time = lambda: time.monotonic() - start >= answer_time  # noqa: E731
+        if run.self_prompts:  # mixed in too; every one is written before any is answered
+            with progress("writing requests", run.self_prompts) as advance:
+                requests = self_prompts(target, run.self_prompts, run.out_dir / REQUESTS_FILE, seed=run.seed,
+                                        rows=run.answer_rows, exclude=excluded_runs(run.exclude), should_stop=out_of_time,
+                                        on_kept=advance)
+            note(f"{len(requests)} requests written by the target ({run.out_dir / REQUESTS_FILE})")
+            prompts += requests
+            random.Random(run.seed + 4).shuffle(prompts)
         answer(target, prompts, answers_path, "answering", run, out_of_time, progress)
         if run.tasks and not out_of_time():  # the target's translations, translated back into English
             answer(target, back_translations(target, read_answers(answers_path)), answers_path, "translating back", run,

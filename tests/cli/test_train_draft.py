@@ -52,6 +52,7 @@ def test_train_then_draft_with_the_head(run_cli_tiny: CliRun, tiny_model_dir: Pa
 @pytest.mark.parametrize(("args", "message"), [
     (["--max-tokens", "10", "--arch", "hydra"], "unknown head architecture"),
     ([], "give a budget"),
+    (["--max-tokens", "10", "--self-prompts", "2", "--exclude", "no/such/benchmark.jsonl"], "--exclude file not found"),
 ])
 def test_refusals(run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path, args: list[str], message: str) -> None:
     code, _, stderr = _train(run_cli_tiny, tiny_model_dir, tmp_path / "out", *args)
@@ -97,6 +98,28 @@ def test_fixed_text_of_prompts_not_answered(run_cli_tiny: CliRun, tiny_model_dir
 def test_fixed_text_needs_data(run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
     code, _, stderr = _train(run_cli_tiny, tiny_model_dir, tmp_path / "out", "--text", "3", "--max-tokens", "10")
     assert code == 2 and "give --data" in stderr, stderr
+
+
+def test_requests_the_target_wrote_are_answered_unless_they_share_a_benchmark_run(
+        run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
+    # A random model rarely ends its turn, so the requests are written here as a killed run
+    # would have left them; --resume judges them, writes no more, and answers the kept ones.
+    benchmark_text = "Write a persuasive essay to convince your audience that sleep matters more than you think"
+    benchmark = tmp_path / "bench.jsonl"
+    benchmark.write_text(json.dumps({"id": 1, "turns": [benchmark_text]}) + "\n")
+    out = tmp_path / "head"
+    out.mkdir()
+    attempts = [("Tell me about cats and dogs.", True), ("Tell me about the history of", False),
+                (f"Please {benchmark_text.lower()}.", True), ("How do I bake bread at home?", True)]
+    (out / "self_prompts.jsonl").write_text("".join(
+        json.dumps({"attempt": n, "text": text, "finished": finished}) + "\n" for n, (text, finished) in enumerate(attempts)))
+    code, _, stderr = _train(run_cli_tiny, tiny_model_dir, out, "--code-prompts", "0", "--self-prompts", "2", "--exclude",
+                             str(benchmark), "--max-tokens", "30", "--resume")
+    assert code == 0, stderr
+    assert "2 requests written by the target" in stderr
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert sorted(a["id"] for a in answers) == ["self:0", "self:3"] and all(a["category"] == "self" for a in answers)
+    assert len((out / "self_prompts.jsonl").read_text().splitlines()) == 4
 
 
 def test_task_requests_are_answered_then_translated_back(run_cli_tiny: CliRun, tiny_model_dir: Path, tmp_path: Path) -> None:
