@@ -106,6 +106,13 @@ def select_prompts(path: str | Path | None, count: int, code_count: int, seed: i
     return chosen
 
 
+def text_prompts(path: str | Path, count: int, exclude: set[str], seed: int = 0) -> list[Prompt]:
+    """The prompts of the file whose raw text :func:`text_records` takes: a seeded sample of
+    `count`, leaving out the ids in `exclude`."""
+    pool = [p for p in file_prompts(path) if p.id not in exclude]
+    return random.Random(seed + 1).sample(pool, min(count, len(pool)))
+
+
 def text_records(target: LoadedModel, path: str | Path, count: int, exclude: set[str], seed: int = 0,
                  max_tokens: int = 512) -> list[dict]:
     """Fixed text (EAGLE-1 trained on fixed text, not on the target's answers): the raw text of
@@ -113,10 +120,8 @@ def text_records(target: LoadedModel, path: str | Path, count: int, exclude: set
     whose answers are in the training data, so none of a held-out answer's prompt is trained
     on). Each record is `{"id", "category", "kind": "text", "prompt_ids": [], "answer_ids"}`:
     every position counts, and it never enters the held-out split (that stays answers)."""
-    pool = [p for p in file_prompts(path) if p.id not in exclude]
-    chosen = random.Random(seed + 1).sample(pool, min(count, len(pool)))
     records = []
-    for prompt in chosen:
+    for prompt in text_prompts(path, count, exclude, seed):
         ids = target.tokenizer(prompt.text)["input_ids"][:max_tokens]
         records.append({"id": f"text:{prompt.id}", "category": prompt.category, "kind": "text", "prompt_ids": [],
                         "answer_ids": list(ids)})
