@@ -2,8 +2,9 @@
 
 A head learns to predict what the target says, so the best text to learn on is the target's own
 output (self-distillation, as Medusa-2, HASS and EAGLE-3 do). Prompts come from a JSONL file in
-the benchmark format (`{"id", "turns": [...]}`; never Spec-Bench or MT-bench) and from
-Python's standard library on this machine (functions with docstrings, as code requests). The
+the benchmark format (`{"id", "turns": [...]}`; never Spec-Bench or MT-bench), from
+Python's standard library on this machine (functions with docstrings, as code requests), and from
+the target itself (requests it writes when given an empty user turn). The
 target answers each prompt with plain greedy decoding, many rows at a time; every answer is
 appended to a JSONL file as soon as it is done, so an interrupted run resumes where it stopped.
 """
