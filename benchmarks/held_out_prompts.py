@@ -50,8 +50,9 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    answered = {source_id(r["id"]) for path in args.exclude for r in read_answers(path)}
-    runs = {r["id"] for path in args.exclude for r in read_answers(path)} | answered  # what text_records leaves out
+    ids = {r["id"] for path in args.exclude for r in read_answers(path)}
+    answered = {source_id(i) for i in ids}
+    runs = ids | answered  # what text_records leaves out of its sample
     for count in args.exclude_text:
         answered |= {p.id for p in text_prompts(args.data, count, runs)}
     records = held_out(args.data.read_text(encoding="utf-8").split("\n"), answered, args.per_category,

@@ -249,8 +249,7 @@ def generate_answers(
     append each answer as `{"id", "category", "prompt_ids", "answer_ids"}`. Prompts longer than
     `max_prompt_tokens` are skipped. Returns how many answers were written."""
     done = {record["id"] for record in read_answers(out)}
-    if out.is_file() and out.read_text(encoding="utf-8") and not out.read_text(encoding="utf-8").endswith("\n"):
-        _drop_partial_line(out)
+    _drop_partial_line(out)
     tokenizer = target.tokenizer
 
     def encoded() -> Iterator[tuple[Prompt, list[int]]]:
@@ -409,8 +408,7 @@ def self_prompts(target: LoadedModel, count: int, out: Path, *, seed: int = 0, r
     if count <= 0:
         return []
     prefix = open_user_turn(target)
-    if out.is_file() and out.read_text(encoding="utf-8") and not out.read_text(encoding="utf-8").endswith("\n"):
-        _drop_partial_line(out)
+    _drop_partial_line(out)
     chosen = RequestFilter(count, exclude)
     written = set()
     for attempt in read_answers(out):
@@ -445,5 +443,9 @@ def self_prompts(target: LoadedModel, count: int, out: Path, *, seed: int = 0, r
 
 
 def _drop_partial_line(path: Path) -> None:
+    """Cut a JSONL file back to its last complete line (a killed run may leave half of one)."""
+    if not path.is_file():
+        return
     text = path.read_text(encoding="utf-8")
-    path.write_text(text[: text.rfind("\n") + 1], encoding="utf-8")
+    if text and not text.endswith("\n"):
+        path.write_text(text[: text.rfind("\n") + 1], encoding="utf-8")
