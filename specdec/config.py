@@ -48,6 +48,7 @@ class SpeculativeConfig:
     Every other key belongs to the method: its options dataclass in the registry validates it
     (`prompt_lookup_min`/`_max` for ngram and hybrid, `quantization` for draft_model, `layers`
     and `profile` for layer_skip, `tree_width`/`tree_nodes` for eagle, hybrid, mtp and medusa,
+    `draft_confidence` for eagle and hybrid,
     `suffix_decoding_*` for suffix). They are given flat, as in vLLM's `speculative_config`
     (`SpeculativeConfig(method="ngram", prompt_lookup_max=3)`), kept in `options`, and read as
     attributes (`config.prompt_lookup_max`).

@@ -39,6 +39,11 @@ DEFAULT_METHOD = "ngram"
 DEFAULT_TUNE_KS = (1, 2, 3, 4)
 # Token trees `tune` measures for a head, (k, tree_width, tree_nodes) each.
 TUNE_TREES = ((2, 2, 3), (3, 2, 4), (3, 2, 6), (4, 3, 8))
+# Chains under a confidence floor `tune` measures for the EAGLE head, (k, draft_confidence) each,
+# and for the hybrid, whose head then drafts up to k where lookup finds nothing.
+TUNE_FLOORS = ((2, 0.2), (3, 0.2), (4, 0.15), (4, 0.3))
+HYBRID_FLOORS = tuple({"num_speculative_tokens": k, "draft_confidence": floor, "hybrid_head_tokens": None}
+                      for k, floor in ((4, 0.15), (4, 0.2), (4, 0.3)))
 # What a draft model's linear layers may be quantized to.
 QUANTIZATIONS = ("int8",)
 
@@ -242,7 +247,26 @@ class TreeOptions(Options):
 
 
 @dataclass(frozen=True)
-class HybridOptions(TreeOptions, NgramOptions):
+class HeadOptions(TreeOptions):
+    """A trained head's draft shape (TreeOptions) and draft_confidence: where the head's draft
+    so far (a chain's tokens, or a tree node's path) has a probability under the head below this,
+    the step drafts no further, or nothing at all. The head's probabilities track how often the
+    target accepts, so a step drafts far where the head is sure and not at all where it is lost.
+    None: always k tokens (or the whole tree)."""
+
+    draft_confidence: float | None = None
+
+    def __post_init__(self) -> None:
+        TreeOptions.__post_init__(self)
+        if self.draft_confidence is not None:
+            require_number("draft_confidence", self.draft_confidence, 0, 1, low_open=True)
+
+    def label_after_k(self) -> list[str]:
+        return super().label_after_k() + ([f"conf>={self.draft_confidence:g}"] if self.draft_confidence else [])
+
+
+@dataclass(frozen=True)
+class HybridOptions(HeadOptions, NgramOptions):
     """Prompt lookup's n-gram sizes (here from 2 tokens by default), the most tokens the head
     drafts in a step (None: k), the head's tree shape, and whether a step where lookup proposes
     verifies the head's draft too, as a second branch of one tree (hybrid_branches)."""
@@ -253,7 +277,7 @@ class HybridOptions(TreeOptions, NgramOptions):
 
     def __post_init__(self) -> None:
         NgramOptions.__post_init__(self)
-        TreeOptions.__post_init__(self)
+        HeadOptions.__post_init__(self)
         require_int("hybrid_head_tokens", self.hybrid_head_tokens, 1, optional=True)
         if not isinstance(self.hybrid_branches, bool):
             raise ConfigError(f"hybrid_branches must be true or false, got {self.hybrid_branches!r}")
@@ -279,7 +303,8 @@ class Method:
     it); `tune_ks`: the k `tune` measures; `tune_trees`: the token trees `tune` measures beside
     them, (k, tree_width, tree_nodes) each; `tuned`: the config (beyond the method) `tune`
     measures when no methods are named, or None to measure it only when named; `head`: the family
-    of trained head the method needs (`tune` includes it when such a head ships for the target)."""
+    of trained head the method needs (`tune` includes it when such a head ships for the target);
+    `tune_floors`: the chains under a confidence floor `tune` measures, each the keys it sets."""
 
     name: str
     factory: str  # "module:function", a DrafterFactory, imported when a drafter is built
@@ -291,6 +316,7 @@ class Method:
     tuned: dict[str, Any] | None = None
     head: str | None = None
     tune_trees: tuple[tuple[int, int, int], ...] = ()
+    tune_floors: tuple[dict[str, Any], ...] = ()
     pin: str | None = None  # "module:function": the config with what it leaves to the target made explicit
 
     def build(self, config: SpeculativeConfig, target: LoadedModel) -> Drafter:
@@ -330,10 +356,11 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            tuned={"model": "target", "quantization": "int8"}),
     Method("layer_skip", "specdec.drafters.layer_skip:build", LayerSkipOptions, 1,
            "the target with some of its layers skipped", tuned={}, pin="specdec.drafters.layer_skip:pinned"),
-    Method("eagle", "specdec.drafters.eagle:build", TreeOptions, 1, "a head trained on the target's states",
-           takes_model=True, tune_ks=(2, 3, 4, 5, 6), head="eagle", tune_trees=TUNE_TREES),
+    Method("eagle", "specdec.drafters.eagle:build", HeadOptions, 1, "a head trained on the target's states",
+           takes_model=True, tune_ks=(2, 3, 4, 5, 6), head="eagle", tune_trees=TUNE_TREES,
+           tune_floors=tuple({"num_speculative_tokens": k, "draft_confidence": floor} for k, floor in TUNE_FLOORS)),
     Method("hybrid", "specdec.drafters.hybrid:build", HybridOptions, 4, "prompt lookup, else the EAGLE head",
-           takes_model=True, tune_ks=(2, 3, 4, 5, 6), head="eagle", tune_trees=TUNE_TREES),
+           takes_model=True, tune_ks=(2, 3, 4, 5, 6), head="eagle", tune_trees=TUNE_TREES, tune_floors=HYBRID_FLOORS),
     Method("medusa", "specdec.drafters.medusa:build", TreeOptions, 3, "heads on the target's last state, one per position",
            takes_model=True, tune_ks=(1, 2, 3), head="medusa", tune_trees=((2, 2, 4), (3, 2, 6), (3, 3, 8))),
     Method("mtp", "specdec.drafters.mtp:build", TreeOptions, 1, "a checkpoint's multi-token-prediction layer",

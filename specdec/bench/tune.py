@@ -122,7 +122,8 @@ def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None,
                      trees: bool = True) -> list[Candidate]:
     """Every method at every k (its default grid unless `ks`, or its own num_speculative_tokens),
     adaptively at its largest k, and, for a method that drafts trees and is given neither a k
-    nor a tree, each of its registered trees (`tune_trees`) unless `trees` is off. Raises
+    nor a tree, each of its registered trees (`tune_trees`) unless `trees` is off; for a head
+    given no k, tree or floor, its chains under a confidence floor (`tune_floors`). Raises
     ConfigError for an invalid method."""
     if not methods:
         raise ConfigError("give at least one method to tune")
@@ -144,6 +145,8 @@ def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None,
         if trees and "num_speculative_tokens" not in method and "tree_width" not in method:
             configs += [SpeculativeConfig.from_dict({**base, "num_speculative_tokens": k, "tree_width": width,
                                                      "tree_nodes": nodes}) for k, width, nodes in registered.tune_trees]
+        if not {"num_speculative_tokens", "draft_confidence", "tree_width"} & set(method):
+            configs += [SpeculativeConfig.from_dict({**base, **floor}) for floor in registered.tune_floors]
         # Names as every specdec table gives them ("draft_model self int8 k=4 adaptive", "eagle
         # k=3 tree 2x6"); the drafter is the name without k (a tree's shape kept).
         candidates += [Candidate(c.label, drafter_label(c.label), c) for c in configs]
@@ -155,12 +158,13 @@ def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None,
 
 
 def drafter_label(label: str) -> str:
-    """A candidate's name without its k: "eagle k=3 tree 2x6" -> "eagle tree 2x6"."""
-    head, _, tail = label.rpartition(" k=")
-    if not head:
+    """A candidate's name without its k: "eagle k=3 tree 2x6" -> "eagle tree 2x6", "eagle k=3
+    conf>=0.2" -> "eagle conf>=0.2"."""
+    found = re.match(r"(.*?) k=\d+(.*)", label)
+    if not found:
         return label
-    tree = re.search(r" (tree \d+x\d+)", tail)
-    return f"{head} {tree.group(1)}" if tree else head
+    shape = re.findall(r" (head k=\w+|tree \d+x\d+|conf>=[\d.e-]+)", found.group(2))
+    return " ".join([found.group(1), *shape])
 
 
 def pin_candidates(candidates: list[Candidate], target: LoadedModel) -> list[Candidate]:

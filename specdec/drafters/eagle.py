@@ -26,6 +26,7 @@ rows for its draft vocabulary (`tied_lm_head`), and ships without them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -334,13 +335,18 @@ class EagleDrafter(Drafter):
     from the target's features, plus the drafted positions past them.
 
     weight_format: what the head's matrices are packed in (None: q8 on specdec's kernels, where
-    the layer runs as one call, `head_layer`; else PyTorch's int8)."""
+    the layer runs as one call, `head_layer`; else PyTorch's int8). min_confidence: the draft
+    stops where its probability under the head (a chain's tokens', a tree node's path's) would
+    fall below this (HeadOptions.draft_confidence); None: never."""
 
     def __init__(self, head: EagleHead, weight_format: str | None = None, tree_width: int = 1,
-                 tree_nodes: int | None = None) -> None:
+                 tree_nodes: int | None = None, min_confidence: float | None = None) -> None:
         if tree_width < 1 or (tree_nodes is not None and tree_nodes < 1):
             raise ConfigError("tree_width and tree_nodes must be >= 1")
+        if min_confidence is not None and not 0 < min_confidence <= 1:
+            raise ConfigError(f"min_confidence must be in (0, 1], got {min_confidence!r}")
         self.head = head
+        self.min_confidence = min_confidence
         c = head.config
         self.weight_format = weight_format or draft_format(c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)
         self.tree_width = tree_width  # 1: a chain
@@ -396,16 +402,28 @@ class EagleDrafter(Drafter):
         if self.tree_width > 1:
             return self._propose_tree(k)
 
-        # 2. k tokens, each from the head's output one position on; a drafted position's entry
-        #    is written past the committed length and forgotten when the next step overwrites it.
-        state, drafted, probs = self._state, [], []
+        # 2. Up to k tokens, each from the head's output one position on; a drafted position's
+        #    entry is written past the committed length and forgotten when the next step
+        #    overwrites it. With min_confidence, the chain ends where the probability of the
+        #    tokens drafted so far times the head's top probability for the next one falls below
+        #    it. When sampling, whether a position is drafted must not depend on the token drawn
+        #    there (the drawn tokens would then not follow the head's distribution, which the
+        #    acceptance rule divides by): so the top probability, not the drawn token's.
+        state, drafted, probs, chance = self._state, [], [], 1.0
         for j in range(k):
             logits = self._logits(state)[0]  # [draft_vocab]
             if params.greedy:
                 index = int(logits.argmax())
                 token = int(head.d2t[index]) + index
+                if self.min_confidence is not None:
+                    top = float(torch.softmax(logits, dim=-1)[index])  # (PyTorch's logsumexp is 100x slower here)
+                    if chance * top < self.min_confidence:
+                        break
+                    chance *= top
             else:
                 draft_probs = torch.softmax(logits / params.temperature, dim=-1)
+                if self.min_confidence is not None and chance * float(draft_probs.max()) < self.min_confidence:
+                    break
                 full = torch.zeros(head.config.vocab_size)
                 full[head.draft_ids] = draft_probs
                 if params.drafter_invariant:  # the target's noise at this position: a deterministic draft
@@ -414,6 +432,7 @@ class EagleDrafter(Drafter):
                     index = int(sample(draft_probs[None], generator)[0])
                     token = int(head.d2t[index]) + index
                     probs.append(full)
+                chance *= float(full[token])
             drafted.append(token)
             if j + 1 < k:
                 state = self._run(state, torch.tensor([token]), self._length + j)
@@ -432,6 +451,7 @@ class EagleDrafter(Drafter):
         slot_of: dict[int, int] = {}  # expanded candidate -> its cache slot
         states: dict[int, torch.Tensor] = {-1: self._state}  # expanded candidate -> its output [1, hidden]
         frontier, base = [-1], 0.0
+        floor = -math.inf if self.min_confidence is None else math.log(self.min_confidence)
         for level in range(1, depth + 1):
             if level > 1:
                 # Run the head on this depth's frontier, each entry at position length - 1 + depth
@@ -463,7 +483,11 @@ class EagleDrafter(Drafter):
                     scores.append(base + value)
                     level_nodes.append(len(tokens) - 1)
             frontier = sorted(level_nodes, key=lambda n: -scores[n])[:width]
-        return best_subtree(tokens, parents, scores, self.tree_nodes)
+            if scores[frontier[0]] < floor:  # every deeper node would score below the floor too
+                break
+        # Scores fall along a path, so the nodes at or above the floor hold their parents.
+        kept = min(self.tree_nodes, sum(score >= floor for score in scores))
+        return best_subtree(tokens, parents, scores, kept) if kept else Proposal(tokens=[])
 
     def _entry_features(self, target_states: torch.Tensor) -> torch.Tensor:
         """[n, len(target_layers) * hidden] target states -> [n, hidden], the layer's features."""
@@ -519,7 +543,7 @@ class EagleDrafter(Drafter):
         pass  # the target's features for the committed positions arrive through observe_target
 
     def fork(self) -> EagleDrafter:
-        return type(self)(self.head, self.weight_format, self.tree_width, self.tree_nodes)
+        return type(self)(self.head, self.weight_format, self.tree_width, self.tree_nodes, self.min_confidence)
 
 
 def attention_mask(visible: Visible, span: int) -> torch.Tensor | None:
@@ -540,4 +564,5 @@ def load_head(config: SpeculativeConfig, target: LoadedModel) -> EagleHead:
 
 
 def build(config: SpeculativeConfig, target: LoadedModel) -> EagleDrafter:
-    return EagleDrafter(load_head(config, target), tree_width=config.tree_width, tree_nodes=config.tree_nodes)
+    return EagleDrafter(load_head(config, target), tree_width=config.tree_width, tree_nodes=config.tree_nodes,
+                        min_confidence=config.draft_confidence)

@@ -98,7 +98,7 @@ def union(first: Proposal, second: Proposal) -> Proposal:
 def build(config: SpeculativeConfig, target: LoadedModel) -> HybridDrafter:
     branches = config.options.proposal_tokens(config.num_speculative_tokens) if config.hybrid_branches else 0
     return HybridDrafter(EagleDrafter(load_head(config, target), tree_width=config.tree_width,
-                                      tree_nodes=config.tree_nodes),
+                                      tree_nodes=config.tree_nodes, min_confidence=config.draft_confidence),
                          NgramDrafter(config.prompt_lookup_min,
                                       max(config.prompt_lookup_max, config.prompt_lookup_min)),
                          config.hybrid_head_tokens, branches)

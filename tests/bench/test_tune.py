@@ -56,20 +56,30 @@ def test_k_list_and_a_methods_own_k() -> None:
 
 
 def test_head_drafters_are_measured_with_their_trees_too() -> None:
-    from specdec.methods import TUNE_TREES
+    from specdec.methods import TUNE_FLOORS, TUNE_TREES
 
     candidates = tune.build_candidates([{"method": "eagle", "model": "h"}, {"method": "medusa", "model": "h"}], [3],
                                        adaptive=False)
     trees = [(c.drafter, c.k, c.config.tree_width, c.config.tree_nodes) for c in candidates if c.config.tree_width > 1]
     assert trees[: len(TUNE_TREES)] == [(f"eagle h tree {w}x{n}", k, w, n) for k, w, n in TUNE_TREES]
     assert {d for d, *_ in trees[len(TUNE_TREES):]} == {"medusa h tree 2x4", "medusa h tree 2x6", "medusa h tree 3x8"}
-    assert [(c.drafter, c.k) for c in candidates if c.config.tree_width == 1] == [("eagle h", 3), ("medusa h", 3)]
+    chains = [(c.drafter, c.k, c.config.draft_confidence) for c in candidates
+              if c.config.tree_width == 1 and c.config.method == "eagle"]
+    assert chains == [("eagle h", 3, None), *((f"eagle h conf>={f:g}", k, f) for k, f in TUNE_FLOORS)]
+    assert [(c.drafter, c.k) for c in candidates if c.config.method == "medusa" and c.config.tree_width == 1] == [
+        ("medusa h", 3)]  # medusa drafts all its tokens in one pass: no floor
     # A method given its own tree or k is measured as given; --no-trees measures chains only.
     given = tune.build_candidates([{"method": "eagle", "model": "h", "tree_width": 2}], [3], adaptive=False)
     assert [(c.name, c.drafter) for c in given] == [("eagle h k=3 tree 2x8", "eagle h tree 2x8")]
     assert all(c.config.tree_width == 1 for c in tune.build_candidates([{"method": "eagle", "model": "h"}], [3],
                                                                         adaptive=False, trees=False))
     assert tune.drafter_label("hybrid k=3 tree 2x6 adaptive") == "hybrid tree 2x6" and tune.drafter_label("ngram k=4") == "ngram"
+    assert tune.drafter_label("eagle k=3 conf>=0.2") == "eagle conf>=0.2"
+    assert tune.drafter_label("hybrid k=4 head k=k conf>=0.3 adaptive") == "hybrid head k=k conf>=0.3"
+    # A method given its own floor is measured with it at every k, without the registered floors.
+    floored = tune.build_candidates([{"method": "eagle", "model": "h", "draft_confidence": 0.25}], [2, 3], adaptive=False,
+                                    trees=False)
+    assert [c.name for c in floored] == ["eagle h k=2 conf>=0.25", "eagle h k=3 conf>=0.25"]
 
 
 @pytest.mark.parametrize(

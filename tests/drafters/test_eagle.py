@@ -254,6 +254,74 @@ def test_tree_drafts_are_verified_losslessly(tiny_native: LoadedModel, width: in
     assert [s.result.token_ids for s in seqs] == plain
 
 
+def peaked_head(target: LoadedModel) -> EagleHead:
+    """A random head whose draft distributions are peaked: its top probabilities spread over
+    (0, 1), so that a confidence floor cuts some drafts and not others."""
+    head = random_head(target, 64, seed=3)
+    with torch.no_grad():
+        head.norm.mul_(24.0)  # the scores' scale
+    return head
+
+
+def test_a_confidence_floor_ends_the_chain_where_its_probability_would_fall_below(tiny_native: LoadedModel,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # The chain the head drafts without a floor, and each token's probability under the head:
+    # with a floor between the probabilities of the first j and j + 1 tokens, the draft is the
+    # first j tokens; above the first token's, nothing.
+    head = peaked_head(tiny_native)
+    prompt = [3, 4, 5, 6, 7]
+    features = torch.randn(len(prompt) - 1, 3 * head.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def drafted(floor: float | None) -> tuple[list[int], list[float]]:
+        drafter = EagleDrafter(head, min_confidence=floor)
+        drafter.begin(prompt, 32)
+        drafter.observe_target(features)
+        seen = []
+        scores = drafter._logits
+        monkeypatch.setattr(drafter, "_logits", lambda state: seen.append(scores(state)) or seen[-1])
+        tokens = drafter.propose(prompt, 4, GREEDY, None).tokens
+        return tokens, [float(torch.softmax(logits[0], -1).max()) for logits in seen]
+
+    chain, tops = drafted(None)
+    chances = torch.tensor(tops).cumprod(0).tolist()  # the chain's probability after each token
+    assert len(chain) == 4 and chances[0] > chances[-1]
+    for j in range(1, 4):
+        if chances[j] < chances[j - 1]:
+            assert drafted((chances[j - 1] + chances[j]) / 2)[0] == chain[:j]
+    assert chances[0] < 1 and drafted(min(1.0, chances[0] * 1.01))[0] == []
+    assert drafted(chances[-1] * 0.99)[0] == chain
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_drafts_under_a_confidence_floor_are_verified_losslessly(tiny_native: LoadedModel, width: int) -> None:
+    # Chains and trees cut by the floor, alone and as rows of a batch: plain decoding's tokens,
+    # with steps that draft nothing, steps that draft some and steps that draft the most.
+    head = peaked_head(tiny_native)
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    plain = [Engine(tiny_native).generate(p, GREEDY).token_ids for p in prompts]
+    sizes = []
+    propose = EagleDrafter.propose
+
+    def counted(self, *args):
+        proposal = propose(self, *args)
+        sizes.append(len(proposal.tokens))
+        return proposal
+
+    make = lambda: EagleDrafter(head, tree_width=width, tree_nodes=4 if width > 1 else None, min_confidence=0.3)  # noqa: E731
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EagleDrafter, "propose", counted)
+        assert Engine(tiny_native, make(), 3).generate(prompts[0], GREEDY).token_ids == plain[0]
+        engine = BatchEngine(tiny_native, max_rows=2, max_model_len=64, max_draft=8)
+        seqs = [Sequence(p, GREEDY, make(), k=3) for p in prompts]
+        for seq in seqs:
+            engine.add(seq)
+        while not all(s.finished for s in seqs):
+            engine.step()
+    assert [s.result.token_ids for s in seqs] == plain
+    most = 4 if width > 1 else 3
+    assert 0 in sizes and most in sizes and any(0 < n < most for n in sizes), sizes
+
+
 def test_an_oracle_tree_is_accepted_along_its_right_branch(tiny_native: LoadedModel) -> None:
     # A test drafter proposing a tree whose second root child (not the first) is the plain
     # continuation, with the continuation's next tokens under it: every step must accept that

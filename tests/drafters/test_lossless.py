@@ -256,6 +256,9 @@ REAL_DRAFTERS = [
                  id="layer_skip-third-k4"),
     pytest.param({"method": "ngram", "num_speculative_tokens": 6, "adaptive": True}, id="ngram-adaptive-k6"),
     pytest.param({"method": "eagle", "model": "RANDOM_EAGLE", "num_speculative_tokens": 4}, id="eagle-random-k4"),
+    pytest.param({"method": "eagle", "num_speculative_tokens": 4, "draft_confidence": 0.2}, id="eagle-shipped-k4-floor"),
+    pytest.param({"method": "hybrid", "num_speculative_tokens": 4, "hybrid_head_tokens": None, "draft_confidence": 0.2},
+                 id="hybrid-shipped-k4-floor"),
     pytest.param({"method": "hybrid", "model": "RANDOM_EAGLE", "num_speculative_tokens": 3}, id="hybrid-random-k3"),
     pytest.param({"method": "hybrid", "model": "RANDOM_EAGLE", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                   "hybrid_head_tokens": 1}, id="hybrid-random-lookup1-head1"),
@@ -392,6 +395,8 @@ def check_registered(target: LoadedModel, plain: list[RequestOutput], model_dirs
             assert 0.5 < stats.acceptance_rate <= (1.0 if target.model is None else 0.99)
         elif config.get("tree_width", 1) > 1:
             assert stats.drafted_tokens > 0  # a tree's depth per step
+        elif config.get("draft_confidence"):
+            pass  # drafts of every length: checked over all requests below
         elif config["method"] in ("eagle", "medusa", "mtp"):
             # A head drafts its k every step but the last few, which the token budget cuts short.
             assert stats.drafted_tokens >= k * (stats.target_steps - k)
@@ -404,6 +409,10 @@ def check_registered(target: LoadedModel, plain: list[RequestOutput], model_dirs
         # request's handful of drafts before the switch-off is too few to bound.
         drafted = sum(o.stats.drafted_tokens for o in outputs)
         assert sum(o.stats.accepted_tokens for o in outputs) > 0.4 * drafted
+    if config.get("draft_confidence"):
+        # The floor cut some steps to nothing and some short, and let some draft all k.
+        at = [sum(o.stats.drafted_at[j] for o in outputs if len(o.stats.drafted_at) > j) for j in range(k)]
+        assert 0 < at[k - 1] < at[0] < sum(o.stats.target_steps for o in outputs), at
     if config["method"] in ("ngram", "suffix", "lookahead", "bigram") or config.get("adaptive"):
         # The prompts repeat themselves enough for lookup to find something; an adaptive drafter
         # drafts at least until it has judged its first window.

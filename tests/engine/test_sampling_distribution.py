@@ -274,6 +274,11 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoi
         return Engine(target, EagleDrafter(eagle_head(target)), 2)
     if name == "eagle-tree":  # top-2 children at the 2 best nodes of each depth, 3 nodes kept
         return Engine(target, EagleDrafter(eagle_head(target), tree_width=2, tree_nodes=3), 2)
+    if name == "eagle-confident":  # up to 3 tokens, the chain ending where its probability under the head would fall
+        # below 0.3 (a floor at which ending on the drawn token's own probability, the wrong rule, fails this test)
+        return Engine(target, EagleDrafter(eagle_head(target), min_confidence=0.3), 3)
+    if name == "eagle-tree-confident":  # a tree of up to 4 nodes, only those whose path has probability >= 0.5
+        return Engine(target, EagleDrafter(eagle_head(target), tree_width=2, tree_nodes=4, min_confidence=0.5), 3)
     if name in ("medusa", "medusa-tree"):  # tree: each head's top 2 at the 2 best nodes of each depth, 3 kept
         heads = new_head(target, torch.arange(6), TrainConfig(arch="medusa", medusa_heads=2, draft_vocab_size=6))
         with torch.no_grad():
@@ -322,7 +327,8 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
 
 
 @pytest.mark.parametrize(("target", "drafter"), backend_matrix(
-    ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle", "eagle-tree", "hybrid", "hybrid-branches",
+    ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle", "eagle-tree", "eagle-confident",
+     "eagle-tree-confident", "hybrid", "hybrid-branches",
      "medusa", "medusa-tree", "mtp", "suffix", "suffix-tree", "lookahead"]), indirect=["target"])
 def test_speculative_sampling_follows_target(
     target: LoadedModel, deep_target: LoadedModel, draft: LoadedModel, drafter: str, mtp_checkpoint, tmp_path,
@@ -339,9 +345,23 @@ def test_speculative_sampling_follows_target(
             return trees[-1]
 
         monkeypatch.setattr(SuffixDrafter if drafter == "suffix-tree" else HybridDrafter, "propose", counted)
+    lengths = []
+    if drafter.endswith("-confident"):  # the floor must cut some drafts short and leave some whole
+        eagle_propose = EagleDrafter.propose
+
+        def measured(self, *args):
+            proposal = eagle_propose(self, *args)
+            lengths.append(len(proposal.tokens))
+            return proposal
+
+        monkeypatch.setattr(EagleDrafter, "propose", measured)
     samples = sample_sequences(engine, SAMPLED, 2500)
     if drafter in ("suffix-tree", "hybrid-branches"):
         assert sum(p.parents is not None for p in trees) > 100
+    if lengths:
+        whole = max(lengths)
+        assert whole >= 2 and lengths.count(whole) > 100 and sum(n < whole for n in lengths) > 100
+        assert drafter != "eagle-tree-confident" or lengths.count(0) > 100  # and trees to nothing
     exact = exact_sequence_probs(model, SAMPLED)
     assert chi2_pvalue(samples, exact) > 1e-3
     for position in range(LENGTH):
