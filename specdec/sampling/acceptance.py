@@ -235,6 +235,16 @@ def accept_step(
     """
     chains = [[] if row.tree is not None else row.tokens for row in rows]
     longest = max(len(c) for c in chains)
+    if all(p.greedy for p in params) and all(row.tree is None for row in rows):
+        # Greedy chains (every plain step too): greedy_accept's rule on the argmaxes as lists,
+        # without its dozen tensor operations a step.
+        out = []
+        for chain, best in zip(chains, argmax(target_logits[:, : longest + 1]).tolist()):
+            n = 0
+            while n < len(chain) and chain[n] == best[n]:
+                n += 1
+            out.append(Accepted(chain[:n] + [best[n]], list(range(1, n + 1))))
+        return out
     padded = torch.tensor([c + [PAD_TOKEN] * (longest - len(c)) for c in chains], dtype=torch.long,
                           device=target_logits.device).reshape(len(rows), longest)  # [rows, longest]
     keys = [(g.initial_seed(), pos) if p.drafter_invariant and g is not None else None
