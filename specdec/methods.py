@@ -39,11 +39,12 @@ DEFAULT_METHOD = "ngram"
 DEFAULT_TUNE_KS = (1, 2, 3, 4)
 # Token trees `tune` measures for a head, (k, tree_width, tree_nodes) each.
 TUNE_TREES = ((2, 2, 3), (3, 2, 4), (3, 2, 6), (4, 3, 8))
-# Chains under a confidence floor `tune` measures for the EAGLE head, (k, draft_confidence) each,
-# and for the hybrid, whose head then drafts up to k where lookup finds nothing.
-TUNE_FLOORS = ((2, 0.2), (3, 0.2), (4, 0.15), (4, 0.3))
-HYBRID_FLOORS = tuple({"num_speculative_tokens": k, "draft_confidence": floor, "hybrid_head_tokens": None}
-                      for k, floor in ((4, 0.15), (4, 0.2), (4, 0.3)))
+# Chains under a confidence floor `tune` measures for the EAGLE head, and for the hybrid, whose
+# head then drafts up to k where lookup finds nothing: the keys each sets.
+TUNE_FLOORS = tuple({"num_speculative_tokens": k, "draft_confidence": floor}
+                    for k, floor in ((2, 0.2), (3, 0.2), (4, 0.15), (4, 0.3)))
+HYBRID_FLOORS = tuple({"num_speculative_tokens": 4, "draft_confidence": floor, "hybrid_head_tokens": None}
+                      for floor in (0.15, 0.2, 0.3))
 # What a draft model's linear layers may be quantized to.
 QUANTIZATIONS = ("int8",)
 
@@ -358,7 +359,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "the target with some of its layers skipped", tuned={}, pin="specdec.drafters.layer_skip:pinned"),
     Method("eagle", "specdec.drafters.eagle:build", HeadOptions, 1, "a head trained on the target's states",
            takes_model=True, tune_ks=(2, 3, 4, 5, 6), head="eagle", tune_trees=TUNE_TREES,
-           tune_floors=tuple({"num_speculative_tokens": k, "draft_confidence": floor} for k, floor in TUNE_FLOORS)),
+           tune_floors=TUNE_FLOORS),
     Method("hybrid", "specdec.drafters.hybrid:build", HybridOptions, 4, "prompt lookup, else the EAGLE head",
            takes_model=True, tune_ks=(2, 3, 4, 5, 6), head="eagle", tune_trees=TUNE_TREES, tune_floors=HYBRID_FLOORS),
     Method("medusa", "specdec.drafters.medusa:build", TreeOptions, 3, "heads on the target's last state, one per position",

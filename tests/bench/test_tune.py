@@ -65,7 +65,8 @@ def test_head_drafters_are_measured_with_their_trees_too() -> None:
     assert {d for d, *_ in trees[len(TUNE_TREES):]} == {"medusa h tree 2x4", "medusa h tree 2x6", "medusa h tree 3x8"}
     chains = [(c.drafter, c.k, c.config.draft_confidence) for c in candidates
               if c.config.tree_width == 1 and c.config.method == "eagle"]
-    assert chains == [("eagle h", 3, None), *((f"eagle h conf>={f:g}", k, f) for k, f in TUNE_FLOORS)]
+    assert chains == [("eagle h", 3, None), *((f"eagle h conf>={f['draft_confidence']:g}", f["num_speculative_tokens"],
+                                               f["draft_confidence"]) for f in TUNE_FLOORS)]
     assert [(c.drafter, c.k) for c in candidates if c.config.method == "medusa" and c.config.tree_width == 1] == [
         ("medusa h", 3)]  # medusa drafts all its tokens in one pass: no floor
     # A method given its own tree or k is measured as given; --no-trees measures chains only.
