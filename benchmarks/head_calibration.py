@@ -9,7 +9,7 @@ through that token. Prints, per draft position, the share accepted in bins of ea
 writes the bins.
 
     python benchmarks/head_calibration.py --data benchmarks/results/tune_prompts_round11.jsonl \
-        --json benchmarks/results/head_calibration_tune.json
+        --json benchmarks/results/head_calibration_tune_29m.json
 """
 
 from __future__ import annotations

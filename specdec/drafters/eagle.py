@@ -416,7 +416,7 @@ class EagleDrafter(Drafter):
                 index = int(logits.argmax())
                 token = int(head.d2t[index]) + index
                 if self.min_confidence is not None:
-                    top = float(torch.softmax(logits, dim=-1)[index])  # (PyTorch's logsumexp is 100x slower here)
+                    top = float(torch.softmax(logits, dim=-1)[index])  # (PyTorch's logsumexp of one row is far slower)
                     if chance * top < self.min_confidence:
                         break
                     chance *= top
@@ -432,7 +432,8 @@ class EagleDrafter(Drafter):
                     index = int(sample(draft_probs[None], generator)[0])
                     token = int(head.d2t[index]) + index
                     probs.append(full)
-                chance *= float(full[token])
+                if self.min_confidence is not None:
+                    chance *= float(full[token])
             drafted.append(token)
             if j + 1 < k:
                 state = self._run(state, torch.tensor([token]), self._length + j)
