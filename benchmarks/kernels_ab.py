@@ -62,6 +62,15 @@ def build(name: str, directory: Path):
         build_directory=str(out), extra_cflags=kernels.CFLAGS, verbose=False)
 
 
+def use(backend, module) -> None:
+    """Every kernel the native backend calls, from this build: the fused layers and the products."""
+    code = kernels.ISAS[kernels.default_isa()]
+    backend._ops = module
+    for linear in [linear for layer in backend.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [backend.lm_head]:
+        function = getattr(module, f"{linear.fmt}_matmul")
+        linear._product = (lambda f: lambda x, packed, out, residual=None: f(x, packed, out, code, residual))(function)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", action="append", required=True, metavar="NAME=SOURCE",
@@ -93,20 +102,10 @@ def main() -> None:
     tokens = torch.randint(0, model.vocab_size, (args.context + max(sizes),), generator=torch.Generator().manual_seed(0)).tolist()
     if args.context:
         runner.forward(cache, tokens[: args.context], last_only=True)
-    code = kernels.ISAS[kernels.default_isa()]
-    linears = [linear for layer in backend.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [backend.lm_head]
-
-    def use(module) -> None:
-        # Every kernel the native backend calls, from this build: the fused layers and the products.
-        backend._ops = module
-        for linear in linears:
-            function = getattr(module, f"{linear.fmt}_matmul")
-            linear._product = (lambda f: lambda x, packed, out, residual=None: f(x, packed, out, code, residual))(function)
-
     times = {(name, n): [] for name in variants for n in sizes}
     for _ in range(args.rounds):
         for name, module in variants.items():
-            use(module)
+            use(backend, module)
             for n in sizes:
                 samples = []
                 for _ in range(args.repeats):
