@@ -62,10 +62,28 @@ def build(name: str, directory: Path):
         build_directory=str(out), extra_cflags=kernels.CFLAGS, verbose=False)
 
 
+class ListArguments:
+    """A build from before `LayerWeights`, whose `forward_layers` took the layers' weights as lists."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+    @staticmethod
+    def LayerWeights(*lists):  # noqa: N802 (the kernels' class name)
+        return list(lists)
+
+    def forward_layers(self, x, weights, *rest):
+        return self.module.forward_layers(x, *weights, *rest)
+
+
 def use(backend, module) -> None:
     """Every kernel the native backend calls, from this build: the fused layers and the products."""
     code = kernels.ISAS[kernels.default_isa()]
-    backend._ops = module
+    backend._ops = module if hasattr(module, "LayerWeights") else ListArguments(module)
+    backend._fused_weights = {}  # the layers' weights, gathered again for this build
     for linear in [linear for layer in backend.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [backend.lm_head]:
         function = getattr(module, f"{linear.fmt}_matmul")
         linear._product = (lambda f: lambda x, packed, out, residual=None: f(x, packed, out, code, residual))(function)

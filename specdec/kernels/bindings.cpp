@@ -32,6 +32,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("argmax_rows", &argmax_rows, "x [rows, n] float32 -> [rows] int64, each row's first maximum (as torch.argmax)");
     m.def("draft_distribution", &draft_distribution,
           "logits [positions, vocab] -> top token, the k best draft tokens' positions and probabilities");
+    // module_local: builds of the kernels loaded side by side (benchmarks/kernels_ab.py) each keep their own
+    py::class_<LayerWeights>(m, "LayerWeights", py::module_local(), "a run of decoder layers' weights, as forward_layers reads them")
+        .def(py::init<std::vector<at::Tensor>, LayerParts, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                      std::vector<at::Tensor>, LayerParts, std::vector<at::Tensor>, LayerParts, LayerParts,
+                      std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>>())
+        .def("__len__", &LayerWeights::layers);
     m.def("forward_layers", &forward_layers, "decoder layers of a short pass in one call (see forward.cpp)");
     m.def("head_layer", &head_layer, "a draft head's decoder layer (EAGLE-3's) in one call (see forward.cpp)");
     m.def("instruction_sets", &instruction_sets, "the kernel paths this CPU can run");

@@ -96,7 +96,28 @@ void write_cache(const at::Tensor& states, at::Tensor& buf, const int64_t* row_o
 
 }  // namespace
 
-// x [rows * new, hidden] float32 through the given layers. Per layer i: attn_norm[i], qkv[i] (its
+LayerWeights::LayerWeights(std::vector<at::Tensor> attn_norm, LayerParts qkv, std::vector<at::Tensor> qkv_bias,
+                           std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm, LayerParts o,
+                           std::vector<at::Tensor> mlp_norm, LayerParts gate_up, LayerParts down,
+                           std::vector<at::Tensor> post_attn_norm, std::vector<at::Tensor> post_mlp_norm,
+                           std::vector<int64_t> parts)
+    : attn_norm(std::move(attn_norm)), qkv(std::move(qkv)), qkv_bias(std::move(qkv_bias)), q_norm(std::move(q_norm)),
+      k_norm(std::move(k_norm)), o(std::move(o)), mlp_norm(std::move(mlp_norm)), gate_up(std::move(gate_up)),
+      down(std::move(down)), post_attn_norm(std::move(post_attn_norm)), post_mlp_norm(std::move(post_mlp_norm)),
+      parts(std::move(parts)) {
+    const size_t n = layers();
+    TORCH_CHECK(this->qkv.size() == n && this->qkv_bias.size() == n && this->q_norm.size() == n &&
+                    this->k_norm.size() == n && this->o.size() == n && this->mlp_norm.size() == n &&
+                    this->gate_up.size() == n && this->down.size() == n && this->post_attn_norm.size() == n &&
+                    this->post_mlp_norm.size() == n,
+                "one entry per layer in every list");
+    size_t specs = 0;
+    for (size_t i = 0; i < n; ++i)
+        specs += this->qkv[i].size() + this->o[i].size() + this->gate_up[i].size() + this->down[i].size();
+    TORCH_CHECK(this->parts.size() == 2 * specs, "parts: a kind and an output count for every matrix part");
+}
+
+// x [rows * new, hidden] float32 through the layers of `w`. Per layer i: attn_norm[i], qkv[i] (its
 // parts: one packed matrix, or several stacked over their outputs), qkv_bias[i] (Qwen2's, added to
 // the product as the loop's `qkv + bias`; an empty tensor for none), q_norm[i], k_norm[i] (Qwen3's
 // and Gemma 3's per-head norms, as `rotary_split` applies them; empty for none), o[i], mlp_norm[i],
@@ -109,24 +130,13 @@ void write_cache(const at::Tensor& states, at::Tensor& buf, const int64_t* row_o
 // instead of SiLU. Returns x after the last layer, then x after each layer listed in `keep`
 // (positions in the given list).
 std::vector<at::Tensor> forward_layers(
-    at::Tensor x, const std::vector<at::Tensor>& attn_norm, const LayerParts& qkv,
-    const std::vector<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& q_norm, const std::vector<at::Tensor>& k_norm,
-    const LayerParts& o, const std::vector<at::Tensor>& mlp_norm, const LayerParts& gate_up, const LayerParts& down,
-    const std::vector<at::Tensor>& post_attn_norm, const std::vector<at::Tensor>& post_mlp_norm,
-    const std::vector<int64_t>& parts, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+    at::Tensor x, const LayerWeights& w, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     const at::Tensor& write_rows, const at::Tensor& write_slots, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& counts, const at::Tensor& slots, int64_t rows,
     int64_t heads, int64_t kv_heads, double eps, double scale, int64_t isa, const std::vector<int64_t>& keep,
     bool gelu) {
-    const size_t layers = attn_norm.size();
-    TORCH_CHECK(qkv.size() == layers && qkv_bias.size() == layers && q_norm.size() == layers && k_norm.size() == layers &&
-                o.size() == layers && mlp_norm.size() == layers && gate_up.size() == layers &&
-                    down.size() == layers && post_attn_norm.size() == layers && post_mlp_norm.size() == layers &&
-                    keys.size() == layers && values.size() == layers,
-                "one entry per layer in every list");
-    size_t specs = 0;
-    for (size_t i = 0; i < layers; ++i) specs += qkv[i].size() + o[i].size() + gate_up[i].size() + down[i].size();
-    TORCH_CHECK(parts.size() == 2 * specs, "parts: a kind and an output count for every matrix part");
+    const size_t layers = w.layers();
+    TORCH_CHECK(keys.size() == layers && values.size() == layers, "one cache buffer per layer");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) % rows == 0, "x must be [rows * new, hidden] float32");
     const int64_t tokens = x.size(0);
     const at::Tensor wr = write_rows.to(at::kLong).contiguous(), ws = write_slots.to(at::kLong).contiguous();
@@ -137,25 +147,25 @@ std::vector<at::Tensor> forward_layers(
         kept[i] = true;
     }
     std::vector<at::Tensor> out{at::Tensor()};
-    Matrices matrices(parts);
+    Matrices matrices(w.parts);
     for (size_t i = 0; i < layers; ++i) {
-        const Matrix qkv_m = matrices.next(qkv[i]), o_m = matrices.next(o[i]), gate_up_m = matrices.next(gate_up[i]),
-                     down_m = matrices.next(down[i]);
-        at::Tensor h = product(rms_norm(x, attn_norm[i], eps), qkv_m, isa);
-        if (qkv_bias[i].numel()) h = at::add(h, qkv_bias[i]);
-        const std::vector<at::Tensor> qkv_rotated = rotary_split(h, cos, sin, rows, heads, kv_heads, q_norm[i], k_norm[i], eps);
+        const Matrix qkv_m = matrices.next(w.qkv[i]), o_m = matrices.next(w.o[i]), gate_up_m = matrices.next(w.gate_up[i]),
+                     down_m = matrices.next(w.down[i]);
+        at::Tensor h = product(rms_norm(x, w.attn_norm[i], eps), qkv_m, isa);
+        if (w.qkv_bias[i].numel()) h = at::add(h, w.qkv_bias[i]);
+        const std::vector<at::Tensor> qkv_rotated = rotary_split(h, cos, sin, rows, heads, kv_heads, w.q_norm[i], w.k_norm[i], eps);
         write_cache(qkv_rotated[1], keys[i], wr.data_ptr<int64_t>(), ws.data_ptr<int64_t>());
         write_cache(qkv_rotated[2], values[i], wr.data_ptr<int64_t>(), ws.data_ptr<int64_t>());
         const at::Tensor attended = attend_cached(qkv_rotated[0], keys[i].narrow(0, 0, rows),
                                                      values[i].narrow(0, 0, rows), counts, slots, scale, isa);
         // Each sublayer's output joins the residual stream in the product's stores, or, normed
         // first (Gemma 3), by one add: the Python loop's `x + norm(...)`.
-        if (post_attn_norm[i].numel())
-            x = at::add(x, rms_norm(product(attended.view({tokens, -1}), o_m, isa), post_attn_norm[i], eps));
+        if (w.post_attn_norm[i].numel())
+            x = at::add(x, rms_norm(product(attended.view({tokens, -1}), o_m, isa), w.post_attn_norm[i], eps));
         else x = product(attended.view({tokens, -1}), o_m, isa, x);
-        const at::Tensor g = product(rms_norm(x, mlp_norm[i], eps), gate_up_m, isa);
+        const at::Tensor g = product(rms_norm(x, w.mlp_norm[i], eps), gate_up_m, isa);
         const at::Tensor act = gelu ? gelu_mul(g) : silu_mul(g);
-        if (post_mlp_norm[i].numel()) x = at::add(x, rms_norm(product(act, down_m, isa), post_mlp_norm[i], eps));
+        if (w.post_mlp_norm[i].numel()) x = at::add(x, rms_norm(product(act, down_m, isa), w.post_mlp_norm[i], eps));
         else x = product(act, down_m, isa, x);
         if (kept[i]) out.push_back(x);
     }

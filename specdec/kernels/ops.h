@@ -72,12 +72,27 @@ at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<at::Tensor> draft_distribution(const at::Tensor& logits, const at::Tensor& draft_ids, int64_t k);
 // forward.cpp. A matrix per layer, as its parts (one, or several stacked over their outputs).
 using LayerParts = std::vector<std::vector<at::Tensor>>;
+// The weights of a run of decoder layers, as `forward_layers` reads them (see there), checked and
+// gathered once: the backend keeps one per set of layers, so that a pass does not convert some
+// 330 tensors from Python lists (about 0.1 ms a call, a twenty-fifth of a plain step).
+struct LayerWeights {
+    LayerWeights(std::vector<at::Tensor> attn_norm, LayerParts qkv, std::vector<at::Tensor> qkv_bias,
+                 std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm, LayerParts o,
+                 std::vector<at::Tensor> mlp_norm, LayerParts gate_up, LayerParts down,
+                 std::vector<at::Tensor> post_attn_norm, std::vector<at::Tensor> post_mlp_norm, std::vector<int64_t> parts);
+    size_t layers() const { return attn_norm.size(); }
+
+    std::vector<at::Tensor> attn_norm;
+    LayerParts qkv;
+    std::vector<at::Tensor> qkv_bias, q_norm, k_norm;
+    LayerParts o;
+    std::vector<at::Tensor> mlp_norm;
+    LayerParts gate_up, down;
+    std::vector<at::Tensor> post_attn_norm, post_mlp_norm;
+    std::vector<int64_t> parts;
+};
 std::vector<at::Tensor> forward_layers(
-    at::Tensor x, const std::vector<at::Tensor>& attn_norm, const LayerParts& qkv,
-    const std::vector<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& q_norm, const std::vector<at::Tensor>& k_norm,
-    const LayerParts& o, const std::vector<at::Tensor>& mlp_norm, const LayerParts& gate_up, const LayerParts& down,
-    const std::vector<at::Tensor>& post_attn_norm, const std::vector<at::Tensor>& post_mlp_norm,
-    const std::vector<int64_t>& parts, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+    at::Tensor x, const LayerWeights& weights, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     const at::Tensor& write_rows, const at::Tensor& write_slots, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& counts, const at::Tensor& slots, int64_t rows,
     int64_t heads, int64_t kv_heads, double eps, double scale, int64_t isa, const std::vector<int64_t>& keep,

@@ -499,8 +499,9 @@ class NativeBackend:
             self._run_cuts: dict[tuple[int, ...], list[list[int]]] = {}
         return self._fusable_for[1]
 
-    def _layer_weights(self, ids: list[int]) -> list:
-        """`forward_layers`' weight arguments for these layers, gathered once per set of layers."""
+    def _layer_weights(self, ids: list[int]):
+        """`forward_layers`' weights for these layers (the kernels' `LayerWeights`), gathered once
+        per set of layers."""
         key = tuple(ids)
         if key not in self._fused_weights:
             layers = [self.layers[i] for i in ids]
@@ -509,7 +510,7 @@ class NativeBackend:
             specs = part_specs([lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)])
             parts = {name: [part_tensors(getattr(layer, name)) for layer in layers]
                      for name in ("qkv", "o", "gate_up", "down")}
-            self._fused_weights[key] = [
+            self._fused_weights[key] = self._ops.LayerWeights(
                 [layer.attn_norm for layer in layers], parts["qkv"],
                 [layer.qkv_bias if layer.qkv_bias is not None else _NONE for layer in layers],
                 [layer.q_norm if layer.q_norm is not None else _NONE for layer in layers],
@@ -517,7 +518,7 @@ class NativeBackend:
                 parts["o"], [layer.mlp_norm for layer in layers], parts["gate_up"], parts["down"],
                 [layer.post_attn_norm if layer.post_attn_norm is not None else _NONE for layer in layers],
                 [layer.post_mlp_norm if layer.post_mlp_norm is not None else _NONE for layer in layers],
-                specs]
+                specs)
         return self._fused_weights[key]
 
     def _fused_layers(self, cache, ids: list[int], x: torch.Tensor, rows: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -550,7 +551,7 @@ class NativeBackend:
             return None
         kept = [n for n, i in enumerate(ids) if i in hidden_layers]
         outs = self._ops.forward_layers(
-            x, *self._layer_weights(ids), keys, values, write_rows, write_slots, cos, sin, visible.counts,
+            x, self._layer_weights(ids), keys, values, write_rows, write_slots, cos, sin, visible.counts,
             NO_SLOTS if visible.slots is None else visible.slots, rows, self.heads, self.kv_heads, self.eps,
             self.attn_scale, self._isa, kept, self.gemma)
         for layer in advance or ():
