@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kernels_ab import build, sources, use
+from kernels_ab import built_variants, use
 from specdec import kernels
 from specdec.bench.data import load_records
 from specdec.config import SamplingParams
@@ -108,12 +108,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    variants = {}
-    for spec in args.variant:
-        name, _, source = spec.partition("=")
-        if not source:
-            raise SystemExit(f"--variant {spec!r}: give NAME=SOURCE")
-        variants[name] = build(name, sources(source))
+    variants = built_variants(args.variant)
     cases = [tuple(int(x) for x in case.split(":")) for case in (args.case or CASES)]
     report = {"cpu": cpu_model(), "path": kernels.default_isa(),
               "threads": args.threads, "attention_ms_30_layers": attention_alone(variants, cases, args.rounds)}

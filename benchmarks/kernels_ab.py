@@ -62,6 +62,17 @@ def build(name: str, directory: Path):
         build_directory=str(out), extra_cflags=kernels.CFLAGS, verbose=False)
 
 
+def built_variants(specs: list[str]) -> dict:
+    """Each `NAME=SOURCE` of `--variant`, built: {name: module}."""
+    variants = {}
+    for spec in specs:
+        name, _, source = spec.partition("=")
+        if not source:
+            raise SystemExit(f"--variant {spec!r}: give NAME=SOURCE")
+        variants[name] = build(name, sources(source))
+    return variants
+
+
 class ListArguments:
     """A build from before `LayerWeights`, whose `forward_layers` took the layers' weights as lists."""
 
@@ -104,12 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
-    variants = {}
-    for spec in args.variant:
-        name, _, source = spec.partition("=")
-        if not source:
-            raise SystemExit(f"--variant {spec!r}: give NAME=SOURCE")
-        variants[name] = build(name, sources(source))
+    variants = built_variants(args.variant)
 
     model = load_model(dtype=args.dtype)
     backend = model.backend
