@@ -214,7 +214,7 @@ class NativeBackend:
         # off, the Python loop calls the same kernels one by one (the same bits).
         self.fuse_layers = True
         self._fusable_for: tuple[object, list[bool]] = (None, [])
-        self._fused_weights: dict[tuple[int, ...], list] = {}
+        self._fused_weights: dict[tuple[int, ...], object] = {}  # the kernels' LayerWeights, per set of layers
         self._weights, self._format = weights, weight_format
         self.file_types: set[str] = set()  # a GGUF file's matrix types (Q4_K, Q6_K...), else empty
 
