@@ -526,11 +526,25 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
             }
         });
     }
-    const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(4 * specdec::kernel_threads(), tasks));
+    // A lane's tasks: every lanes-th task; or, in a pass of several queries a row with enough
+    // (row, key/value head) units to share out, every lanes-th unit with its queries one after
+    // another, so that a unit's later queries find its slots in the caches. Which thread runs a
+    // task never changes its bits.
+    const int64_t units = rows * kv_heads * sets;
+    const bool grouped = nq > 1 && !transposed && units >= 4 * specdec::kernel_threads();
+    const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(4 * specdec::kernel_threads(), grouped ? units : tasks));
+    // The k-th task of a lane (numbered by row, query, key/value head, set), or -1 past its last.
+    auto task_of = [&](int64_t lane, int64_t k) -> int64_t {
+        if (!grouped) return lane + k * lanes < tasks ? lane + k * lanes : -1;
+        const int64_t unit = lane + (k / nq) * lanes;
+        if (unit >= units) return -1;
+        const int64_t r = unit / (sets * kv_heads);
+        return ((r * nq + k % nq) * kv_heads + (unit / sets) % kv_heads) * sets + unit % sets;
+    };
     specdec::parallel_chunks(lanes, 1, [&](int64_t first_lane, int64_t last_lane) {
         std::vector<float> buffer;
         for (int64_t lane = first_lane; lane < last_lane; ++lane) {
-            for (int64_t task = lane; task < tasks; task += lanes) {
+            for (int64_t k = 0, task = task_of(lane, 0); task >= 0; task = task_of(lane, ++k)) {
                 const int64_t set = task % sets, kvh = (task / sets) % kv_heads;
                 const int64_t i = (task / (sets * kv_heads)) % nq, r = task / (sets * kv_heads * nq);
                 const int64_t first = kvh * group + set * group / sets, last = kvh * group + (set + 1) * group / sets;
@@ -539,7 +553,8 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
                 const int32_t* sl = listed ? sc.data_ptr<int32_t>() + (r * nq + i) * sc.size(2) : nullptr;
                 const int64_t n = count[r * nq + i];
                 // the task this thread runs next (in this lane, else the next lane it holds), or -1
-                const int64_t next = task + lanes < tasks ? task + lanes : lane + 1 < last_lane ? lane + 1 : -1;
+                int64_t next = task_of(lane, k + 1);
+                if (next < 0 && lane + 1 < last_lane) next = task_of(lane + 1, 0);
                 const int64_t next_kvh = (next / sets) % kv_heads, next_query = next / (sets * kv_heads);
                 auto run = [&](auto heads_tag, auto element) {
                     constexpr int HG = decltype(heads_tag)::value;
@@ -552,7 +567,7 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
                     it.keys = static_cast<const T*>(keys.data_ptr()) + r * keys.stride(0) + kvh * keys.stride(1);
                     it.values = static_cast<const T*>(values.data_ptr()) + r * values.stride(0) + kvh * values.stride(1);
                     it.slot_stride = keys.stride(2); it.slots = sl; it.n = n; it.head_dim = head_dim;
-                    it.fetch_ahead = rows > 1 || i == 0;
+                    it.fetch_ahead = i == 0 || (rows > 1 && !grouped);
                     if (next >= 0) {  // next_query: its row times nq plus its index
                         const int64_t next_row = next_query / nq;
                         it.next_keys = static_cast<const T*>(keys.data_ptr()) + next_row * keys.stride(0) + next_kvh * keys.stride(1);

@@ -102,15 +102,16 @@ def test_attention_over_listed_slots_is_pytorchs(isa: str) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_attention_is_query_invariant(threads: int, isa: str) -> None:
-    keys, values = _cache(3, 200, seed=2)
-    q = torch.randn(3, HEADS, 8, HEAD_DIM)
-    counts = (torch.arange(8, dtype=torch.int32) + 150).expand(3, 8).contiguous()
+@pytest.mark.parametrize("rows", [1, 3])  # 1: tasks dealt out one by one; 3: a row's queries in turn
+def test_attention_is_query_invariant(threads: int, rows: int, isa: str) -> None:
+    keys, values = _cache(rows, 200, seed=2)
+    q = torch.randn(rows, HEADS, 8, HEAD_DIM)
+    counts = (torch.arange(8)[None] + 150 + 7 * torch.arange(rows)[:, None]).to(torch.int32).contiguous()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         together = kernels.attend_cached(q, keys, values, counts, isa=isa)
-        for r in range(3):
+        for r in range(rows):
             for i in range(8):
                 alone = kernels.attend_cached(q[r : r + 1, :, i : i + 1].contiguous(), keys[r : r + 1], values[r : r + 1],
                                               counts[r : r + 1, i : i + 1].contiguous(), isa=isa)
