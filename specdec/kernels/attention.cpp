@@ -117,9 +117,9 @@ struct Heads {
     // Asked for while the scores of the slots j0 .. j0 + 15 are computed: the cache lines of the
     // values of these 16 slots and of the keys of the next 16, running on into the next query's
     // keys. A query reads one key/value head's slots, short streams (a few KB each) that the
-    // hardware prefetcher picks up late, and stalls most at each one's start; asking ahead cut a
-    // 16-row step's attention by a quarter to a third and a one-token pass's by up to a quarter
-    // (benchmarks/attention_ab.py). Prefetches only: the arithmetic, and so the bits, are untouched.
+    // hardware prefetcher picks up late, and stalls most at each one's start, which many rows of
+    // short contexts make the common case (benchmarks/attention_ab.py measures it). Prefetches
+    // only: the arithmetic, and so the bits, are untouched.
     void prefetch(int64_t j0) const {
         if (!fetch_ahead) return;
         const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(T)), end = std::min<int64_t>(j0 + PREFETCH_SLOTS, n);

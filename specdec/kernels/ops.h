@@ -73,8 +73,8 @@ std::vector<at::Tensor> draft_distribution(const at::Tensor& logits, const at::T
 // forward.cpp. A matrix per layer, as its parts (one, or several stacked over their outputs).
 using LayerParts = std::vector<std::vector<at::Tensor>>;
 // The weights of a run of decoder layers, as `forward_layers` reads them (see there), checked and
-// gathered once: the backend keeps one per set of layers, so that a pass does not convert some
-// 330 tensors from Python lists (about 0.1 ms a call, a twenty-fifth of a plain step).
+// gathered once: the backend keeps one per set of layers, so that a pass does not convert every
+// layer's tensors from Python lists again (pybind11 converts a list element by element).
 struct LayerWeights {
     LayerWeights(std::vector<at::Tensor> attn_norm, LayerParts qkv, std::vector<at::Tensor> qkv_bias,
                  std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm, LayerParts o,
