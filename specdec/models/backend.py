@@ -65,6 +65,7 @@ class Backend(Protocol):
         last_only: bool = False,
         hidden: bool = False,
         hidden_layers: Sequence[int] = (),
+        last_logits: int | None = None,
     ) -> ForwardOutput:
         """Append `input_ids` [rows, new] at `positions` [rows, new] to `cache` and return the
         new tokens' outputs.
@@ -72,6 +73,8 @@ class Backend(Protocol):
         mask: [rows, 1, new, cached + new] bool, True = attend; None means causal over
         everything cached (a single row whose cache holds no holes).
         layers: run only these decoder layers (ascending), then the final norm and LM head.
+        last_logits: logits (and `hidden`) for the last this many new tokens only (last_only: 1);
+        `hidden_layers` still give every token.
         """
 
     def weight_bytes(self) -> int:
@@ -94,6 +97,15 @@ def kv_bytes_per_token(backend: Backend, layers: Sequence[int] | None = None) ->
     """KV cache bytes one token costs across `layers` (all by default): keys and values."""
     count = backend.num_layers if layers is None else len(layers)
     return 2 * count * backend.kv_heads * backend.head_dim * torch.finfo(backend.kv_dtype).bits // 8
+
+
+def logits_kept(new: int, last_only: bool, last_logits: int | None) -> int:
+    """How many of a pass's `new` tokens get logits (forward's `last_only` and `last_logits`)."""
+    if last_logits is None:
+        return 1 if last_only else new
+    if last_only or not 1 <= last_logits <= new:
+        raise ValueError(f"last_logits must be 1..{new} (the pass's new tokens), without last_only; got {last_logits}")
+    return last_logits
 
 
 def causal_mask(cached: int, new: int, device: torch.device) -> torch.Tensor:

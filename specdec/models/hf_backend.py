@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from specdec.models.backend import ForwardOutput, kv_bytes_per_token
+from specdec.models.backend import ForwardOutput, kv_bytes_per_token, logits_kept
 
 
 class HFBackend:
@@ -73,10 +73,13 @@ class HFBackend:
         last_only: bool = False,
         hidden: bool = False,
         hidden_layers: Sequence[int] = (),
+        last_logits: int | None = None,
     ) -> ForwardOutput:
+        new = input_ids.shape[1]
+        keep = logits_kept(new, last_only, last_logits)
         mask = self._model_mask(mask)
         if layers is not None:
-            return self._forward_layers(cache, input_ids, positions, mask, layers, last_only, hidden, hidden_layers)
+            return self._forward_layers(cache, input_ids, positions, mask, layers, keep, hidden, hidden_layers)
         states: dict[int, torch.Tensor] = {}
         # A hook reads each asked-for layer's output (transformers' own hidden_states give the
         # last layer's after the final norm).
@@ -90,7 +93,7 @@ class HFBackend:
                 position_ids=positions,
                 cache=cache,
                 use_cache=True,
-                logits_to_keep=1 if last_only else 0,
+                logits_to_keep=0 if keep == new else keep,
                 output_hidden_states=hidden,
             )
         finally:
@@ -98,10 +101,10 @@ class HFBackend:
                 hook.remove()
         normed = None
         if hidden:
-            normed = out.hidden_states[-1][:, -1:] if last_only else out.hidden_states[-1]
+            normed = out.hidden_states[-1][:, new - keep :]
         return ForwardOutput(logits=out.logits.float(), hidden=normed, layer_states=states or None)
 
-    def _forward_layers(self, cache, input_ids, positions, mask, layers, last_only, hidden, hidden_layers) -> ForwardOutput:
+    def _forward_layers(self, cache, input_ids, positions, mask, layers, keep, hidden, hidden_layers) -> ForwardOutput:
         """The decoder stack over `layers` only; the same modules and arithmetic as the full
         model, so keeping every layer reproduces it."""
         base = self.model.model
@@ -122,8 +125,7 @@ class HFBackend:
             )
             if index in hidden_layers:
                 states[index] = x
-        if last_only:
-            x = x[:, -1:]
-        normed = base.norm(x)  # [rows, new, hidden]
-        logits = self.model.lm_head(normed).float()  # [rows, new or 1, vocab]
+        x = x[:, x.shape[1] - keep :]
+        normed = base.norm(x)  # [rows, keep, hidden]
+        logits = self.model.lm_head(normed).float()  # [rows, keep, vocab]
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)

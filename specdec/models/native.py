@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdec import kernels
 from specdec.errors import ModelLoadError
-from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_token
+from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_token, logits_kept
 from specdec.models.batch_cache import BatchCacheLayer
 from specdec.models.cache import PreallocatedLayer
 from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, Embedding, PackedLinear, RawWeight, StackedLinear
@@ -404,8 +404,10 @@ class NativeBackend:
         last_only: bool = False,
         hidden: bool = False,
         hidden_layers: Sequence[int] = (),
+        last_logits: int | None = None,
     ) -> ForwardOutput:
         rows, new = input_ids.shape
+        keep = logits_kept(new, last_only, last_logits)
         cached = cache.layers[(layers or [0])[0]].get_seq_length()  # before this pass writes
         ids = list(range(self.num_layers) if layers is None else layers)
         # Per sliding window among these layers (Gemma 3 has two kinds), what each query sees.
@@ -441,10 +443,8 @@ class NativeBackend:
                     x = x + self._norm(layer.down(h).float(), layer.post_mlp_norm)
                 if index in hidden_layers:
                     states[index] = x.view(rows, new, -1)
-        x = x.view(rows, new, -1)
-        if last_only:
-            x = x[:, -1:]
-        normed = self._norm(x, self.norm)  # [rows, new or 1, hidden]
+        x = x.view(rows, new, -1)[:, new - keep :]
+        normed = self._norm(x, self.norm)  # [rows, keep, hidden]
         logits = self.lm_head(normed.view(-1, self.hidden_size)).float().view(rows, -1, self.vocab_size)
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layer_states=states or None)
 

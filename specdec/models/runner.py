@@ -44,20 +44,21 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self, cache: PreallocatedCache, tokens: list[int], *, last_only: bool = False, hidden: bool = False,
-        hidden_layers: Sequence[int] = (),
+        hidden_layers: Sequence[int] = (), last_logits: int | None = None,
     ) -> ForwardOutput:
         """Append `tokens` to the cache and return their logits [new or 1, vocab] (float32) and,
         when asked, the final normed hidden states [new or 1, hidden] and the outputs of
         `hidden_layers` ({layer: [new, hidden]}, every token even with last_only).
 
-        last_only: compute logits for the last token only (prefill needs no more).
+        last_only: compute logits for the last token only (prefill needs no more); last_logits: for
+        the last this many.
         """
         if not tokens:
             raise ValueError("forward needs at least one token")
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, new]
         positions = torch.arange(cache.length, cache.length + len(tokens), device=self.device)[None]  # [1, new]
         out = self.backend.forward(cache, input_ids, positions, None, layers=self.layers, last_only=last_only,
-                                   hidden=hidden, hidden_layers=hidden_layers)
+                                   hidden=hidden, hidden_layers=hidden_layers, last_logits=last_logits)
         states = {i: state[0] for i, state in out.layer_states.items()} if out.layer_states else None
         return ForwardOutput(logits=out.logits[0], hidden=out.hidden[0] if out.hidden is not None else None,
                              layer_states=states)

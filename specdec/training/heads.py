@@ -239,19 +239,43 @@ class TargetView:
                 "draft_vocab": hashlib.sha1(draft_ids.cpu().numpy().astype(np.int64).tobytes()).hexdigest()[:16],
                 "top": min(top, len(draft_ids))}
 
-    def __call__(self, ids: list[int]) -> TargetSample:
-        key = ViewStore.key(ids) if self.store is not None else ""
-        if self.store is not None and key in self.store:
+    def stored(self, ids: list[int], start: int = 0) -> str | None:
+        """The store's key of a view of `ids` that serves rows from `start` on, if it holds one:
+        a whole view serves any start; one made from a start serves that start only."""
+        if self.store is None:
+            return None
+        whole = ViewStore.key(ids)
+        if whole in self.store:
+            return whole
+        partial = f"{whole}@{start}"
+        return partial if start and partial in self.store else None
+
+    def __call__(self, ids: list[int], start: int = 0) -> TargetSample:
+        """The view of `ids`. With `start`, the target's distributions are made for rows start ..
+        only (the rows a loss counted from there reads; the LM head and the distributions skip
+        the prompt), the rows before it filled with zeros and a top token of -1; the features
+        are every row's."""
+        if not 0 <= start <= max(0, len(ids) - 2):
+            raise ValueError(f"start {start} is past the last row of a {len(ids)}-token view")
+        key = self.stored(ids, start)
+        if key is not None:
             return self.store.get(key)
+        rows = len(ids) - 1
         with torch.inference_mode():
-            out = self.runner.forward(self.runner.new_cache(len(ids)), ids, hidden_layers=self.layers)
+            out = self.runner.forward(self.runner.new_cache(len(ids)), ids, hidden_layers=self.layers,
+                                      last_logits=rows - start)
             features = torch.cat([out.layer_states[i] for i in self.layers], dim=-1)[:-1]  # positions 0 .. len - 2
-            logits = out.logits[1:].float()  # positions 1 .. len - 1: the distribution of the token after next
+            # positions start + 1 .. len - 1: the distribution of the token after next for rows start ..
+            logits = out.logits[-(rows - start):].float()
             top, index, values = draft_distribution(logits, self.draft_ids, self.top)
+            if start:
+                top = torch.cat([top.new_full((start,), -1), top])
+                index = torch.cat([index.new_zeros(start, index.shape[1]), index])
+                values = torch.cat([values.new_zeros(start, values.shape[1]), values])
             sample = TargetSample(features.to(torch.bfloat16).cpu(), index.cpu(), values.to(torch.bfloat16).cpu(),
                                   top.cpu())
         if self.store is not None:
-            self.store.put(key, sample)
+            self.store.put(ViewStore.key(ids) + (f"@{start}" if start else ""), sample)
         return sample
 
 
@@ -259,6 +283,12 @@ def answer_start(record: dict) -> int:
     """The first position whose prediction (token t + 2) is an answer token: training and
     evaluation count these, what drafting will face (the prompt is context only)."""
     return max(0, len(record["prompt_ids"]) - 2) if record.get("answer_ids") else 0
+
+
+def counted_from(record: dict, ids: list[int], answers: bool) -> int:
+    """The first row of `ids` (the record's sequence) a loss counts: its answer's (`answer_start`)
+    where only answers count, else 0; never past the sequence's last row."""
+    return max(0, min(answer_start(record) if answers else 0, len(ids) - 2))
 
 
 def batch_losses(head: nn.Module, samples: list[TargetSample], sequences: list[list[int]], starts: list[int],
@@ -469,14 +499,16 @@ def train_head(
         return ((config.max_tokens is not None and progress.tokens >= config.max_tokens)
                 or (config.max_time is not None and progress.elapsed_s >= config.max_time))
 
-    # 1. The target's views, made once (the budget's clock runs: they are most of a first epoch).
+    # 1. The target's views, made once (the budget's clock runs: they are most of a first epoch),
+    #    each with the target's distributions from the first row its loss counts.
     sequences = [sequence(r) for r in train_ids]
-    for ids in sequences + [sequence(r) for r in validation]:
+    starts = [counted_from(r, ids, config.loss_on == "answers") for r, ids in zip(train_ids, sequences)]
+    for ids, first in [*zip(sequences, starts), *((sequence(r), counted_from(r, sequence(r), True)) for r in validation)]:
         if out_of_budget():
             break
-        if len(ids) >= 2 and ViewStore.key(ids) not in store:
+        if len(ids) >= 2 and view.stored(ids, first) is None:
             began = time.monotonic()
-            view(ids)
+            view(ids, first)
             progress.view_s += time.monotonic() - began
             progress.view_tokens += len(ids)
             on_progress(progress)
@@ -499,11 +531,10 @@ def train_head(
         chosen = [usable[i] for i in batches[progress.cursor]]
         progress.cursor += 1
         ids = [sequences[i] for i in chosen]
-        starts = [min(answer_start(train_ids[i]) if config.loss_on == "answers" else 0, len(sequences[i]) - 2)
-                  for i in chosen]
+        firsts = [starts[i] for i in chosen]
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            results = batch_losses(head, [view(s) for s in ids], ids, starts, config.ttt_steps)
+            results = batch_losses(head, [view(s, f) for s, f in zip(ids, firsts)], ids, firsts, config.ttt_steps)
             loss = sum(w * r[0] for w, r in zip(weights, results))
         loss.backward()
         for group in optimizer.param_groups:
@@ -572,11 +603,11 @@ def evaluate(head: nn.Module, view: TargetView, sequences: list[tuple[list[int],
     answer positions of held-out records."""
     positions = head.draft_positions(depth)
     correct, counted = [0] * positions, [0] * positions
-    usable = [(ids, min(start, len(ids) - 2)) for ids, start in sequences if len(ids) >= positions + 2]
+    usable = [(ids, max(0, min(start, len(ids) - 2))) for ids, start in sequences if len(ids) >= positions + 2]
     for begin in range(0, len(usable), batch):
         part = usable[begin : begin + batch]
         with torch.autocast(head.draft_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
-            results = batch_losses(head, [view(ids) for ids, _ in part], [ids for ids, _ in part],
+            results = batch_losses(head, [view(ids, start) for ids, start in part], [ids for ids, _ in part],
                                    [start for _, start in part], depth)
         for j, (_, c, n) in enumerate(results):
             correct[j] += c

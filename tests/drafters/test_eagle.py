@@ -17,7 +17,7 @@ from specdec.drafters.eagle_unroll import ttt_forward
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
 from specdec.errors import ConfigError
-from specdec.models import LoadedModel
+from specdec.models import LoadedModel, ModelRunner
 from specdec.sampling.penalties import tree_paths
 from specdec.training.heads import Progress, TargetView, TrainConfig, evaluate, learning_rate, new_head, train_head
 
@@ -382,6 +382,57 @@ def test_view_store_reads_back_what_it_made_and_survives_a_kill(tiny_native: Loa
     torch.testing.assert_close(again.values.float(), probs.topk(16, dim=-1).values, rtol=1e-2, atol=1e-3)
     with pytest.raises(ConfigError, match="draft_vocab, draft_vocab_size"):
         ViewStore(tmp_path, TargetView.meta(tiny_native, layers, head.draft_ids[:100], 16))
+
+
+def test_a_view_from_a_start_skips_the_prompts_distributions(tiny_any: LoadedModel, tmp_path) -> None:
+    from specdec.training.heads import ViewStore
+
+    head = random_head(tiny_any, 256)
+    layers = head.config.target_layers
+    meta = TargetView.meta(tiny_any, layers, head.draft_ids, 16)
+    view = TargetView(tiny_any, layers, head.draft_ids, 16, ViewStore(tmp_path, meta))
+    ids, start = list(range(40, 70)), 11
+    part = view(ids, start)
+    whole = TargetView(tiny_any, layers, head.draft_ids, 16)(ids)
+    # The rows it made are the whole view's (to rounding: a float32 LM head over fewer rows; the
+    # quantized formats' kernels give the same bits, test_views_from_a_start_are_bitwise_the_whole_ones).
+    torch.testing.assert_close(part.values[start:].float(), whole.values[start:].float())
+    assert torch.equal(part.features, whole.features)
+    assert part.top.shape == whole.top.shape and bool((part.top[:start] == -1).all())
+    assert not part.values[:start].any()
+    # Stored under its start: it serves that start, never a view counted from earlier rows.
+    assert view.stored(ids, start) is not None and view.stored(ids) is None and view.stored(ids, 5) is None
+    # A whole view serves every start.
+    view(ids)
+    assert view.stored(ids, 5) == view.stored(ids) == ViewStore.key(ids)
+    with pytest.raises(ValueError, match="past the last row"):
+        view(ids, 29)
+
+
+def test_forward_gives_logits_for_the_last_tokens_asked(tiny_any: LoadedModel) -> None:
+    runner = ModelRunner(tiny_any)
+    ids = list(range(30, 50))
+    full = runner.forward(runner.new_cache(len(ids)), ids, hidden=True)
+    last = runner.forward(runner.new_cache(len(ids)), ids, hidden=True, last_logits=7)
+    assert last.logits.shape == (7, full.logits.shape[1]) and last.hidden.shape[0] == 7
+    torch.testing.assert_close(last.logits, full.logits[-7:])
+    torch.testing.assert_close(last.hidden, full.hidden[-7:])
+    for bad in (0, 21):
+        with pytest.raises(ValueError, match="last_logits"):
+            runner.forward(runner.new_cache(len(ids)), ids, last_logits=bad)
+    with pytest.raises(ValueError, match="last_logits"):
+        runner.forward(runner.new_cache(len(ids)), ids, last_only=True, last_logits=1)
+
+
+def test_views_from_a_start_are_bitwise_the_whole_ones(default_model: LoadedModel) -> None:
+    """On the default model's formats (q4 layers, a q8 LM head: row-invariant kernels), a view
+    made from a start is bitwise the whole view's rows from there on: training reads the same."""
+    head = random_head(default_model, 1024)
+    view = TargetView(default_model, head.config.target_layers, head.draft_ids)
+    ids = default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because it was late for work.")
+    whole, part = view(ids), view(ids, 6)
+    for name in ("features", "index", "values", "top"):
+        assert torch.equal(getattr(part, name)[6:], getattr(whole, name)[6:]), name
 
 
 def test_loss_counts_answer_positions_only(tiny_native: LoadedModel) -> None:
