@@ -145,7 +145,7 @@ at::Tensor half_matmul(const at::Tensor& x, const at::Tensor& w, int64_t out_fea
                       : avx2_tile(n, wide, std::make_integer_sequence<int, 2>{});
     };
     const int64_t units = (out_features + UNIT - 1) / UNIT;
-    specdec::parallel_chunks(units, 1, [&](int64_t begin, int64_t end) {
+    specdec::parallel_runs(units, [&](int64_t begin, int64_t end) {
         for (int64_t u = begin; u < end; ++u) {
             const int64_t c_end = std::min(out_features, (u + 1) * UNIT);
             for (int64_t row = 0; row < rows; row += max_rows) {

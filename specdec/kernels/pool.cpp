@@ -179,4 +179,14 @@ void parallel_chunks(int64_t n, int64_t grain, const Body& body) {
     Pool::get().run(n, chunk, threads, body);
 }
 
+void parallel_runs(int64_t n, const Body& body) {
+    // A product's weights stream from memory, and a stream takes a while to reach full speed
+    // (the hardware prefetcher locks on after a few misses; software prefetching starts a few
+    // records in): chunks dealt out one by one start a stream at every chunk and leave the last
+    // ones' tails unbalanced. A thread preempted before it claims its run still leaves it to the
+    // others.
+    const int64_t threads = kernel_threads();
+    parallel_chunks(n, (n + threads - 1) / threads, body);
+}
+
 }  // namespace specdec

@@ -13,6 +13,10 @@ using Body = std::function<void(int64_t begin, int64_t end)>;
 // rethrows the first exception a chunk threw. A chunk is whatever thread claims it first.
 void parallel_chunks(int64_t n, int64_t grain, const Body& body);
 
+// body over [0, n) as one contiguous run of items per thread, claimed as parallel_chunks' chunks
+// are: for a product's weight units, which each thread then reads as one stream.
+void parallel_runs(int64_t n, const Body& body);
+
 // The threads a kernel call uses: torch's intra-op thread count as the calling thread sees it
 // (torch.set_num_threads, the server's --threads).
 int kernel_threads();

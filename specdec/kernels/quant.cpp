@@ -525,7 +525,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     // prefill's rows would leave a line of each row half written. A nibble unit that several AMX
     // tiles read is split into bytes once a group.
     const bool split = amx_panels > 1 && q4 && !q5;
-    specdec::parallel_chunks(units, 1, [&](int64_t begin, int64_t end) {
+    specdec::parallel_runs(units, [&](int64_t begin, int64_t end) {
         if (amx) specdec::amx_begin();
         thread_local std::vector<uint8_t> bytes;
         if (split) bytes.resize(G * QK * NC);

@@ -402,7 +402,7 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
         row += size;
     }
     constexpr int GROUP = BLOCK_UNITS;
-    specdec::parallel_chunks((units + GROUP - 1) / GROUP, 1, [&](int64_t begin, int64_t end) {
+    specdec::parallel_runs((units + GROUP - 1) / GROUP, [&](int64_t begin, int64_t end) {
         if (amx_rows) specdec::amx_begin_r8();
         alignas(64) int32_t sums[GROUP][specdec::AMX_ROWS * NC];
         for (int64_t g = begin; g < end; ++g) {
