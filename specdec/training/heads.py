@@ -255,7 +255,9 @@ class TargetView:
         only (the rows a loss counted from there reads; the LM head and the distributions skip
         the prompt), the rows before it filled with zeros and a top token of -1; the features
         are every row's."""
-        if not 0 <= start <= max(0, len(ids) - 2):
+        if len(ids) < 2:
+            raise ValueError("a view needs at least 2 tokens (its rows predict the token after next)")
+        if not 0 <= start <= len(ids) - 2:
             raise ValueError(f"start {start} is past the last row of a {len(ids)}-token view")
         key = self.stored(ids, start)
         if key is not None:

@@ -407,6 +407,8 @@ def test_a_view_from_a_start_skips_the_prompts_distributions(tiny_any: LoadedMod
     assert view.stored(ids, 5) == view.stored(ids) == ViewStore.key(ids)
     with pytest.raises(ValueError, match="past the last row"):
         view(ids, 29)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        view([5])
 
 
 def test_forward_gives_logits_for_the_last_tokens_asked(tiny_any: LoadedModel) -> None:
