@@ -9,6 +9,10 @@ machine state; only one of them computes at a time. Each pair must give the same
 token count. It reports tokens/s of each (all output tokens / the summed request times, first
 token included) and their ratio. Greedy decoding; Spec-Bench first turns in file order.
 
+It also reads each request a second time with a bare client (`httpx`, the SSE lines parsed with
+`json`) that builds none of the `openai` client's objects: the client runs on the same cores as
+the server, so the difference between the two server columns is the client's own cost.
+
 `--threads` sets torch's intra-op threads of both: the server's scheduler thread (`serve
 --threads`) and this process. Without it both keep torch's default (one per core).
 
@@ -26,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 import specdec  # noqa: F401  before torch, as the CLI: it sets libgomp's spin before torch loads it
@@ -81,6 +86,25 @@ def via_server(client: openai.OpenAI, route: str, prompt: str, max_tokens: int) 
     return time.perf_counter() - start, tokens, text
 
 
+def via_bare_client(http: httpx.Client, url: str, route: str, prompt: str, max_tokens: int) -> tuple[float, int, str]:
+    """The same request read as plain SSE lines, each chunk parsed with `json` only."""
+    body = {"model": route, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    tokens, text = 0, ""
+    with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                text += chunk["choices"][0]["delta"]["content"]
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return time.perf_counter() - start, tokens, text
+
+
 def via_library(llm: LLM, speculate: bool, prompt: str, max_tokens: int) -> tuple[float, int, str]:
     """(seconds, output tokens, text) of the same chat through the library."""
     for engine in (llm.engine, llm.plain_engine):
@@ -109,18 +133,21 @@ def main(argv: list[str] | None = None) -> None:
     process, url = start_server(args)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        http = httpx.Client(timeout=600)
         llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
         via_server(client, "spec-off", prompts[0], 4)  # warm-up, both sides
         via_library(llm, False, prompts[0], 4)
         threads = {"server": server_threads(url), "library": torch.get_num_threads()}
-        totals = {(side, mode): [0.0, 0] for side in ("server", "library") for mode in MODES}
+        sides = ("server", "server_bare_client", "library")
+        totals = {(side, mode): [0.0, 0] for side in sides for mode in MODES}
         for mode, (route, speculate) in MODES.items():
             for prompt in prompts:
                 served = via_server(client, route, prompt, args.max_tokens)
+                bare = via_bare_client(http, url, route, prompt, args.max_tokens)
                 generated = via_library(llm, speculate, prompt, args.max_tokens)
-                if served[1:] != generated[1:]:
+                if not served[1:] == bare[1:] == generated[1:]:
                     raise SystemExit(f"{mode}: the server and the library differ on {prompt[:60]!r}")
-                for side, (seconds, tokens, _) in (("server", served), ("library", generated)):
+                for side, (seconds, tokens, _) in zip(sides, (served, bare, generated)):
                     totals[side, mode][0] += seconds
                     totals[side, mode][1] += tokens
     finally:
@@ -129,12 +156,15 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for mode in MODES:
-        rates = {side: totals[side, mode][1] / totals[side, mode][0] for side in ("server", "library")}
+        rates = {side: totals[side, mode][1] / totals[side, mode][0] for side in sides}
         rows.append({"mode": mode, "tokens": totals["server", mode][1],
                      "library_tokens_per_s": round(rates["library"], 2), "server_tokens_per_s": round(rates["server"], 2),
-                     "ratio": round(rates["server"] / rates["library"], 3)})
+                     "ratio": round(rates["server"] / rates["library"], 3),
+                     "server_bare_client_tokens_per_s": round(rates["server_bare_client"], 2),
+                     "bare_client_ratio": round(rates["server_bare_client"] / rates["library"], 3)})
         print(f"{mode:<6} library {rates['library']:6.1f} tok/s   server {rates['server']:6.1f} tok/s   "
-              f"server/library {rates['server'] / rates['library']:.3f}")
+              f"server/library {rates['server'] / rates['library']:.3f}   with a bare client "
+              f"{rates['server_bare_client']:6.1f} tok/s ({rates['server_bare_client'] / rates['library']:.3f})")
     if args.json is not None:
         meta = {"data": str(args.data), "prompts": len(prompts), "max_tokens": args.max_tokens, "k": args.k,
                 "threads": threads}
