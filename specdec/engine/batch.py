@@ -361,7 +361,7 @@ class BatchEngine:
 
         # 4. Commit: a row keeps its fed token and accepted drafts; its length forgets the rest.
         #    Committed token j was chosen at new-token offset ([0] + kept)[j].
-        self.cache.commit(new, torch.tensor([1 + len(row.offsets) for row in accepted]))
+        self.cache.commit(new, [1 + len(row.offsets) for row in accepted])
         # The step's CPU time (drafting, the pass, acceptance) in equal shares: every row fed the
         # pass the same padded width.
         cpu_share = (time.process_time() - cpu_start) / len(seqs)

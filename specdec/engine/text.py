@@ -42,8 +42,14 @@ class TextAssembler:
         self.text = ""  # the whole output text so far (stop string excluded)
         self.emitted = 0  # characters of self.text already returned as deltas
         self._special = set(tokenizer.all_special_ids)
+        # A fast tokenizer that cleans up no spaces decodes as its `tokenizers` backend does:
+        # called directly, without transformers' conversions around it (two decodes a step).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _joins(self, token: int) -> bool:

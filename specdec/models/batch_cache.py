@@ -18,6 +18,8 @@ last row moves into the slot of one that left, keeping rows contiguous) and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -100,6 +102,9 @@ class BatchCache(Cache):
         self.rows = 0
         self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)  # [max_rows]
         self._index: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # write_index, per step
+        # The mask step_inputs last returned and each query's visible count under it, while no
+        # tree has changed it (prefix_counts).
+        self._prefix: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def for_backend(cls, backend: Backend, max_rows: int, capacity: int) -> BatchCache:
@@ -192,9 +197,17 @@ class BatchCache(Cache):
         rows = self.rows
         positions = self.lengths[:rows, None] + torch.arange(new, device=self.device)  # [rows, new]
         slots = torch.arange(self.span(new), device=self.device)  # [span]
-        mask = slots[None, None, :] <= positions[:, :, None]  # [rows, new, span]
+        mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [rows, 1, new, span]
         self.write_index(new)
-        return positions, mask[:, None]
+        self._prefix = (mask, (positions + 1).to(torch.int32))
+        return positions, mask
+
+    def prefix_counts(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """[rows, new] int32: how many slots each query sees, where `mask` is the one
+        :meth:`step_inputs` returned and no tree changed it (every query then sees a prefix of its
+        row, through itself); else None. What a backend would count from the mask, without the
+        counting."""
+        return self._prefix[1] if self._prefix is not None and self._prefix[0] is mask else None
 
     def tree_inputs(self, positions: torch.Tensor, mask: torch.Tensor, row: int, depths: list[int],
                     ancestors: torch.Tensor) -> None:
@@ -203,6 +216,7 @@ class BatchCache(Cache):
         length + depths[i], and the tree's nodes see only their ancestors among the new slots.
         positions: [rows, new]; mask: [rows, 1, new, span], changed in place; ancestors:
         [1 + n, 1 + n] (TokenTree.ancestors_mask)."""
+        self._prefix = None  # the mask is no longer every query's prefix
         n = len(depths)
         length = int(self.lengths[row])
         positions[row, 1 : 1 + n] = length + torch.tensor(depths, device=positions.device)
@@ -223,11 +237,13 @@ class BatchCache(Cache):
                 key_buf[row, :, length + j] = key_buf[row, :, length + offset]
                 value_buf[row, :, length + j] = value_buf[row, :, length + offset]
 
-    def commit(self, new: int, keep: torch.Tensor) -> None:
+    def commit(self, new: int, keep: Sequence[int] | torch.Tensor) -> None:
         """After a forward pass over `new` tokens per row: row i keeps the first keep[i] of them
-        (the fed token and its accepted drafts); the rest are forgotten by its length. keep: [rows]."""
+        (the fed token and its accepted drafts); the rest are forgotten by its length. keep: one
+        count per row."""
         rows = self.rows
-        if keep.shape != (rows,) or bool((keep < 0).any()) or bool((keep > new).any()):
-            raise ValueError(f"keep must be [{rows}] with values in 0..{new}, got {keep.tolist()}")
-        self.lengths[:rows] += keep.to(self.lengths.device)
-        self._index = None
+        counts = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
+        if len(counts) != rows or not all(isinstance(c, int) and 0 <= c <= new for c in counts):
+            raise ValueError(f"keep must be {rows} counts in 0..{new}, got {counts}")
+        self.lengths[:rows] += torch.tensor(counts, dtype=self.lengths.dtype, device=self.lengths.device)
+        self._index = self._prefix = None

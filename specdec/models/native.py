@@ -33,7 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from specdec import kernels
 from specdec.errors import ModelLoadError
 from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_token, logits_kept
-from specdec.models.batch_cache import BatchCacheLayer
+from specdec.models.batch_cache import BatchCache, BatchCacheLayer
 from specdec.models.cache import PreallocatedLayer
 from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, Embedding, PackedLinear, RawWeight, StackedLinear
 
@@ -411,7 +411,9 @@ class NativeBackend:
         cached = cache.layers[(layers or [0])[0]].get_seq_length()  # before this pass writes
         ids = list(range(self.num_layers) if layers is None else layers)
         # Per sliding window among these layers (Gemma 3 has two kinds), what each query sees.
-        views = {window: self._view(mask, cached, new, positions, window) for window in {self.windows[i] for i in ids}}
+        prefix = cache.prefix_counts(mask) if isinstance(cache, BatchCache) else None
+        views = {window: self._view(mask, cached, new, positions, window, prefix)
+                 for window in {self.windows[i] for i in ids}}
         x = self.embed(input_ids).view(rows * new, -1)  # [rows * new, hidden] float32
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -464,11 +466,15 @@ class NativeBackend:
         return self._run_cuts[tuple(ids)]
 
     def _view(self, mask: torch.Tensor | None, cached: int, new: int, positions: torch.Tensor,
-              window: int | None) -> tuple[torch.Tensor | None, Visible | None]:
+              window: int | None, prefix: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Visible | None]:
         """What the pass's queries see in layers with this sliding window: per query slots for the
-        kernels' attention (and PyTorch's per query), else a mask (a long block without kernels)."""
+        kernels' attention (and PyTorch's per query), else a mask (a long block without kernels).
+        prefix: each query's count where the mask is known to show every query a prefix (the
+        batch cache's, `BatchCache.prefix_counts`): what `visible_slots` would count from it."""
         if window is not None and cached + new > window:
-            mask = self._windowed(mask, cached, new, positions, window)
+            mask, prefix = self._windowed(mask, cached, new, positions, window), None
+        if prefix is not None and (new <= PER_QUERY_MAX or self.fused):
+            return None, Visible(prefix, None)
         visible = visible_slots(mask, cached, new, long_blocks=self.fused)
         if visible is not None:
             return None, visible

@@ -116,6 +116,17 @@ def test_text_is_always_the_whole_outputs_decode(kind: str, tokenizer) -> None:
             assert streamed + text.finish() == text.text
 
 
+def test_decodes_through_the_backend_unless_transformers_cleans_up(tokenizer) -> None:
+    assert TextAssembler(tokenizer)._backend is not None  # the default model's: no clean-up
+    cleaning = _sentencepiece_like()
+    cleaning.clean_up_tokenization_spaces = True
+    assert TextAssembler(cleaning)._backend is None
+    added = [cleaning.convert_tokens_to_ids("▁ok"), 3 + ord("a"), cleaning.eos_token_id, 3 + ord("b")]
+    text = TextAssembler(cleaning)
+    text.add(added)
+    assert text.text == cleaning.decode(added, skip_special_tokens=True)
+
+
 def test_a_run_of_byte_pieces_is_decoded_whole() -> None:
     # A run of byte pieces longer than the window, then an invalid byte: the whole run turns into
     # replacement characters, text before the window included.

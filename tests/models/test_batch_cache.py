@@ -100,8 +100,29 @@ def test_commit_and_insert_check_their_arguments(tiny_any: LoadedModel) -> None:
         cache.insert_row(_prefilled(tiny_any, [3])[1])
     with pytest.raises(ValueError, match="keep must be"):
         cache.commit(2, torch.tensor([3]))
+    for bad in ([3], [-1], [1, 1], [1.0]):
+        with pytest.raises(ValueError, match="keep must be"):
+            cache.commit(2, bad)
     with pytest.raises(ValueError, match="no active row"):
         cache.remove_row(1)
+
+
+def test_prefix_counts_are_what_the_steps_mask_shows(tiny_native: LoadedModel) -> None:
+    from specdec.models.native import visible_slots
+
+    cache = BatchCache.for_backend(tiny_native.backend, max_rows=2, capacity=16)
+    cache.insert_row(_prefilled(tiny_native, [1, 2, 3])[1])
+    cache.insert_row(_prefilled(tiny_native, [4, 5])[1])
+    positions, mask = cache.step_inputs(3)
+    counts = cache.prefix_counts(mask)
+    assert counts is not None and torch.equal(counts, visible_slots(mask, 0, 3, long_blocks=True).counts)
+    assert cache.prefix_counts(mask.clone()) is None  # only the mask it made
+    # A tree changes the mask: its nodes see their ancestors only, no longer a prefix.
+    cache.tree_inputs(positions, mask, 0, [1, 1], torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
+    assert cache.prefix_counts(mask) is None
+    _, mask = cache.step_inputs(1)
+    cache.commit(1, [1, 1])
+    assert cache.prefix_counts(mask) is None  # a step's mask, not the next one's
 
 
 def test_bytes_per_token_counts_keys_and_values_of_every_layer(tiny_any: LoadedModel) -> None:
