@@ -139,7 +139,7 @@ class BatchCache(Cache):
     def clear(self) -> None:
         self.rows = 0
         self.lengths.zero_()
-        self._index = None
+        self._index = self._prefix = None
 
     # --- rows join and leave -------------------------------------------------------------
 
@@ -156,7 +156,7 @@ class BatchCache(Cache):
             value_buf[row, :, :n] = layer.values[0, :, :n]
         self.lengths[row] = n
         self.rows += 1
-        self._index = None
+        self._index = self._prefix = None
         return row
 
     def remove_row(self, row: int) -> int | None:
@@ -175,7 +175,7 @@ class BatchCache(Cache):
             moved = last
         self.lengths[last] = 0
         self.rows = last
-        self._index = None
+        self._index = self._prefix = None
         return moved
 
     def keys_values(self, start: int, end: int, row: int) -> torch.Tensor:
