@@ -149,12 +149,12 @@ struct Heads {
 
 template <int HG, typename T>
 __attribute__((target("avx2,fma,f16c")))
-void attend_heads(const Heads<HG, T>& it, int64_t head_dim, float scale, std::vector<float>& buffer) {
+void attend_heads(const Heads<HG, T>& it, float scale, std::vector<float>& buffer) {
     const int64_t stride = it.n + 8;  // room for a tail block's copies
     buffer.resize(static_cast<size_t>(HG * stride));
     float* scores[HG];
     for (int h = 0; h < HG; ++h) scores[h] = buffer.data() + h * stride;
-    const int64_t chunks = head_dim / 8;
+    const int64_t chunks = it.head_dim / 8;
 
     // 1. scores, 4 keys at a time: each key's dot product is 8-wide FMAs over the chunks in order,
     //    then the fixed tree ((0+1)+(2+3)) + ((4+5)+(6+7)) of its lanes, whatever its place in a
@@ -578,7 +578,7 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
                         for (int h = 0; h < HG; ++h) std::fill(it.out[h], it.out[h] + head_dim, 0.0f);
                     } else if (transposed) {
                         attend_heads_transposed<HG, T>(it, kt + (r * kv_heads + kvh) * kt_stride, fscale, buffer);
-                    } else if (!wide) attend_heads<HG, T>(it, head_dim, fscale, buffer);
+                    } else if (!wide) attend_heads<HG, T>(it, fscale, buffer);
                     else if (head_dim == 64) attend_heads_avx512<HG, 4, T>(it, fscale, buffer);
                     else attend_heads_avx512<HG, 8, T>(it, fscale, buffer);
                 };
