@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("isa"), py::arg("residual") = py::none());
     m.def("r8_matmul", &r8_matmul, "x [rows, in] float32 times r8 weights (+ residual) -> [rows, out] float32",
           py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("isa"), py::arg("residual") = py::none());
-    m.def("rotate_rows", &rotate_rows, "x [rows, in] float32 -> x R, the rotation of the r8 products");
+    m.def("rotate_rows", &rotate_rows, "x [rows, in] float32, isa -> x R, the rotation of the r8 products (on that path)");
     m.def("f16_matmul", &half_matmul, "x [rows, in] float32 times float16 weights [out, in] (+ residual) -> [rows, out] float32",
           py::arg("x"), py::arg("weight"), py::arg("out_features"), py::arg("isa"), py::arg("residual") = py::none());
     m.def("attend_cached", &attend_cached, "a few queries per row over the KV cache -> [rows, new, heads * head_dim]");

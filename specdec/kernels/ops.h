@@ -44,7 +44,7 @@ int64_t resolve_isa(int64_t isa);
 // given -> [rows, out] float32; and that rotation alone (x R, for tests).
 at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t isa,
                      const c10::optional<at::Tensor>& residual);
-at::Tensor rotate_rows(const at::Tensor& x);
+at::Tensor rotate_rows(const at::Tensor& x, int64_t isa);
 
 // half.cpp: x [rows, in] float32 times float16 weights [out, in] (+ residual) -> [rows, out] float32.
 at::Tensor half_matmul(const at::Tensor& x, const at::Tensor& w, int64_t out_features, int64_t isa,

@@ -51,7 +51,7 @@ constexpr int64_t PREFETCH_BYTES = 4096;
 
 // The signs of S: a fixed pattern (bit 7 of i times Knuth's multiplicative hash), the same as packing.py's.
 struct Signs {
-    alignas(32) float s[RB];
+    alignas(64) float s[RB];
     Signs() {
         for (int i = 0; i < RB; ++i) s[i] = ((static_cast<uint64_t>(i) * 2654435761ull) >> 7) & 1 ? 1.0f : -1.0f;
     }
@@ -123,6 +123,55 @@ void rotate_row(const float* x, int64_t K, const float* c, float* z, float* y) {
     }
 }
 
+// rotate_row 16 lanes wide (AVX-512): the same operations on every element in the same order (the
+// butterflies on bits 5 and 4 across vectors of 16, 3 to 0 within them; the blocks mixed with a
+// multiply and an add, never fused), so the same bits, in half the instructions.
+__attribute__((target("avx512f")))
+void rotate_row16(const float* x, int64_t K, const float* c, float* z, float* y) {
+    constexpr int64_t b = RB, vectors = b / 16;
+    const int64_t m = K / b;
+    const float* signs = SIGNS.s;
+    for (int64_t j = 0; j < m; ++j) {
+        float* zb = z + j * b;
+        __m512 v[vectors];
+        for (int64_t i = 0; i < vectors; ++i)
+            v[i] = _mm512_mul_ps(_mm512_loadu_ps(x + j * b + 16 * i), _mm512_load_ps(signs + 16 * i));
+        for (int64_t h = vectors / 2; h >= 1; h /= 2)
+            for (int64_t i = 0; i < vectors; ++i)
+                if (!(i & h)) {
+                    const __m512 p = v[i], q = v[i + h];
+                    v[i] = _mm512_add_ps(p, q);
+                    v[i + h] = _mm512_sub_ps(p, q);
+                }
+        for (int64_t i = 0; i < vectors; ++i) {
+            // lane l pairs with lane l ^ 8, ^ 4, ^ 2, ^ 1 in turn: the lower takes a + b, the upper
+            // s - v = a - b (s holds the lower's value in the upper's lane)
+            __m512 w = v[i];
+            __m512 s = _mm512_shuffle_f32x4(w, w, _MM_SHUFFLE(1, 0, 3, 2));
+            w = _mm512_mask_blend_ps(0xFF00, _mm512_add_ps(w, s), _mm512_sub_ps(s, w));
+            s = _mm512_shuffle_f32x4(w, w, _MM_SHUFFLE(2, 3, 0, 1));
+            w = _mm512_mask_blend_ps(0xF0F0, _mm512_add_ps(w, s), _mm512_sub_ps(s, w));
+            s = _mm512_permute_ps(w, 0x4E);
+            w = _mm512_mask_blend_ps(0xCCCC, _mm512_add_ps(w, s), _mm512_sub_ps(s, w));
+            s = _mm512_permute_ps(w, 0xB1);
+            w = _mm512_mask_blend_ps(0xAAAA, _mm512_add_ps(w, s), _mm512_sub_ps(s, w));
+            _mm512_storeu_ps(zb + 16 * i, w);
+        }
+    }
+    for (int64_t i = 0; i < m; ++i) {
+        const float* ci = c + i * m;
+        __m512 acc[vectors];
+        const __m512 c0 = _mm512_set1_ps(ci[0]);
+        for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm512_mul_ps(c0, _mm512_loadu_ps(z + 16 * v));
+        for (int64_t j = 1; j < m; ++j) {
+            const __m512 cj = _mm512_set1_ps(ci[j]);
+            for (int64_t v = 0; v < vectors; ++v)
+                acc[v] = _mm512_add_ps(acc[v], _mm512_mul_ps(cj, _mm512_loadu_ps(z + j * b + 16 * v)));
+        }
+        for (int64_t v = 0; v < vectors; ++v) _mm512_storeu_ps(y + i * b + 16 * v, acc[v]);
+    }
+}
+
 // One rotated row to int8: d = amax / 127, q = round(y * (1 / d)) half to even, and the sum of q.
 __attribute__((target("avx2,fma")))
 void quantize_row(const float* y, int64_t K, int8_t* q, float* d, int32_t* s) {
@@ -155,15 +204,20 @@ struct RotRows {
     int64_t rows, K;
 };
 
-void rotate_quantize(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s) {
+// The rotation for a path: 16 lanes wide where it runs AVX-512, else 8 (the same bits).
+using Rotation = void (*)(const float*, int64_t, const float*, float*, float*);
+Rotation rotation_for(bool wide) { return wide ? rotate_row16 : rotate_row; }
+
+void rotate_quantize(const float* x, int64_t rows, int64_t K, int8_t* q, float* d, int32_t* s, bool wide) {
     const std::vector<float>& c = dct(K / RB);
+    const Rotation rotate = rotation_for(wide);
     // A row costs about K (6 + K / 64) float operations: chunks of some 50 thousand.
     specdec::parallel_chunks(rows, std::max<int64_t>(1, 50000 / (K * (6 + K / RB))), [&](int64_t begin, int64_t end) {
         thread_local std::vector<float> z, y;
         z.resize(K);
         y.resize(K);
         for (int64_t r = begin; r < end; ++r) {
-            rotate_row(x + r * K, K, c.data(), z.data(), y.data());
+            rotate(x + r * K, K, c.data(), z.data(), y.data());
             quantize_row(y.data(), K, q + r * K, d + r, s + r);
         }
     });
@@ -347,7 +401,7 @@ Tile pick2(int rows, std::integer_sequence<int, T...>) {
 }  // namespace
 
 // x [rows, K] float32 -> x R [rows, K] (the rotation the r8 products apply; for tests).
-at::Tensor rotate_rows(const at::Tensor& x) {
+at::Tensor rotate_rows(const at::Tensor& x, int64_t isa) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, in] float32");
     const int64_t rows = x.size(0), K = x.size(1);
     TORCH_CHECK(K % RB == 0 && K > 0, "the r8 rotation needs inputs divisible by ", RB, ", got ", K);
@@ -355,8 +409,9 @@ at::Tensor rotate_rows(const at::Tensor& x) {
     auto y = at::empty({rows, K}, at::kFloat);
     const std::vector<float>& c = dct(K / RB);
     std::vector<float> z(K);
+    const Rotation rotate = rotation_for(resolve_isa(isa) != ISA_AVX2);
     for (int64_t r = 0; r < rows; ++r)
-        rotate_row(xc.data_ptr<float>() + r * K, K, c.data(), z.data(), y.data_ptr<float>() + r * K);
+        rotate(xc.data_ptr<float>() + r * K, K, c.data(), z.data(), y.data_ptr<float>() + r * K);
     return y;
 }
 
@@ -380,7 +435,7 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
     q_buf.resize(rows * K + (amx ? specdec::AMX_ROWS * K : 0));
     d_buf.resize(rows);
     s_buf.resize(rows);
-    rotate_quantize(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data());
+    rotate_quantize(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data(), isa != ISA_AVX2);
     auto out = at::empty({rows, out_features}, at::kFloat);
     at::Tensor res_c;  // the residual stream, added in the tiles' stores
     const float* res = residual_rows(residual, rows, out_features, res_c);
@@ -401,6 +456,8 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
         tiles.emplace_back(row, size);
         row += size;
     }
+    // Each thread's run of units (split by units, not groups: 36 units are 18 and 18, not 20 and
+    // 16) in groups of up to BLOCK_UNITS.
     constexpr int GROUP = BLOCK_UNITS;
     specdec::parallel_runs((units + GROUP - 1) / GROUP, [&](int64_t begin, int64_t end) {
         if (amx_rows) specdec::amx_begin_r8();
