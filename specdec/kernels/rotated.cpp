@@ -13,8 +13,8 @@
 // the default model's perplexity: benchmarks/results). The weights are stored rotated the other
 // way (W R^-T, packing.py), so x' W'^T = x W^T up to the quantization.
 //
-// Row invariance: the rotation is a fixed sequence of float32 adds and multiplies per element (AVX2
-// on every path), a row's integer sum is exact on every path (AMX, VNNI, AVX2), and its epilogue is
+// Row invariance: the rotation is a fixed sequence of float32 adds and multiplies per element (8
+// lanes at a time on the AVX2 path, 16 on the others, the same operations), a row's integer sum is exact on every path (AMX, VNNI, AVX2), and its epilogue is
 // out = float(sum) * w_scale * x_scale, + residual: a row's bits never depend on the rows, threads
 // or instruction set it runs with. reference.py's r8_matmul computes the same bits in PyTorch.
 //
