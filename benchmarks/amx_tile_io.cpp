@@ -29,7 +29,8 @@ struct alignas(64) Config {
     uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 
-#define LOAD(t, p, stride) asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(p), "r"(static_cast<long>(stride)) : "memory")
+#define LOAD(t, p, stride) \
+    asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(p), "r"(static_cast<long>(stride)) : "memory")
 #define STORE(t, p) asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p), "r"(64L) : "memory")
 #define ZERO(t) asm volatile("tilezero %%tmm" #t ::)
 #define DOT(c, a, b) asm volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)

@@ -14,9 +14,10 @@
 // way (W R^-T, packing.py), so x' W'^T = x W^T up to the quantization.
 //
 // Row invariance: the rotation is a fixed sequence of float32 adds and multiplies per element (8
-// lanes at a time on the AVX2 path, 16 on the others, the same operations), a row's integer sum is exact on every path (AMX, VNNI, AVX2), and its epilogue is
-// out = float(sum) * w_scale * x_scale, + residual: a row's bits never depend on the rows, threads
-// or instruction set it runs with. reference.py's r8_matmul computes the same bits in PyTorch.
+// lanes at a time on the AVX2 path, 16 on the others, the same operations), a row's integer sum
+// is exact on every path (AMX, VNNI, AVX2), and its epilogue is out = float(sum) * w_scale *
+// x_scale, + residual: a row's bits never depend on the rows, threads or instruction set it runs
+// with. reference.py's r8_matmul computes the same bits in PyTorch.
 //
 // Packed weights [units, K * 16 + 64] uint8 per unit of 16 columns: K / 4 lines of 64 bytes (line j:
 // inputs 4 j .. 4 j + 3 of column c at bytes 4 c .. 4 c + 3, as an AMX tile's B and vpdpbusd read
@@ -456,8 +457,6 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
         tiles.emplace_back(row, size);
         row += size;
     }
-    // Each thread's run of units (split by units, not groups: 36 units are 18 and 18, not 20 and
-    // 16) in groups of up to BLOCK_UNITS.
     constexpr int GROUP = BLOCK_UNITS;
     specdec::parallel_runs((units + GROUP - 1) / GROUP, [&](int64_t begin, int64_t end) {
         if (amx_rows) specdec::amx_begin_r8();
