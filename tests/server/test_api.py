@@ -131,12 +131,15 @@ def test_health_reports_memory_plan(server: ServerThread) -> None:
     assert memory["max_sequences"] == memory["cache_budget_bytes"] // memory["bytes_per_sequence"]
 
 
-def wait_for_abort(server: ServerThread, scheduler, key, count: float, seconds: float) -> bool:
-    """True once the abort count reaches `count` and no sequence runs (the scheduler frees the
-    sequence a moment before it counts the request, so both are polled), within `seconds`."""
+PLAIN_ABORTS = ("specdec_requests_total", (("finish_reason", "abort"), ("route", "plain")))
+
+
+def wait_for_abort(server: ServerThread, scheduler, count: float, seconds: float) -> bool:
+    """True once the plain route's abort count reaches `count` and no sequence runs (the scheduler
+    frees the sequence a moment before it counts the request, so both are polled), within `seconds`."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if scheduler.running == 0 and metrics(server).get(key, 0) == count:
+        if scheduler.running == 0 and metrics(server).get(PLAIN_ABORTS, 0) == count:
             return True
         time.sleep(0.05)
     return False
@@ -145,25 +148,23 @@ def wait_for_abort(server: ServerThread, scheduler, key, count: float, seconds: 
 def test_client_disconnect_frees_its_sequence(server: ServerThread) -> None:
     scheduler = server.server.config.app.state.specdec.scheduler
     body = {"model": "plain", "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
-    aborted = metrics(server).get(("specdec_requests_total", (("finish_reason", "abort"), ("route", "plain"))), 0)
+    aborted = metrics(server).get(PLAIN_ABORTS, 0)
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         next(lines)
         assert scheduler.running == 1
-    key = ("specdec_requests_total", (("finish_reason", "abort"), ("route", "plain")))
-    assert wait_for_abort(server, scheduler, key, aborted + 1, seconds=10)
+    assert wait_for_abort(server, scheduler, aborted + 1, seconds=10)
 
 
 def test_non_streaming_client_that_gives_up_frees_its_sequence(server: ServerThread) -> None:
     scheduler = server.server.config.app.state.specdec.scheduler
-    key = ("specdec_requests_total", (("finish_reason", "abort"), ("route", "plain")))
-    aborted = metrics(server).get(key, 0)
+    aborted = metrics(server).get(PLAIN_ABORTS, 0)
     body = {"model": "plain", "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True}  # ~10 s of generation
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
     # The handler checks for a disconnect every 0.5 s; on a busy machine the request may not even
     # have reached the scheduler when the client gives up, so wait for the count, not for `running`.
-    assert wait_for_abort(server, scheduler, key, aborted + 1, seconds=5)
+    assert wait_for_abort(server, scheduler, aborted + 1, seconds=5)
 
 
 def test_fields_newer_clients_send_are_taken_and_change_nothing(client: openai.OpenAI) -> None:
