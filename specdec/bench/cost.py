@@ -15,6 +15,8 @@ import torch
 from specdec.models.loader import LoadedModel
 from specdec.models.runner import ModelRunner
 
+WARM_PASSES = 3  # untimed passes of a size before each timed one (see step_costs)
+
 
 def step_costs(
     loaded: LoadedModel, sizes: list[int], context: int = 256, repeats: int = 15,
@@ -24,7 +26,11 @@ def step_costs(
     With `layers`, a pass of only those layers (a layer_skip draft); with `last_only`, logits
     for the last position alone (a draft's catch-up pass) instead of every one (verification).
 
-    Sizes are measured round-robin so that machine noise falls on all of them alike.
+    Sizes take turns round by round, so that machine noise falls on all of them alike, and each
+    is timed in its own steady state, as decoding runs: after WARM_PASSES untimed passes of its
+    size, the sizes of a round from the widest down. The passes after a wider one run slower for
+    a while (benchmarks/results, round 16): timed there, the plain step, the ratios'
+    denominator, is inflated and every wider pass looks cheaper than it is.
     """
     runner = ModelRunner(loaded, layers)
     cache = runner.new_cache(context + max(sizes) + 1)
@@ -34,8 +40,11 @@ def step_costs(
         runner.forward(cache, tokens[:context], last_only=True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats):
-        for n in sizes:
+        for n in sorted(sizes, reverse=True):
             block = tokens[context : context + n]
+            for _ in range(WARM_PASSES):
+                runner.forward(cache, block, last_only=last_only)
+                cache.rollback(context)
             start = time.perf_counter()
             runner.forward(cache, block, last_only=last_only)
             times[n].append(time.perf_counter() - start)

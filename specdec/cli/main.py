@@ -555,7 +555,8 @@ def costs(
     for one or more backends and weight formats.
 
     k drafted tokens cost one pass over k + 1 tokens: speculation pays while the tokens a step
-    commits outweigh that pass's cost relative to a plain step (1 token)."""
+    commits outweigh that pass's cost relative to a plain step (1 token). Each size is timed in
+    its steady state, after a few untimed passes of its own size, as decoding runs it."""
     from rich.table import Table
 
     from specdec.bench.cost import prefill_rates, step_costs
