@@ -4,8 +4,8 @@ First, 1-token passes one after another right after a 32-token pass and right af
 pass (the median of each position over `--rounds`). Then the curve of `specdec costs` measured
 two ways in one process, the ways taking turns round by round: timed as passes come (each size
 once a round, ascending, right after the previous size's pass and the first after the widest:
-how `specdec costs` timed them before round 16) and in steady state (`specdec.bench.cost`'s way: each size after WARM_PASSES
-untimed passes of its own, the widest first).
+how `specdec costs` timed them before round 16) and in steady state (`specdec.bench.cost`'s way:
+each size after WARM_PASSES untimed passes of its own, the widest first).
 
     python benchmarks/steady_costs.py --context 64 --sizes 1,2,4,8,16,32
 """
@@ -35,7 +35,8 @@ def main() -> None:
     runner = ModelRunner(loaded)
     widest = max(sizes + [32])
     cache = runner.new_cache(args.context + widest + 1)
-    tokens = torch.randint(0, loaded.vocab_size, (args.context + widest,), generator=torch.Generator().manual_seed(0)).tolist()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, loaded.vocab_size, (args.context + widest,), generator=generator).tolist()
     runner.forward(cache, tokens[: args.context], last_only=True)
 
     def timed(n: int) -> float:
@@ -66,7 +67,8 @@ def main() -> None:
     print("ms per pass (cost / plain step)")
     for way, times in ways.items():
         plain = statistics.median(times[sizes[0]])
-        cells = "  ".join(f"{n}: {statistics.median(t) * 1e3:.2f} ({statistics.median(t) / plain:.2f})" for n, t in times.items())
+        cells = "  ".join(f"{n}: {statistics.median(t) * 1e3:.2f} ({statistics.median(t) / plain:.2f})"
+                          for n, t in times.items())
         print(f"{way:15s} {cells}")
 
 

@@ -39,8 +39,9 @@ def step_costs(
     if context:
         runner.forward(cache, tokens[:context], last_only=True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    widest_first = sorted(sizes, reverse=True)
     for _ in range(repeats):
-        for n in sorted(sizes, reverse=True):
+        for n in widest_first:
             block = tokens[context : context + n]
             for _ in range(WARM_PASSES):
                 runner.forward(cache, block, last_only=last_only)
