@@ -33,6 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from specdec import kernels
 from specdec.errors import ModelLoadError
 from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_token, logits_kept
+from specdec.models import huge_pages
 from specdec.models.batch_cache import BatchCache, BatchCacheLayer
 from specdec.models.cache import PreallocatedLayer
 from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, Embedding, PackedLinear, RawWeight, StackedLinear
@@ -230,6 +231,7 @@ class NativeBackend:
             self.weight_format += f" (LM head {self.lm_head.fmt})"
         self.kernel_path = self._products_path()
         self.kv_dtype = self._choose_kv_dtype(kv_dtype)
+        self.huge_page_bytes = huge_pages.place(self._matrix_tensors())
         widened = getattr(self._weights, "widened", None)
         if widened:  # a GGUF file's types that no kernel takes yet (Q5_1, Q2_K, IQ*...): said once
             log.warning("%d matrices run in float32 (4 bytes a weight), dequantized from %s: specdec's kernels "
@@ -328,6 +330,7 @@ class NativeBackend:
         copy.lm_head = repack(self.lm_head)
         copy.weight_format = fmt
         copy.kernel_path = copy._products_path()
+        copy.huge_page_bytes = huge_pages.place(copy._matrix_tensors())
         return copy
 
     def _choose_kv_dtype(self, wanted: str) -> torch.dtype:
@@ -348,6 +351,12 @@ class NativeBackend:
         if wanted == "auto":
             wanted = "float16" if self.kernel_path != "pytorch" else "float32"
         return KV_DTYPES[wanted]
+
+    def _matrix_tensors(self) -> list[torch.Tensor]:
+        """The tensors of every matrix a pass streams whole (the layers' and the LM head's; the
+        embedding's rows are read a few at a time), for :func:`huge_pages.place`."""
+        matrices = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [t for m in (*matrices, self.lm_head) for part in m.parts for t in part.tensors.values()]
 
     def _formats(self) -> set[str]:
         """The decoder's matrices' formats (a stacked matrix's parts' each)."""
