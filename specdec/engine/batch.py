@@ -26,6 +26,7 @@ conditions (EOS, the token budget, stop strings) are applied per sequence, in to
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from specdec import kernels
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter, Verified
 from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
@@ -52,6 +54,10 @@ from specdec.sampling.penalties import History, chain_paths, tree_paths
 from specdec.sampling.tree import TokenTree, TreeRule, accept_tree_sampling
 
 _ids = itertools.count()
+# The most logits (rows x positions x vocabulary) whose acceptance runs torch on one thread: about
+# 8 rows of one position over a 49k vocabulary, where sampling on one thread and on two cost the
+# same step (benchmarks/torch_inline_ab.py --batch 8, round 17); 16 rows ran faster on two.
+INLINE_LOGITS = 1 << 19
 
 
 @dataclass(eq=False)
@@ -232,15 +238,17 @@ class BatchEngine:
         if layers:
             seq.drafter.observe_target(_features({i: s[None] for i, s in states.items()}, layers, 0,
                                                  list(range(len(seq.prompt_ids)))))
-        adjusted = self._adjusted([seq], raw[None], [[]], [None])[0]
-        first = accept_step(adjusted[None], [RowDraft([])], [params], [seq.generator], [len(seq.prompt_ids)],
-                            self.sampling_rule, self.tree_rule)[0].committed
+        with kernels.torch_ops_inline():  # as a step's acceptance (see `step`)
+            adjusted = self._adjusted([seq], raw[None], [[]], [None])[0]
+            first = accept_step(adjusted[None], [RowDraft([])], [params], [seq.generator], [len(seq.prompt_ids)],
+                                self.sampling_rule, self.tree_rule)[0].committed
         seq.context = list(seq.prompt_ids) + first
         seq.row = self.cache.insert_row(prefill_cache)
         stats.prefill_time_s = time.perf_counter() - seq._start
         stats.cpu_time_s += time.process_time() - cpu_start
         self.sequences.append(seq)
-        return self._emit(seq, first, drafted=0, accepted=0, raw=raw, offsets=[0])
+        with kernels.torch_ops_inline():
+            return self._emit(seq, first, drafted=0, accepted=0, raw=raw, offsets=[0])
 
     def _prefill(self, prompt_ids: list[int], layers: tuple[int, ...], every_position: bool = False
                  ) -> tuple[PreallocatedCache, torch.Tensor, dict[int, torch.Tensor], int]:
@@ -313,7 +321,10 @@ class BatchEngine:
                 if seq.paused_steps > 1:
                     seq.drafter.resume()
                 seq.paused_steps = 0
-                proposal = seq.drafter.propose(seq.context, room, seq.params, seq.generator)
+                # A drafter with no model of its own (lookup, a head) runs torch's operations on one
+                # thread, as acceptance does; a draft model's passes keep torch's threads.
+                with kernels.torch_ops_inline() if seq.drafter.model_runner() is None else contextlib.nullcontext():
+                    proposal = seq.drafter.propose(seq.context, room, seq.params, seq.generator)
                 asked = True
                 if proposal.parents is not None:
                     tree = TokenTree(tuple(proposal.tokens), tuple(proposal.parents)).truncated(self.max_draft, room)
@@ -347,13 +358,16 @@ class BatchEngine:
         layers = sorted({i for seq in seqs for i in target_layers(seq.drafter)})
         out = self.target.backend.forward(self.cache, input_ids, positions, mask, hidden_layers=layers)
         raw = out.logits  # [rows, new, vocab]
-        logits = self._adjusted(seqs, raw, drafts, trees)
 
         # 3. Accept, once for the step: each chain row a prefix of its draft, each tree row a
-        #    branch of its tree, each with its own parameters.
-        accepted = accept_step(logits, [RowDraft(d, p, t) for d, p, t in zip(drafts, draft_probs, trees)],
-                               [s.params for s in seqs], [s.generator for s in seqs], [len(s.context) for s in seqs],
-                               self.sampling_rule, self.tree_rule)
+        #    branch of its tree, each with its own parameters. torch's operations here run on one
+        #    thread where the step's logits are few (`kernels.torch_ops_inline`), on torch's where
+        #    splitting them saves more than the spinning workers cost the next pass.
+        with kernels.torch_ops_inline() if raw.numel() <= INLINE_LOGITS else contextlib.nullcontext():
+            logits = self._adjusted(seqs, raw, drafts, trees)
+            accepted = accept_step(logits, [RowDraft(d, p, t) for d, p, t in zip(drafts, draft_probs, trees)],
+                                   [s.params for s in seqs], [s.generator for s in seqs],
+                                   [len(s.context) for s in seqs], self.sampling_rule, self.tree_rule)
         for i, (row, tree) in enumerate(zip(accepted, trees)):
             if tree is not None:
                 self.cache.keep_path(i, row.offsets)
@@ -366,26 +380,29 @@ class BatchEngine:
         # pass the same padded width.
         cpu_share = (time.process_time() - cpu_start) / len(seqs)
         outputs = []
-        for i, (seq, tree, row) in enumerate(zip(seqs, trees, accepted)):
-            committed, kept = row.committed, row.offsets
-            num_accepted = len(committed) - 1
-            drafted = tree.depth if tree is not None else len(drafts[i])  # positions drafted, for a tree its depth
-            seq.context.extend(committed)
-            if proposed[i]:
-                # Every node verified, kept or not, with the target's logits after the fed token
-                # and after each node (lookahead's Jacobi window learns from all of them).
-                nodes = list(tree.tokens) if tree is not None else drafts[i]
-                parents = list(tree.parents) if tree is not None else list(range(-1, len(nodes) - 1))
-                seq.drafter.observe_verified(Verified(nodes, parents, logits[i, : 1 + len(nodes)]))
-            if seq.drafter is not None:
-                if own := target_layers(seq.drafter):  # the fed token's and accepted drafts' states
-                    seq.drafter.observe_target(_features(out.layer_states, own, i, [0, *kept]))
-                seq.drafter.commit(seq.context, num_accepted)
-            if seq.policy is not None:
-                seq.policy.observe(drafted, num_accepted, draft_times[i], verify_time)
-            seq.result.stats.record_step(drafted, num_accepted, draft_times[i], verify_time,
-                                         verified_tokens=1 + len(drafts[i]), cpu_time_s=cpu_share)
-            outputs.append(self._emit(seq, committed, drafted=drafted, accepted=num_accepted, raw=raw[i], offsets=[0, *kept]))
+        with kernels.torch_ops_inline():
+            for i, (seq, tree, row) in enumerate(zip(seqs, trees, accepted)):
+                committed, kept = row.committed, row.offsets
+                num_accepted = len(committed) - 1
+                # Positions drafted; for a tree, its depth.
+                drafted = tree.depth if tree is not None else len(drafts[i])
+                seq.context.extend(committed)
+                if proposed[i]:
+                    # Every node verified, kept or not, with the target's logits after the fed token
+                    # and after each node (lookahead's Jacobi window learns from all of them).
+                    nodes = list(tree.tokens) if tree is not None else drafts[i]
+                    parents = list(tree.parents) if tree is not None else list(range(-1, len(nodes) - 1))
+                    seq.drafter.observe_verified(Verified(nodes, parents, logits[i, : 1 + len(nodes)]))
+                if seq.drafter is not None:
+                    if own := target_layers(seq.drafter):  # the fed token's and accepted drafts' states
+                        seq.drafter.observe_target(_features(out.layer_states, own, i, [0, *kept]))
+                    seq.drafter.commit(seq.context, num_accepted)
+                if seq.policy is not None:
+                    seq.policy.observe(drafted, num_accepted, draft_times[i], verify_time)
+                seq.result.stats.record_step(drafted, num_accepted, draft_times[i], verify_time,
+                                             verified_tokens=1 + len(drafts[i]), cpu_time_s=cpu_share)
+                outputs.append(self._emit(seq, committed, drafted=drafted, accepted=num_accepted, raw=raw[i],
+                                          offsets=[0, *kept]))
         return outputs
 
     def _adjusted(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],

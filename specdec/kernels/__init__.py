@@ -148,6 +148,30 @@ def load() -> ModuleType:
     return built
 
 
+@contextlib.contextmanager
+def torch_ops_inline() -> Iterator[None]:
+    """torch's own operations on the calling thread alone while specdec's kernels keep their
+    threads: for the work between two passes (acceptance, penalties, logprobs). An operation over
+    a vocabulary's logits is big enough for torch to split it among its OpenMP threads, which then
+    spin, waiting for more work, on the cores the kernels' pool needs for the next pass: that pass
+    loses a core for part of its time (a sampled step's pass runs far slower than a greedy one's:
+    benchmarks/results/README.md, round 17). On one thread those small operations cost little."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    held = available()
+    if held:
+        load().hold_threads(threads)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if held:
+            load().hold_threads(0)
+
+
 @functools.cache
 def available() -> bool:
     """Whether the kernels run here; says once, in the log, why not."""

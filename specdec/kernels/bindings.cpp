@@ -3,6 +3,7 @@
 // header also pulls in the whole C++ API, which made this the slowest source to compile.
 
 #include "ops.h"
+#include "pool.h"
 #include "quant.h"
 
 #include <torch/csrc/utils/pybind.h>
@@ -41,6 +42,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("forward_layers", &forward_layers, "decoder layers of a short pass in one call (see forward.cpp)");
     m.def("head_layer", &head_layer, "a draft head's decoder layer (EAGLE-3's) in one call (see forward.cpp)");
     m.def("instruction_sets", &instruction_sets, "the kernel paths this CPU can run");
+    m.def("hold_threads", [](int64_t threads) { specdec::hold_threads(static_cast<int>(threads)); },
+          "kernel calls from this thread use this many threads whatever torch's count (0: torch's)");
+    m.def("kernel_threads", []() { return static_cast<int64_t>(specdec::kernel_threads()); },
+          "the threads a kernel call from this thread uses now");
     m.def("amx_unavailable_reason", []() { return specdec::amx_unavailable_reason(); },
           "why this process has no AMX path (empty where it has one)");
 }

@@ -164,7 +164,13 @@ class Pool {
 
 }  // namespace
 
-int kernel_threads() { return std::max(1, at::get_num_threads()); }
+namespace {
+thread_local int held_threads = 0;  // hold_threads' count for this thread; 0: torch's
+}  // namespace
+
+int kernel_threads() { return held_threads > 0 ? held_threads : std::max(1, at::get_num_threads()); }
+
+void hold_threads(int threads) { held_threads = std::max(0, threads); }
 
 void parallel_chunks(int64_t n, int64_t grain, const Body& body) {
     if (n <= 0) return;

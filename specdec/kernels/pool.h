@@ -18,7 +18,11 @@ void parallel_chunks(int64_t n, int64_t grain, const Body& body);
 void parallel_runs(int64_t n, const Body& body);
 
 // The threads a kernel call uses: torch's intra-op thread count as the calling thread sees it
-// (torch.set_num_threads, the server's --threads).
+// (torch.set_num_threads, the server's --threads), or the count hold_threads set on this thread.
 int kernel_threads();
+
+// Kernel calls from this thread use `threads` whatever torch's own count is (0: torch's again),
+// so that torch's operations can run on one thread while specdec's keep theirs.
+void hold_threads(int threads);
 
 }  // namespace specdec

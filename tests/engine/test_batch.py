@@ -231,3 +231,39 @@ def test_llm_generate_batches_its_prompts_as_one_by_one(tiny_model_dir, temperat
     together = [o.token_ids for o in llm.generate(prompts, params, max_batch=3)]
     assert together == alone
     assert max(rows) == 3  # three rows at once, the others joining as rows came free
+
+
+def test_torch_runs_on_one_thread_between_passes_and_on_all_in_them(tiny_native: LoadedModel,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's operations between passes (acceptance, a lookup drafter's proposal) run inline, so
+    # that no OpenMP worker is left spinning on a core the next pass needs; the passes keep
+    # torch's threads.
+    import specdec.engine.batch as batch_module
+
+    seen: dict[str, set[int]] = {"pass": set(), "accept": set(), "propose": set()}
+    forward, accept, propose = type(tiny_native.backend).forward, batch_module.accept_step, NgramDrafter.propose
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            seen[name].add(torch.get_num_threads())
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(type(tiny_native.backend), "forward", recorded("pass", forward))
+    monkeypatch.setattr(batch_module, "accept_step", recorded("accept", accept))
+    monkeypatch.setattr(NgramDrafter, "propose", recorded("propose", propose))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        params = SamplingParams(temperature=0.8, seed=3, max_tokens=12)
+        Engine(tiny_native, NgramDrafter(1, 3), 3).generate([5, 6, 7, 5, 6, 7, 5], params)
+        after = torch.get_num_threads()
+        assert seen == {"pass": {2}, "accept": {1}, "propose": {1}} and after == 2
+        # A step's logits past INLINE_LOGITS (a big batch): its acceptance keeps torch's threads
+        # (the first token's, one row after the prefill, stays inline).
+        monkeypatch.setattr(batch_module, "INLINE_LOGITS", 0)
+        seen["accept"].clear()
+        Engine(tiny_native, NgramDrafter(1, 3), 3).generate([5, 6, 7, 5, 6, 7, 5], params)
+        assert seen["accept"] == {1, 2}
+    finally:
+        torch.set_num_threads(before)

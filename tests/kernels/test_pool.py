@@ -96,3 +96,31 @@ def test_a_forked_child_runs_the_kernels_after_its_parent_did(isa: str) -> None:
     child.join(60)
     assert child.exitcode == 0, "the child hung or failed"
     assert done.get(timeout=5) is True
+
+
+def test_torch_ops_inline_lowers_torch_alone_and_restores_it(isa: str) -> None:
+    # Between passes torch's own operations run on one thread while a kernel call keeps the
+    # thread count it had; after the block (an exception included) both are as before, and a
+    # thread that never entered one is untouched.
+    ops = kernels.load()
+
+    def inside() -> tuple[int, int, int, int]:
+        with kernels.torch_ops_inline():
+            seen = torch.get_num_threads(), ops.kernel_threads(), _in_thread(lambda: ops.kernel_threads())
+        return (*seen, ops.kernel_threads())
+
+    def after_raising() -> tuple[int, int]:
+        with pytest.raises(KeyError):
+            with kernels.torch_ops_inline():
+                raise KeyError("inside")
+        return torch.get_num_threads(), ops.kernel_threads()
+
+    torch_threads, kernel_threads, elsewhere, after = _with_threads(3, inside)
+    assert (torch_threads, kernel_threads, after) == (1, 3, 3)
+    assert elsewhere == max(1, torch.get_num_threads())  # another thread: torch's own count
+    assert _with_threads(3, after_raising) == (3, 3)
+    packed = _packed("q8", 64, 64)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    want = _with_threads(1, lambda: kernels.q8_matmul(x, packed, 64, isa))
+    with kernels.torch_ops_inline():
+        assert torch.equal(kernels.q8_matmul(x, packed, 64, isa), want)
