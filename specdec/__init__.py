@@ -4,17 +4,9 @@
 (`specdec.config`, `specdec.methods`) loads no model code.
 """
 
-import os
 from typing import TYPE_CHECKING, Any
 
-# torch's OpenMP workers (libgomp) spin about 300,000 times after each parallel torch op before
-# they sleep, and on a small machine that spinning takes the core the kernels' own pool
-# (specdec/kernels/pool.cpp) needs in plain decoding, which runs a few vocabulary-wide torch ops a
-# step beside the kernels. A shorter spin costs torch's own parallel work nothing measurable
-# (docs/backends.md has both figures). libgomp reads this when torch loads it, so it takes effect
-# where specdec is imported before torch; a value the user set is kept.
-if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = "10000"
+from specdec import _openmp  # noqa: F401  before anything imports torch: see there
 
 from specdec.config import SamplingParams, SpeculativeConfig, StructuredOutput
 from specdec.errors import SpecDecError

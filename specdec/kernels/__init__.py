@@ -33,6 +33,7 @@ from types import ModuleType
 
 import torch
 
+from specdec import _openmp
 from specdec.paths import cache_dir
 
 log = logging.getLogger("specdec.kernels")
@@ -151,13 +152,16 @@ def load() -> ModuleType:
 @contextlib.contextmanager
 def torch_ops_inline() -> Iterator[None]:
     """torch's own operations on the calling thread alone while specdec's kernels keep their
-    threads: for the work between two passes (acceptance, penalties, logprobs). An operation over
-    a vocabulary's logits is big enough for torch to split it among its OpenMP threads, which then
-    spin, waiting for more work, on the cores the kernels' pool needs for the next pass: that pass
-    loses a core for part of its time (a sampled step's pass runs far slower than a greedy one's:
-    benchmarks/results/README.md, round 17). On one thread those small operations cost little."""
+    threads: for the work between two passes (acceptance, penalties, logprobs), where torch was
+    imported before specdec and nobody bounded OpenMP's spinning (`specdec._openmp`). An
+    operation over a vocabulary's logits is big enough for torch to split it among its OpenMP
+    threads, which then spin, waiting for more work, on the cores the kernels' pool needs for the
+    next pass: that pass loses a core for part of its time (a sampled step's pass ran far slower
+    than a greedy one's: benchmarks/results/README.md, round 17). On one thread those small
+    operations cost little. Elsewhere (the CLI, the server, a script importing specdec first)
+    this does nothing."""
     threads = torch.get_num_threads()
-    if threads == 1:
+    if threads == 1 or _openmp.spin_bounded:
         yield
         return
     held = available()

@@ -235,10 +235,13 @@ def test_llm_generate_batches_its_prompts_as_one_by_one(tiny_model_dir, temperat
 
 def test_torch_runs_on_one_thread_between_passes_and_on_all_in_them(tiny_native: LoadedModel,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    # torch's operations between passes (acceptance, a lookup drafter's proposal) run inline, so
-    # that no OpenMP worker is left spinning on a core the next pass needs; the passes keep
-    # torch's threads.
+    # Where OpenMP's spinning is unbounded (torch imported before specdec), torch's operations
+    # between passes (acceptance, a lookup drafter's proposal) run inline, so that no OpenMP worker
+    # is left spinning on a core the next pass needs; the passes keep torch's threads.
     import specdec.engine.batch as batch_module
+    from specdec import _openmp
+
+    monkeypatch.setattr(_openmp, "spin_bounded", False)
 
     seen: dict[str, set[int]] = {"pass": set(), "accept": set(), "propose": set()}
     forward, accept, propose = type(tiny_native.backend).forward, batch_module.accept_step, NgramDrafter.propose

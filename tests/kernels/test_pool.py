@@ -98,11 +98,16 @@ def test_a_forked_child_runs_the_kernels_after_its_parent_did(isa: str) -> None:
     assert done.get(timeout=5) is True
 
 
-def test_torch_ops_inline_lowers_torch_alone_and_restores_it(isa: str) -> None:
-    # Between passes torch's own operations run on one thread while a kernel call keeps the
-    # thread count it had; after the block (an exception included) both are as before, and a
-    # thread that never entered one is untouched.
+def test_torch_ops_inline_lowers_torch_alone_and_restores_it(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where OpenMP's spinning is unbounded (torch imported first), torch's own operations between
+    # passes run on one thread while a kernel call keeps the thread count it had; after the block
+    # (an exception included) both are as before, and a thread that never entered one is untouched.
+    from specdec import _openmp
+
     ops = kernels.load()
+    monkeypatch.setattr(_openmp, "spin_bounded", True)
+    assert _with_threads(3, lambda: _inline_counts(ops)) == (3, 3)  # bounded: nothing to do
+    monkeypatch.setattr(_openmp, "spin_bounded", False)
 
     def inside() -> tuple[int, int, int, int]:
         with kernels.torch_ops_inline():
@@ -124,3 +129,8 @@ def test_torch_ops_inline_lowers_torch_alone_and_restores_it(isa: str) -> None:
     want = _with_threads(1, lambda: kernels.q8_matmul(x, packed, 64, isa))
     with kernels.torch_ops_inline():
         assert torch.equal(kernels.q8_matmul(x, packed, 64, isa), want)
+
+
+def _inline_counts(ops) -> tuple[int, int]:
+    with kernels.torch_ops_inline():
+        return torch.get_num_threads(), ops.kernel_threads()
