@@ -33,7 +33,7 @@ from types import ModuleType
 
 import torch
 
-from specdec import _openmp
+import specdec._openmp as _openmp
 from specdec.paths import cache_dir
 
 log = logging.getLogger("specdec.kernels")
