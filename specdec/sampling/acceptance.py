@@ -105,6 +105,12 @@ def speculative_accept(
     if draft_probs is not None and draft_probs.shape != (batch, k, vocab):
         raise ValueError(f"draft_probs must be [{batch}, {k}, {vocab}], got shape {tuple(draft_probs.shape)}")
 
+    if k == 0:  # nothing drafted: the bonus token from the target, as step 2 draws it
+        final_target = target_probs[:, 0]  # [batch, vocab]
+        mass = final_target.sum(dim=-1, keepdim=True)
+        final_token = sample(torch.where(mass > 0, final_target / mass.clamp_min(1e-30), final_target), generator)
+        return AcceptResult(tokens=final_token[:, None], num_accepted=final_token.new_zeros(batch))
+
     # 1. Accept position i with probability min(1, target/draft) at the drafted token.
     index = draft_tokens[..., None]  # [batch, k, 1]
     target_at_draft = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [batch, k]

@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 
 from specdec.sampling import AcceptResult, greedy_accept, speculative_accept
 from specdec.sampling.acceptance import PAD_TOKEN
+from specdec.sampling.probs import sample
 
 VOCAB = 6
 
@@ -324,3 +325,23 @@ def test_accept_batch_matches_each_row_alone() -> None:
         assert result.row(i) == alone.row(0)
     # A row never keeps more than it drafted.
     assert all(int(result.num_accepted[i]) <= len(drafts[i]) for i in range(4))
+
+
+def test_nothing_drafted_draws_the_bonus_token_as_the_general_rule_does() -> None:
+    # A row with no draft (every plain sampled step) takes a short path; it must draw exactly what
+    # the rule's step 2 draws for a full accept of nothing: the target renormalised, one uniform.
+    target = torch.softmax(3 * torch.randn(4, 1, 500, generator=torch.Generator().manual_seed(3)), dim=-1)
+    target[1, 0, :250] = 0.0  # rows that do not sum to one
+    drawn, reference = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for _ in range(300):
+        result = speculative_accept(target, torch.empty(4, 0, dtype=torch.long), None, drawn)
+        final = target[:, 0]
+        mass = final.sum(dim=-1, keepdim=True)
+        want = sample(torch.where(mass > 0, final / mass.clamp_min(1e-30), final), reference)
+        assert torch.equal(result.tokens, want[:, None])
+        assert torch.equal(result.num_accepted, torch.zeros(4, dtype=torch.long))
+    assert torch.equal(drawn.get_state(), reference.get_state())
+    # And it follows the target (a wrong short path, e.g. the top token, fails here).
+    many = speculative_accept(target[:1].expand(4000, 1, 500), torch.empty(4000, 0, dtype=torch.long), None,
+                              torch.Generator().manual_seed(9)).tokens[:, 0]
+    assert chi2_pvalue(many, target[0, 0]) > 1e-3
