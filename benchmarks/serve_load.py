@@ -6,7 +6,7 @@ and concurrency level it sends `--requests` requests, at most `concurrency` in f
 reports per-request latency (median, p95), time to first token (median), and aggregate output
 tokens/s (all output tokens / the level's wall time). With `--rounds N` each level is run N
 times, the modes taking turns in a rotated order, and the figures pool the rounds. Greedy
-decoding.
+decoding, or sampling at `--temperature` (the OpenAI API's default is 1).
 
 Without `--url` it starts `specdec serve` in a subprocess (so the client's threads do not share
 a Python interpreter with the server) with three routes:
@@ -83,12 +83,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def one_request(client: openai.OpenAI, route: str, prompt: str, max_tokens: int, ignore_eos: bool) -> RequestResult:
+def one_request(client: openai.OpenAI, route: str, prompt: str, max_tokens: int, ignore_eos: bool,
+                temperature: float = 0.0) -> RequestResult:
     start = time.perf_counter()
     first = None
     tokens = 0
     stream = client.chat.completions.create(
-        model=route, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        model=route, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=temperature,
         stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": ignore_eos},
     )
     for chunk in stream:
@@ -101,12 +102,12 @@ def one_request(client: openai.OpenAI, route: str, prompt: str, max_tokens: int,
 
 
 def run_level(client: openai.OpenAI, route: str, prompts: list[str], concurrency: int, requests: int,
-              max_tokens: int, ignore_eos: bool) -> tuple[list[RequestResult], float]:
+              max_tokens: int, ignore_eos: bool, temperature: float = 0.0) -> tuple[list[RequestResult], float]:
     """Send `requests` requests, at most `concurrency` in flight; return them and the wall time."""
     batch = [prompts[i % len(prompts)] for i in range(requests)]
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: one_request(client, route, p, max_tokens, ignore_eos), batch))
+        results = list(pool.map(lambda p: one_request(client, route, p, max_tokens, ignore_eos, temperature), batch))
     return results, time.perf_counter() - start
 
 
@@ -131,7 +132,7 @@ def library_plain(args: argparse.Namespace, prompts: list[str], requests: int, t
     if threads:
         torch.set_num_threads(threads)
     llm = LLM(args.model, dtype=args.dtype)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
     llm.chat([{"role": "user", "content": prompts[0]}], SamplingParams(max_tokens=4), speculate=False)  # warm-up
     start, tokens = time.perf_counter(), 0
     for i in range(requests):
@@ -204,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="repeat each level this many times, the modes taking turns (default 1)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: on, off, load-aware")
     parser.add_argument("-k", type=int, default=4, help="k of the started server's speculative routes")
     parser.add_argument("--schedule", type=json.loads, default=DEFAULT_LOAD_SCHEDULE,
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                 shift = round_ % len(args.modes)
                 for mode in args.modes[shift:] + args.modes[:shift]:
                     results, wall = run_level(client, routes[mode], prompts, concurrency, requests, args.max_tokens,
-                                              args.ignore_eos)
+                                              args.ignore_eos, args.temperature)
                     runs[mode].append((results, wall))
                     tokens = sum(r.tokens for r in results)
                     print(f"  {mode} c={concurrency} round {round_ + 1}/{args.rounds}: {tokens / wall:.1f} tok/s",
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"url": args.url, "model": args.model or "default", "max_tokens": args.max_tokens,
-                "ignore_eos": args.ignore_eos, "rounds": args.rounds, "k": args.k, "schedule": args.schedule,
+                "ignore_eos": args.ignore_eos, "temperature": args.temperature, "rounds": args.rounds, "k": args.k, "schedule": args.schedule,
                 "data": str(args.data), "threads": threads, "dtype": args.dtype, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
         args.json.write_text(json.dumps({"meta": meta, "levels": [asdict(level) for level in levels],
                                          "library_plain_tokens_per_s": library}, indent=2))
