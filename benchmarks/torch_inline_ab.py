@@ -30,6 +30,7 @@ from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine
 from specdec.methods import build_drafter
 from specdec.models import load_model
+from specdec.models.backend import cpu_model
 from specdec.models.prompts import PromptEncoder
 
 SYSTEMS = {  # name: (speculative config or None, temperature)
@@ -56,7 +57,7 @@ def main() -> None:
     kernels.torch_ops_inline = lambda: inline() if mode[0] == "inline" else contextlib.nullcontext()
     target = load_model(None)
     encoder = PromptEncoder(target)
-    report = {"cpu": _cpu(), "kernel_path": target.kernel_path, "threads": args.threads}
+    report = {"cpu": cpu_model(), "kernel_path": target.kernel_path, "threads": args.threads}
     if args.batch:
         records = load_records(args.data)[: args.batch]
         prompts = [encoder.encode([{"role": "user", "content": r.turns[0]}])[:200] for r in records]
@@ -113,13 +114,6 @@ def main() -> None:
                   f"({rate['inline'] / rate['threaded']:.3f}x), same output {same}/{len(prompts)}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ the workers instead.
 import os
 import sys
 
+_user_set = "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
 # Whether libgomp's spinning is bounded: by a setting of the user's, or by ours, read when torch
 # (not yet imported) loads libgomp.
-spin_bounded = "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ or "torch" not in sys.modules
-if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+spin_bounded = _user_set or "torch" not in sys.modules
+if not _user_set:
     os.environ["GOMP_SPINCOUNT"] = "10000"

@@ -26,7 +26,6 @@ conditions (EOS, the token budget, stop strings) are applied per sequence, in to
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -323,7 +322,7 @@ class BatchEngine:
                 seq.paused_steps = 0
                 # A drafter with no model of its own (lookup, a head) runs torch's operations on one
                 # thread, as acceptance does; a draft model's passes keep torch's threads.
-                with kernels.torch_ops_inline() if seq.drafter.model_runner() is None else contextlib.nullcontext():
+                with kernels.torch_ops_inline(seq.drafter.model_runner() is None):
                     proposal = seq.drafter.propose(seq.context, room, seq.params, seq.generator)
                 asked = True
                 if proposal.parents is not None:
@@ -363,7 +362,7 @@ class BatchEngine:
         #    branch of its tree, each with its own parameters. torch's operations here run on one
         #    thread where the step's logits are few (`kernels.torch_ops_inline`), on torch's where
         #    splitting them saves more than the spinning workers cost the next pass.
-        with kernels.torch_ops_inline() if raw.numel() <= INLINE_LOGITS else contextlib.nullcontext():
+        with kernels.torch_ops_inline(raw.numel() <= INLINE_LOGITS):
             logits = self._adjusted(seqs, raw, drafts, trees)
             accepted = accept_step(logits, [RowDraft(d, p, t) for d, p, t in zip(drafts, draft_probs, trees)],
                                    [s.params for s in seqs], [s.generator for s in seqs],

@@ -150,7 +150,7 @@ def load() -> ModuleType:
 
 
 @contextlib.contextmanager
-def torch_ops_inline() -> Iterator[None]:
+def torch_ops_inline(when: bool = True) -> Iterator[None]:
     """torch's own operations on the calling thread alone while specdec's kernels keep their
     threads: for the work between two passes (acceptance, penalties, logprobs), where torch was
     imported before specdec and nobody bounded OpenMP's spinning (`specdec._openmp`). An
@@ -158,10 +158,10 @@ def torch_ops_inline() -> Iterator[None]:
     threads, which then spin, waiting for more work, on the cores the kernels' pool needs for the
     next pass: that pass loses a core for part of its time (a sampled step's pass ran far slower
     than a greedy one's: benchmarks/results/README.md, round 17). On one thread those small
-    operations cost little. Elsewhere (the CLI, the server, a script importing specdec first)
-    this does nothing."""
+    operations cost little. Elsewhere (the CLI, the server, a script importing specdec first),
+    or without `when`, this does nothing."""
     threads = torch.get_num_threads()
-    if threads == 1 or _openmp.spin_bounded:
+    if not when or threads == 1 or _openmp.spin_bounded:
         yield
         return
     held = available()

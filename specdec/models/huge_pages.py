@@ -80,13 +80,3 @@ def place(tensors: Iterable[torch.Tensor]) -> int:
                             tensor.size(), tensor.stride())
     return size
 
-
-def huge_page_bytes() -> int:
-    """The process's memory in transparent huge pages now (`AnonHugePages`; 0 where unknown)."""
-    try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0

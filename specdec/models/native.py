@@ -352,16 +352,18 @@ class NativeBackend:
             wanted = "float16" if self.kernel_path != "pytorch" else "float32"
         return KV_DTYPES[wanted]
 
+    def _decoder_matrices(self) -> list[PackedLinear | StackedLinear]:
+        """Every layer's query/key/value, output, gate/up and down matrices, in order."""
+        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
     def _matrix_tensors(self) -> list[torch.Tensor]:
         """The tensors of every matrix a pass streams whole (the layers' and the LM head's; the
         embedding's rows are read a few at a time), for :func:`huge_pages.place`."""
-        matrices = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return [t for m in (*matrices, self.lm_head) for part in m.parts for t in part.tensors.values()]
+        return [t for m in (*self._decoder_matrices(), self.lm_head) for part in m.parts for t in part.tensors.values()]
 
     def _formats(self) -> set[str]:
         """The decoder's matrices' formats (a stacked matrix's parts' each)."""
-        return {fmt for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                for fmt in lin.formats}
+        return {fmt for lin in self._decoder_matrices() for fmt in lin.formats}
 
     def _products_path(self) -> str:
         """The kernels' path where any matrix runs on them (q4, q8), else `pytorch`."""
@@ -378,8 +380,7 @@ class NativeBackend:
 
     def matrix_bytes(self) -> int:
         """Bytes of the packed matrices alone (what a requantized copy adds)."""
-        return self.lm_head.nbytes + sum(
-            layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes for layer in self.layers)
+        return self.lm_head.nbytes + sum(m.nbytes for m in self._decoder_matrices())
 
     # --- the protocol ------------------------------------------------------------------------
 

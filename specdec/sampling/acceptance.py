@@ -69,6 +69,14 @@ def _commit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, final_token:
     return AcceptResult(tokens=tokens, num_accepted=num_accepted)
 
 
+def _renormalised(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """residual [batch, vocab] scaled to sum to one; `fallback` [batch, vocab] where a row has no
+    mass. A zero residual means target == draft there, so rejection had probability 0; only
+    float round-off reaches it. Falling back to the target keeps the draw well defined."""
+    mass = residual.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), fallback)
+
+
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
     """[batch, k] bool -> [batch]: how many leading entries are True."""
     return mask.long().cumprod(dim=1).sum(dim=1)
@@ -106,9 +114,7 @@ def speculative_accept(
         raise ValueError(f"draft_probs must be [{batch}, {k}, {vocab}], got shape {tuple(draft_probs.shape)}")
 
     if k == 0:  # nothing drafted: the bonus token from the target, as step 2 draws it
-        final_target = target_probs[:, 0]  # [batch, vocab]
-        mass = final_target.sum(dim=-1, keepdim=True)
-        final_token = sample(torch.where(mass > 0, final_target / mass.clamp_min(1e-30), final_target), generator)
+        final_token = sample(_renormalised(target_probs[:, 0], target_probs[:, 0]), generator)  # [batch]
         return AcceptResult(tokens=final_token[:, None], num_accepted=final_token.new_zeros(batch))
 
     # 1. Accept position i with probability min(1, target/draft) at the drafted token.
@@ -136,11 +142,7 @@ def speculative_accept(
     else:
         padded_draft = torch.cat([draft_probs, draft_probs.new_zeros((batch, 1, vocab))], dim=1)  # [batch, k + 1, vocab]
         residual = (final_target - padded_draft[rows, num_accepted]).clamp_min(0)  # bonus rows: draft row is 0
-    mass = residual.sum(dim=-1, keepdim=True)
-    # A zero residual means target == draft there, so rejection had probability 0; only float
-    # round-off reaches it. Falling back to the target keeps the draw well defined.
-    final_dist = torch.where(mass > 0, residual / mass.clamp_min(1e-30), final_target)
-    final_token = sample(final_dist, generator)  # [batch]
+    final_token = sample(_renormalised(residual, final_target), generator)  # [batch]
     return _commit(draft_tokens, num_accepted, final_token)
 
 
