@@ -12,18 +12,17 @@ from specdec.bench.report import PLAIN, SPEC
 from specdec.bench.runner import System, llama_cpp_build, llama_cpp_runner, specdec_runner, transformers_runner
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.errors import ConfigError
-from specdec.models.loader import default_model_path, load_model
+from specdec.models.loader import load_model, model_file
 
 PEERS = ("transformers", "llama.cpp")
 PROMPT_LOOKUP_TOKENS = 10  # the peers' prompt-lookup guesses per step
 
 
 def gguf_file(model: str | None) -> str | None:
-    """The GGUF file behind a model argument (None or `default`: the embedded default's), or
-    None when it is not one."""
-    if model in (None, "", "default"):
-        return str(default_model_path())
-    return model if str(model).endswith(".gguf") else None
+    """The GGUF file behind a model argument (the default's or a catalog model's), or None when
+    it is not one."""
+    path = model_file(model)
+    return str(path) if path.suffix == ".gguf" else None
 
 
 def bench_systems(

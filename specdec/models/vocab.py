@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from specdec.errors import VocabularyMismatchError
-from specdec.models.loader import LoadedModel, Vocabulary, load_vocabulary
+from specdec.models.loader import LoadedModel, Vocabulary, load_vocabulary, model_file
 from specdec.models.weights import gguf_logit_size
 
 
@@ -45,7 +44,7 @@ def check_draft_vocabulary(target: LoadedModel, draft_name: str) -> None:
     """check_vocabulary_compatible for the model `draft_name` names, before its weights load: a
     GGUF file whose logit size differs is refused from its tensor table alone (converting a
     262k-token tokenizer takes tens of seconds); any other draft by its config and tokenizer."""
-    path = Path(draft_name).expanduser()
+    path = model_file(draft_name)
     if path.is_file() and path.suffix == ".gguf":
         size = gguf_logit_size(path)
         if size != target.vocab_size:
