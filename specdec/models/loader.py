@@ -162,8 +162,9 @@ def _convert_gguf(gguf_path: Path, weights: bool = False) -> Path:
     if not (converted / "config.json").exists():
         log.info("converting %s's config and tokenizer (once) under %s", gguf_path.name, converted)
         kwargs = {"gguf_file": gguf_path.name}
-        config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        with _fast_gguf_config(gguf_path):
+            config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
         with _write_errors():
             # Each process writes its own partial directory: two processes converting at once (server
             # replicas, parallel test workers) must not write into one; the first rename wins.
@@ -187,6 +188,60 @@ def _convert_gguf(gguf_path: Path, weights: bool = False) -> Path:
             save_model(model, str(partial_file))
             partial_file.replace(converted / CONVERTED_WEIGHTS)
     return converted
+
+
+# Architectures whose config transformers builds from the GGUF keys alone (its mapping tables),
+# with no per-architecture fix-ups: read here through its fast metadata reader.
+FAST_CONFIG_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "gemma3", "phi3"})
+
+
+def gguf_config_dict(gguf_path: Path) -> dict | None:
+    """The Hugging Face config a GGUF file describes, as transformers' `load_gguf_checkpoint`
+    builds it, without its reader; None for an architecture outside FAST_CONFIG_ARCHITECTURES
+    (or a file that may be renamed to Mistral). That reader parses every metadata value, the
+    vocabulary and merge tables included, in Python: 19-25 s for a 151k- or 262k-token
+    vocabulary, and AutoConfig and AutoTokenizer each parse the file again. transformers' own
+    metadata reader skips over the string arrays (0.1 s); the keys are renamed by transformers'
+    tables as its loader renames them (the same dicts on every model here: a test holds to it)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    metadata, tensor_names = read_gguf_metadata(str(gguf_path))
+    architecture = metadata["general.architecture"]
+    if architecture not in FAST_CONFIG_ARCHITECTURES or "mistral" in str(metadata.get("general.name", "")).lower():
+        return None
+    config: dict = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    config.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture, {}))
+    for key, value in metadata.items():
+        prefix, _, rest = key.partition(".")
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if renamed not in (None, -1):
+            config[renamed] = value
+    if config.get("model_type") == "gemma3":
+        config["model_type"] = "gemma3_text"  # the file holds the text backbone only
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in metadata:
+        config["vocab_size"] = int(metadata["tokenizer.ggml.tokens"])  # the reader counts a string array
+    return config
+
+
+@contextmanager
+def _fast_gguf_config(gguf_path: Path) -> Iterator[None]:
+    """While converting `gguf_path`: transformers' AutoConfig and AutoTokenizer take its config
+    from gguf_config_dict, through the registry of configs transformers reads fast
+    (`GGUF_CONFIG_ARCHS`), which gets the architecture for this block only."""
+    from transformers.integrations.gguf import gguf_config_mapping
+
+    config = gguf_config_dict(gguf_path)
+    registry = gguf_config_mapping.GGUF_CONFIG_ARCHS
+    architecture = None if config is None else str(config["model_type"]).removesuffix("_text")
+    if config is None or architecture in registry:
+        yield
+        return
+    registry[architecture] = lambda metadata, tensor_names: dict(config)
+    try:
+        yield
+    finally:
+        registry.pop(architecture, None)
 
 
 def _save_metadata(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:

@@ -477,11 +477,13 @@ def unpack_q6_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> 
     product exact in float32 (an f16 times an int8)."""
     supers = in_features // 256
     blocks = np.ascontiguousarray(raw).reshape(out_features, supers, 210)
-    low = blocks[..., :128].reshape(out_features, supers, 2, 2, 32).astype(np.int32)  # [.., half, l or l + 32, i]
-    high = blocks[..., 128:192].reshape(out_features, supers, 2, 1, 32).astype(np.int32)  # [.., half, 1, i]
-    pairs = (high >> np.array([0, 2, 4, 6], dtype=np.int32).reshape(4, 1)) & 3  # [.., half, 4, i]: bits 0-1 .. 6-7
-    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=3)  # [.., half, 4, i]: inputs i, 32 + i, 64 + i, 96 + i
-    q = (nibbles | (pairs << 4)) - 32
+    # In bytes throughout (a 6-bit value fits one): an LM head of 233M weights unpacks 4x faster
+    # than through int32, and q comes out int8, as the kernels' records hold it.
+    low = blocks[..., :128].reshape(out_features, supers, 2, 2, 32)  # [.., half, l or l + 32, i]
+    high = blocks[..., 128:192].reshape(out_features, supers, 2, 1, 32)  # [.., half, 1, i]
+    pairs = (high >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & np.uint8(3)  # [.., half, 4, i]: bits 0-1 .. 6-7
+    nibbles = np.concatenate([low & np.uint8(0x0F), low >> np.uint8(4)], axis=3)  # inputs i, 32 + i, 64 + i, 96 + i
+    q = (nibbles | (pairs << np.uint8(4))).view(np.int8) - np.int8(32)
     scale = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [out, supers, 16]
     d = _half(blocks, 208)[..., None]  # [out, supers, 1]
     return Int8Groups(torch.from_numpy(q.reshape(out_features, in_features)),

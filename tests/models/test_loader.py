@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 from specdec import LLM
 from specdec.errors import ModelLoadError, VocabularyMismatchError
-from specdec.models import LoadedModel, load_model
+from specdec.models import LoadedModel, load_model, loader
 from specdec.models.loader import CONVERTED_WEIGHTS, DEFAULT_MODEL_NAME, _converted_dir, default_model_path
 from specdec.models.vocab import check_vocabulary_compatible, vocabulary_differences
 from tests.conftest import TINY_VOCAB
@@ -229,3 +229,10 @@ def test_a_draft_directory_is_checked_before_its_weights_load(default_model: Loa
 def test_missing_draft_model_is_a_load_error(default_model: LoadedModel, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(loaded=default_model, speculative_config={"method": "draft_model", "model": str(tmp_path / "nope")})
+
+
+def test_the_default_models_fast_config_is_transformers_own(default_model: LoadedModel) -> None:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = default_model_path()
+    assert loader.gguf_config_dict(path) == load_gguf_checkpoint(str(path), return_tensors=False)["config"]
