@@ -45,6 +45,9 @@ TUNE_FLOORS = tuple({"num_speculative_tokens": k, "draft_confidence": floor}
                     for k, floor in ((2, 0.2), (3, 0.2), (4, 0.15), (4, 0.3)))
 HYBRID_FLOORS = tuple({"num_speculative_tokens": 4, "draft_confidence": floor, "hybrid_head_tokens": None}
                       for floor in (0.15, 0.2, 0.3))
+# Chains under a floor on the draft's top probability `tune` measures for a draft model.
+DRAFT_FLOORS = tuple({"num_speculative_tokens": k, "draft_p_min": floor}
+                     for k, floor in ((4, 0.5), (6, 0.5), (6, 0.75)))
 # What a draft model's linear layers may be quantized to.
 QUANTIZATIONS = ("int8",)
 
@@ -205,20 +208,36 @@ class LayerSkipOptions(Options):
 @dataclass(frozen=True)
 class DraftModelOptions(Options):
     """quantization: `int8` quantizes the draft's linear layers (weight-only int8) in a copy that
-    shares the target's embeddings; with `"model": "target"` this is the quantized self-draft."""
+    shares the target's embeddings; with `"model": "target"` this is the quantized self-draft.
+    draft_p_min: the draft stops at the first position where its most likely token has a
+    probability below this (llama.cpp's p-min), drafting nothing there; None: always k tokens.
+    draft_lookup_min: prompt lookup in front of the draft model: a step whose context ends in
+    n >= this tokens that occurred before drafts what followed them (free), the draft model the
+    other steps; None: the draft model every step."""
 
     quantization: str | None = None
+    draft_p_min: float | None = None
+    draft_lookup_min: int | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of: {', '.join(QUANTIZATIONS)}")
+        if self.draft_p_min is not None:
+            require_number("draft_p_min", self.draft_p_min, 0, 1, low_open=True)
+        require_int("draft_lookup_min", self.draft_lookup_min, 1, optional=True)
 
     def check(self, config: SpeculativeConfig) -> None:
-        if not config.model:
+        # No model: the target's known draft (specdec.models.catalog), looked up when the drafter
+        # is built for its target, which refuses a target that has none.
+        if config.model is not None and not config.model:
             raise ConfigError("method 'draft_model' needs a draft model: set 'model' in the speculative config")
 
     def label(self) -> list[str]:
         return [self.quantization] if self.quantization else []
+
+    def label_after_k(self) -> list[str]:
+        return ([f"p>={self.draft_p_min:g}"] if self.draft_p_min else []) + (
+            [f"lookup>={self.draft_lookup_min}"] if self.draft_lookup_min else [])
 
 
 @dataclass(frozen=True)
@@ -319,6 +338,7 @@ class Method:
     tune_trees: tuple[tuple[int, int, int], ...] = ()
     tune_floors: tuple[dict[str, Any], ...] = ()
     pin: str | None = None  # "module:function": the config with what it leaves to the target made explicit
+    offer: str | None = None  # "module:function": the configs of this method a target brings (target_methods)
 
     def build(self, config: SpeculativeConfig, target: LoadedModel) -> Drafter:
         factory: DrafterFactory = resolve(self.factory)
@@ -354,7 +374,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "a Jacobi window and the target's own n-grams", tune_ks=(2, 3), tuned={}),
     Method("draft_model", "specdec.drafters.draft_model:build", DraftModelOptions, 4,
            "a smaller model with the target's tokenizer, or the target itself quantized", takes_model=True,
-           tuned={"model": "target", "quantization": "int8"}),
+           tuned={"model": "target", "quantization": "int8"}, pin="specdec.drafters.draft_model:pinned",
+           offer="specdec.drafters.draft_model:offered", tune_floors=DRAFT_FLOORS),
     Method("layer_skip", "specdec.drafters.layer_skip:build", LayerSkipOptions, 1,
            "the target with some of its layers skipped", tuned={}, pin="specdec.drafters.layer_skip:pinned"),
     Method("eagle", "specdec.drafters.eagle:build", HeadOptions, 1, "a head trained on the target's states",
@@ -392,6 +413,12 @@ def default_k(name: str) -> int:
 def build_drafter(config: SpeculativeConfig, target: LoadedModel) -> Drafter:
     """The drafter a config names, for this target (its module imported now)."""
     return method(config.method).build(config, target)
+
+
+def target_methods(target: LoadedModel) -> list[dict[str, Any]]:
+    """The configs a target brings of its own, which `tune` measures by default (draft_model
+    with the target's known draft, for a catalog target that has one): each method's `offer`."""
+    return [config for m in methods() if m.offer is not None for config in resolve(m.offer)(target)]
 
 
 def pinned(config: SpeculativeConfig, target: LoadedModel) -> SpeculativeConfig:

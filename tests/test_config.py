@@ -60,7 +60,6 @@ def test_config_is_frozen_and_round_trips() -> None:
         ({"method": "ngram", "options": None, "adaptive": 1}, "adaptive must be true or false, got 1"),
         ({"method": "eagle", "tree_width": 0}, "tree_width must be an integer >= 1, got 0"),
         ({"method": "eagle", "drafter_invariant": "yes"}, "drafter_invariant must be true or false, got 'yes'"),
-        ({"method": "draft_model"}, "method 'draft_model' needs a draft model"),
         ({"method": "draft_model", "model": ""}, "method 'draft_model' needs a draft model"),
         (
             {"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3},

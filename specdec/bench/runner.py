@@ -103,6 +103,12 @@ class Tally:
         stats = self.speculation
         if self.timed_turns:  # mean time to first token a turn: the prefill and the first token
             out["ttft_s"] = round(stats.prefill_time_s / self.timed_turns, 4)
+        if stats.drafted_tokens and stats.draft_time_s:
+            # What one drafted token costs: absolute, and in the plain system's time per output token.
+            per_token = stats.draft_time_s / stats.drafted_tokens
+            out["draft_s_per_drafted_token"] = round(per_token, 6)
+            if baseline is not None and baseline.tokens and baseline.seconds:
+                out["drafted_token_cost"] = round(per_token / (baseline.seconds / baseline.tokens), 4)
         if stats.target_steps:
             out["acceptance_rate"] = round(stats.acceptance_rate, 4)
             out["mean_accepted_length"] = round(stats.mean_accepted_length, 4)

@@ -73,11 +73,13 @@ def base_methods() -> list[dict[str, Any]]:
 def default_methods(target) -> list[dict[str, Any]]:
     """The base methods for this target: without the int8 self-draft when the target's own weights
     are int8 or int4 already (such a copy costs as much as the target); with the methods that
-    need a trained head (EAGLE, the hybrid, Medusa) when such a head ships for the target."""
+    need a trained head (EAGLE, the hybrid, Medusa) when such a head ships for the target; with
+    its known draft model when it has one."""
     quantized = target.backend.weight_format.startswith(QUANTIZED_FORMATS)
     methods = [m for m in base_methods() if not (quantized and m.get("quantization") == "int8")]
-    return methods + [{"method": m.name} for m in registry.methods()
-                      if m.head is not None and shipped_dir(m.head, target.name) is not None]
+    heads = [{"method": m.name} for m in registry.methods()
+             if m.head is not None and shipped_dir(m.head, target.name) is not None]
+    return methods + registry.target_methods(target) + heads
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None,
         if trees and "num_speculative_tokens" not in method and "tree_width" not in method:
             configs += [SpeculativeConfig.from_dict({**base, "num_speculative_tokens": k, "tree_width": width,
                                                      "tree_nodes": nodes}) for k, width, nodes in registered.tune_trees]
-        if not {"num_speculative_tokens", "draft_confidence", "tree_width"} & set(method):
+        if not {"num_speculative_tokens", "draft_confidence", "draft_p_min", "tree_width"} & set(method):
             configs += [SpeculativeConfig.from_dict({**base, **floor}) for floor in registered.tune_floors]
         # Names as every specdec table gives them ("draft_model self int8 k=4 adaptive", "eagle
         # k=3 tree 2x6"); the drafter is the name without k (a tree's shape kept).
@@ -159,11 +161,11 @@ def build_candidates(methods: list[dict[str, Any]], ks: list[int] | None = None,
 
 def drafter_label(label: str) -> str:
     """A candidate's name without its k: "eagle k=3 tree 2x6" -> "eagle tree 2x6", "eagle k=3
-    conf>=0.2" -> "eagle conf>=0.2"."""
+    conf>=0.2" -> "eagle conf>=0.2", "draft_model m k=6 p>=0.5" -> "draft_model m p>=0.5"."""
     found = re.match(r"(.*?) k=\d+(.*)", label)
     if not found:
         return label
-    shape = re.findall(r" (head k=\w+|tree \d+x\d+|conf>=[\d.e-]+)", found.group(2))
+    shape = re.findall(r" (head k=\w+|tree \d+x\d+|conf>=[\d.e-]+|p>=[\d.e-]+|lookup>=\d+)", found.group(2))
     return " ".join([found.group(1), *shape])
 
 

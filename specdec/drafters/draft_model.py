@@ -22,6 +22,7 @@ target serves the rest of the request alone.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,8 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.drafters.base import Drafter, Proposal
+from specdec.drafters.ngram import NgramDrafter
+from specdec.errors import ConfigError
+from specdec.models import catalog
 from specdec.models.cache import PreallocatedCache
-from specdec.models.loader import LoadedModel, default_model_path, load_model
+from specdec.models.loader import LoadedModel, load_model, model_file
 from specdec.models.quantize import quantize_int8, quantized_bytes
 from specdec.models.runner import ModelRunner
 from specdec.models.vocab import check_draft_vocabulary, check_vocabulary_compatible
@@ -48,6 +52,8 @@ if TYPE_CHECKING:
 # `python benchmarks/catch_up_cost.py`).
 SINK = 4
 RESUME_WINDOW = 16
+# The longest n-gram prompt lookup tries in front of a draft model (as `ngram`'s default).
+LOOKUP_MAX = 6
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -66,10 +72,13 @@ class DraftModelDrafter(Drafter):
 
     def __init__(
         self, draft: LoadedModel, layers: Sequence[int] | None = None, added_memory_bytes: int = 0,
-        sink: int = SINK, resume_window: int = RESUME_WINDOW,
+        sink: int = SINK, resume_window: int = RESUME_WINDOW, p_min: float | None = None,
     ) -> None:
         if sink < 0 or resume_window < 1:
             raise ValueError("need sink >= 0 and resume_window >= 1")
+        if p_min is not None and not 0 < p_min <= 1:
+            raise ValueError(f"p_min must be in (0, 1], got {p_min!r}")
+        self.p_min = p_min
         self.runner = ModelRunner(draft, layers)
         self.added_memory_bytes = added_memory_bytes
         self.sink = sink
@@ -136,22 +145,29 @@ class DraftModelDrafter(Drafter):
             self.cached.extend(feed)
             if history is not None:
                 logits = history.adjust(logits, [tokens])
+            # With a floor, the draft stops where its most likely token is less likely than that
+            # (under greedy, as the logits' softmax says; sampled, as the distribution it samples
+            # from): it decides from its own distribution alone, so what it drafts stays exact.
             if params.greedy:
+                if self.p_min is not None and float(torch.softmax(logits[0].float(), -1).max()) < self.p_min:
+                    break
                 token = int(logits[0].argmax())
-            elif params.drafter_invariant:  # the target's noise at this position: a deterministic draft
-                token = invariant_tokens(logits_to_probs(logits, params), generator.initial_seed(),
-                                         len(context) + len(tokens))[0]
             else:
                 draft_probs = logits_to_probs(logits, params)  # [1, vocab]
-                token = int(sample(draft_probs, generator)[0])
-                probs.append(draft_probs[0])
+                if self.p_min is not None and float(draft_probs.max()) < self.p_min:
+                    break
+                if params.drafter_invariant:  # the target's noise at this position: a deterministic draft
+                    token = invariant_tokens(draft_probs, generator.initial_seed(), len(context) + len(tokens))[0]
+                else:
+                    token = int(sample(draft_probs, generator)[0])
+                    probs.append(draft_probs[0])
             tokens.append(token)
             feed = [token]
         return Proposal(tokens=tokens, probs=torch.stack(probs) if probs else None)
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.runner.loaded, self.runner.layers, self.added_memory_bytes, self.sink,
-                                 self.resume_window)
+                                 self.resume_window, self.p_min)
 
     def commit(self, context: list[int], num_accepted: int) -> None:
         pass  # the next propose() rolls the cache back to what the context kept
@@ -160,12 +176,76 @@ class DraftModelDrafter(Drafter):
 def _same_model(name: str, target: LoadedModel) -> bool:
     if name == "target":
         return True
-    path = default_model_path() if name == "default" else Path(name).expanduser()
-    return path.resolve() == Path(target.source).resolve()
+    return model_file(name).resolve() == Path(target.source).resolve()
 
 
-def build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
-    assert config.model is not None  # the config checks this
+class LookupFirst(Drafter):
+    """Prompt lookup where the context repeats itself, the draft model elsewhere: each step tries
+    lookup first and runs the draft only when lookup finds nothing. Lookup costs nothing and,
+    where the answer quotes the prompt or itself, proposes runs the target accepts whole; the
+    draft guesses everywhere, at a fraction of a target step a token. The draft's cache catches
+    up on what lookup's steps committed at its next proposal (one pass over those tokens)."""
+
+    def __init__(self, draft: DraftModelDrafter, lookup: NgramDrafter) -> None:
+        self.draft = draft
+        self.lookup = lookup
+        self.added_memory_bytes = draft.added_memory_bytes
+        self.used_lookup = 0  # steps drafted by lookup (the rest by the draft model)
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        self.draft.begin(prompt_ids, max_len)
+        self.lookup.begin(prompt_ids, max_len)
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        proposal = self.lookup.propose(context, k, params, generator)
+        if proposal.tokens:
+            self.used_lookup += 1
+            return proposal
+        return self.draft.propose(context, k, params, generator)
+
+    def commit(self, context: list[int], num_accepted: int) -> None:
+        self.draft.commit(context, num_accepted)
+        self.lookup.commit(context, num_accepted)
+
+    def resume(self) -> None:
+        self.draft.resume()
+
+    def model_runner(self) -> ModelRunner:
+        return self.draft.model_runner()
+
+    def fork(self) -> LookupFirst:
+        return LookupFirst(self.draft.fork(), self.lookup.fork())
+
+
+def draft_name(config: SpeculativeConfig, target: LoadedModel) -> str:
+    """The draft the config names, else the target's known draft (a catalog pair); ConfigError
+    for a target that has none."""
+    if config.model:
+        return config.model
+    known = catalog.known_draft(target.source)
+    if known is None:
+        pairs = ", ".join(f"{m.name} -> {m.draft}" for m in catalog.MODELS.values() if m.draft)
+        raise ConfigError(f"method 'draft_model' needs a draft model: set 'model' in the speculative config "
+                          f"(--draft-model); {target.name} has no known draft (known pairs: {pairs})")
+    return known
+
+
+def offered(target: LoadedModel) -> list[dict]:
+    """draft_model with the target's known draft, for a target that has one
+    (:func:`specdec.methods.target_methods`)."""
+    return [{"method": "draft_model"}] if catalog.known_draft(target.source) is not None else []
+
+
+def pinned(config: SpeculativeConfig, target: LoadedModel) -> SpeculativeConfig:
+    """The config with the target's known draft named (:func:`specdec.methods.pinned`)."""
+    return config if config.model else dataclasses.replace(config, model=draft_name(config, target))
+
+
+def build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter | LookupFirst:
+    config = pinned(config, target)
+    assert config.model is not None
     # A target drafting for itself shares its weights instead of loading them again.
     shared = _same_model(config.model, target)
     if not shared:  # a draft that cannot pair is refused before its weights load
@@ -177,4 +257,7 @@ def build(config: SpeculativeConfig, target: LoadedModel) -> DraftModelDrafter:
         # The int8 copy shares embeddings and norms with the model it was made from.
         draft = quantize_int8(draft)
         added += quantized_bytes(draft)
-    return DraftModelDrafter(draft, added_memory_bytes=added)
+    drafter = DraftModelDrafter(draft, added_memory_bytes=added, p_min=config.draft_p_min)
+    if config.draft_lookup_min is None:
+        return drafter
+    return LookupFirst(drafter, NgramDrafter(config.draft_lookup_min, max(LOOKUP_MAX, config.draft_lookup_min)))

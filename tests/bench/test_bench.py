@@ -161,3 +161,19 @@ def test_bench_cli_writes_report(tmp_path: Path) -> None:
     for png in ("speedup_by_category.png", "acceptance_by_position.png"):
         assert (tmp_path / "rep" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"![{png}]({png})" in markdown
+
+
+def test_a_drafters_cost_per_drafted_token_is_reported() -> None:
+    from specdec.bench.runner import Tally
+    from specdec.engine.stats import RequestStats
+
+    plain, spec = Tally(), Tally()
+    plain.add([RunResult(list(range(100)), "", 2.0)], None)  # 20 ms an output token
+    stats = RequestStats()
+    stats.record_step(drafted=4, accepted=3, draft_time_s=0.012)
+    stats.record_step(drafted=4, accepted=4, draft_time_s=0.020)
+    spec.add([RunResult(list(range(9)), "", 0.1, stats)], True)
+    summary = spec.summary(plain)
+    assert summary["draft_s_per_drafted_token"] == pytest.approx(0.004)
+    assert summary["drafted_token_cost"] == pytest.approx(0.2)
+    assert "draft_s_per_drafted_token" not in plain.summary(None)

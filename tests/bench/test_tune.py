@@ -37,12 +37,14 @@ def test_default_grid_has_each_k_and_adaptive_at_the_largest() -> None:
     by_drafter: dict[str, list[tune.Candidate]] = {}
     for c in candidates:
         by_drafter.setdefault(c.drafter, []).append(c)
-    assert set(by_drafter) == {"ngram", "suffix", "lookahead W1 N3 G1", "layer_skip", "draft_model self int8"}
+    assert set(by_drafter) == {"ngram", "suffix", "lookahead W1 N3 G1", "layer_skip", "draft_model self int8",
+                               "draft_model self int8 p>=0.5", "draft_model self int8 p>=0.75"}
     fixed = {d: [c.k for c in cs if not c.config.adaptive] for d, cs in by_drafter.items()}
     assert fixed == {"ngram": [1, 2, 3, 4, 6], "suffix": [4, 6, 8], "lookahead W1 N3 G1": [2, 3], "layer_skip": [1, 2, 3, 4],
-                     "draft_model self int8": [1, 2, 3, 4]}
-    adaptive = {d: [c.k for c in cs if c.config.adaptive] for d, cs in by_drafter.items()}
-    assert adaptive == {d: [max(ks)] for d, ks in fixed.items()}
+                     "draft_model self int8": [1, 2, 3, 4], "draft_model self int8 p>=0.5": [4, 6],
+                     "draft_model self int8 p>=0.75": [6]}
+    adaptive = {d: [c.k for c in cs if c.config.adaptive] for d, cs in by_drafter.items() if "p>=" not in d}
+    assert adaptive == {d: [max(ks)] for d, ks in fixed.items() if "p>=" not in d}
     int8 = by_drafter["draft_model self int8"][0].config
     assert (int8.model, int8.quantization) == ("target", "int8")
 
@@ -87,7 +89,7 @@ def test_head_drafters_are_measured_with_their_trees_too() -> None:
     ("methods", "ks", "message"),
     [
         (["bogus"], None, "unknown speculative method 'bogus'"),
-        (['{"method": "draft_model"}'], None, "needs a draft model"),
+        (['{"method": "draft_model", "model": ""}'], None, "needs a draft model"),
         (['{"method": "ngram", "adaptive": true}'], None, "'adaptive' is not set per method"),
         (["ngram", "ngram"], None, "a method is given twice"),
         (["ngram"], "0,2", "--k values must be integers >= 1"),

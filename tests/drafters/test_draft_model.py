@@ -184,3 +184,110 @@ def test_a_draft_with_a_shorter_context_limits_speculation(tiny_model: LoadedMod
     stats = result.stats
     # It drafted at every step while the context (11 .. 24 tokens) fit in the draft's 24, then never.
     assert stats.drafted_at[0] == 24 - len(prompt) and stats.undrafted_steps > 0
+
+
+@pytest.fixture()
+def tiny_pair(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """Two tiny GGUF files with one tokenizer, registered as catalog models: `tiny-target`, whose
+    known draft is `tiny-draft`, already assembled in a cache of the test's own."""
+    from specdec.models import catalog
+    from tests.conftest import tiny_tokenizer
+    from tests.models.gguf_files import write_tiny_gguf
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = tiny_tokenizer()
+    entries = {}
+    for name, seed, draft in (("tiny-target", 0, "tiny-draft"), ("tiny-draft", 1, None)):
+        entry = catalog.CatalogModel(name, name.title(), f"{name}.gguf", (), "0", 0, "", "MIT", draft)
+        entry.path().parent.mkdir(parents=True, exist_ok=True)
+        size = write_tiny_gguf(entry.path(), "qwen2", "Q8_0", tokenizer, seed=seed).stat().st_size
+        entries[name] = catalog.CatalogModel(name, name.title(), f"{name}.gguf", (), "0", size, "", "MIT", draft)
+        monkeypatch.setitem(catalog.MODELS, name, entries[name])
+    return entries
+
+
+def test_a_target_with_a_known_draft_gets_it(tiny_pair) -> None:
+    from specdec import LLM
+    from specdec.methods import pinned
+
+    llm = LLM("tiny-target", {"method": "draft_model", "num_speculative_tokens": 3})
+    drafter = llm.engine.drafter
+    assert isinstance(drafter, DraftModelDrafter)
+    assert drafter.runner.loaded.source == str(tiny_pair["tiny-draft"].path())
+    assert pinned(llm.speculative_config, llm.target).model == "tiny-draft"
+    from specdec.bench.tune import default_methods
+
+    assert {"method": "draft_model"} in default_methods(llm.target)  # tune measures the known draft
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = list(range(5, 30))
+    result = llm.engine.generate(prompt, greedy)
+    assert result.token_ids == llm.plain_engine.generate(prompt, greedy).token_ids
+    assert result.stats.drafted_tokens > 0
+
+
+def test_a_target_without_a_known_draft_is_told_which_pairs_exist(tiny_pair, tiny_model: LoadedModel) -> None:
+    from specdec.errors import ConfigError
+
+    config = SpeculativeConfig(method="draft_model")
+    with pytest.raises(ConfigError, match=r"needs a draft model: set 'model'.*has no known draft "
+                                          r"\(known pairs: .*tiny-target -> tiny-draft"):
+        build_drafter(config, tiny_model)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_floor_stops_the_draft_where_its_top_token_is_unlikely(tiny_model: LoadedModel, sampled: bool) -> None:
+    """With draft_p_min, a proposal is the draft's continuation up to (not including) the first
+    position whose most likely token has a probability under the floor."""
+    context = [100, 200, 300, 17]
+    params = SamplingParams(temperature=1.0 if sampled else 0.0)
+    free = DraftModelDrafter(tiny_model)
+    free.begin(context, 128)
+    generator = torch.Generator().manual_seed(3) if sampled else None
+    proposal = free.propose(context, 6, params, generator)
+    tops = []
+    for i in range(6):
+        logits = ModelRunner(tiny_model).score(context + proposal.tokens[:i])[-1:]
+        tops.append(float((logits_to_probs(logits, params) if sampled else torch.softmax(logits, -1)).max()))
+    cut = min(range(1, 6), key=lambda i: tops[i])  # the least sure position after the first
+    floor = (tops[cut] + min(tops[:cut])) / 2
+    assert all(t >= floor for t in tops[:cut]) and tops[cut] < floor
+    floored = DraftModelDrafter(tiny_model, p_min=floor)
+    floored.begin(context, 128)
+    generator = torch.Generator().manual_seed(3) if sampled else None
+    got = floored.propose(context, 6, params, generator)
+    assert got.tokens == proposal.tokens[:cut]
+    if sampled:
+        assert got.probs is not None and torch.equal(got.probs, proposal.probs[:cut])
+    nothing = DraftModelDrafter(tiny_model, p_min=1.0)
+    nothing.begin(context, 128)
+    assert nothing.propose(context, 6, params, generator).tokens == []
+
+
+def test_draft_p_min_is_checked_and_labelled() -> None:
+    from specdec.errors import ConfigError
+
+    config = SpeculativeConfig(method="draft_model", model="m.gguf", draft_p_min=0.5)
+    assert config.draft_p_min == 0.5 and "p>=0.5" in config.label
+    with pytest.raises(ConfigError, match=r"draft_p_min must be a number in \(0, 1\], got 0"):
+        SpeculativeConfig(method="draft_model", model="m.gguf", draft_p_min=0)
+
+
+def test_lookup_in_front_of_the_draft_model(tiny_model: LoadedModel) -> None:
+    """With draft_lookup_min, a step whose context ends in a repeated n-gram drafts what followed
+    it, without running the draft; other steps are the draft model's own greedy continuation."""
+    from specdec.drafters.draft_model import LookupFirst
+
+    config = SpeculativeConfig(method="draft_model", model="target", draft_lookup_min=2, num_speculative_tokens=3)
+    drafter = build_drafter(config, tiny_model)
+    assert isinstance(drafter, LookupFirst) and drafter.model_runner() is drafter.draft.runner
+    assert "lookup>=2" in config.label
+    params = SamplingParams()
+    repeating = [100, 200, 300, 400, 500, 600, 100, 200, 300, 400]  # a 4-token match proposes up to 3
+    drafter.begin(repeating, 128)
+    assert drafter.propose(repeating, 3, params, None).tokens == [500, 600, 100]
+    assert drafter.used_lookup == 1 and drafter.draft.cached == []  # the draft did not run
+    fresh = [100, 200, 300, 17]
+    assert drafter.propose(fresh, 3, params, None).tokens == reference_greedy(tiny_model, fresh, 3)
+    assert drafter.used_lookup == 1
+    fork = drafter.fork()
+    assert isinstance(fork, LookupFirst) and fork.draft.runner.loaded is tiny_model and fork.used_lookup == 0

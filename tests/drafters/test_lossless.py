@@ -251,6 +251,8 @@ REAL_DRAFTERS = [
     pytest.param({"method": "draft_model", "model": "TINY", "num_speculative_tokens": 5}, id="tiny-k5"),
     pytest.param({"method": "draft_model", "model": "target", "quantization": "int8", "num_speculative_tokens": 3},
                  id="int8-self-k3"),
+    pytest.param({"method": "draft_model", "model": "target", "quantization": "int8", "num_speculative_tokens": 4,
+                  "draft_p_min": 0.6}, id="int8-self-k4-pmin"),
     pytest.param({"method": "layer_skip", "num_speculative_tokens": 3}, id="layer_skip-k3"),
     pytest.param({"method": "layer_skip", "layers": list(range(0, 30, 3)), "num_speculative_tokens": 4},
                  id="layer_skip-third-k4"),

@@ -258,6 +258,12 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoi
     draft resumed on a window of the context."""
     if name == "draft_model":
         return Engine(target, DraftModelDrafter(draft), 2)
+    if name == "draft_model-confident":  # up to 3 tokens, ending where the draft's top token is below 0.4
+        return Engine(target, DraftModelDrafter(draft, p_min=0.4), 3)
+    if name == "draft_model-lookup":  # lookup where a 1-token match exists, the draft model elsewhere
+        from specdec.drafters.draft_model import LookupFirst
+
+        return Engine(target, LookupFirst(DraftModelDrafter(draft), NgramDrafter(1, 3)), 2)
     if name == "ngram":
         return Engine(target, NgramDrafter(1, 3), 2)
     if name == "layer_skip":
@@ -327,7 +333,8 @@ def test_setup_self_drafts_differ_from_target(target: LoadedModel, deep_target: 
 
 
 @pytest.mark.parametrize(("target", "drafter"), backend_matrix(
-    ["draft_model", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle", "eagle-tree", "eagle-confident",
+    ["draft_model", "draft_model-confident", "draft_model-lookup", "ngram", "layer_skip", "int8", "adaptive", "resumed", "eagle", "eagle-tree",
+     "eagle-confident",
      "eagle-tree-confident", "hybrid", "hybrid-branches",
      "medusa", "medusa-tree", "mtp", "suffix", "suffix-tree", "lookahead"]), indirect=["target"])
 def test_speculative_sampling_follows_target(
@@ -347,14 +354,15 @@ def test_speculative_sampling_follows_target(
         monkeypatch.setattr(SuffixDrafter if drafter == "suffix-tree" else HybridDrafter, "propose", counted)
     lengths = []
     if drafter.endswith("-confident"):  # the floor must cut some drafts short and leave some whole
-        eagle_propose = EagleDrafter.propose
+        family = DraftModelDrafter if drafter.startswith("draft_model") else EagleDrafter
+        family_propose = family.propose
 
         def measured(self, *args):
-            proposal = eagle_propose(self, *args)
+            proposal = family_propose(self, *args)
             lengths.append(len(proposal.tokens))
             return proposal
 
-        monkeypatch.setattr(EagleDrafter, "propose", measured)
+        monkeypatch.setattr(family, "propose", measured)
     samples = sample_sequences(engine, SAMPLED, 2500)
     if drafter in ("suffix-tree", "hybrid-branches"):
         assert sum(p.parents is not None for p in trees) > 100
