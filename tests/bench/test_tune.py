@@ -284,7 +284,10 @@ def test_tune_writes_results_and_files(tuned: tuple[Path, subprocess.CompletedPr
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "tune.json").read_text())
     names = [c["name"] for c in data["configs"]]
-    assert names == ["ngram k=2", "ngram k=2 adaptive", "draft_model self int8 k=2", "draft_model self int8 k=2 adaptive"]
+    # A draft model is measured under its p-min floors too (each with its own k).
+    assert names == ["ngram k=2", "ngram k=2 adaptive", "draft_model self int8 k=2", "draft_model self int8 k=2 adaptive",
+                     "draft_model self int8 k=4 p>=0.5", "draft_model self int8 k=6 p>=0.5",
+                     "draft_model self int8 k=6 p>=0.75"]
     assert data["categories"] == ["chat", "code"] and data["prompts"] == 2
     for c in data["configs"]:
         for scope in [c[tune.OVERALL], *c["categories"].values()]:
