@@ -85,6 +85,22 @@ def test_q4_product_is_its_reference(isa: str, shape: tuple[int, int], kind: str
     assert torch.equal(kernels.q4_matmul(x, packed, shape[0], isa), reference.q4_matmul(x, q, d, m))
 
 
+@pytest.mark.parametrize("kind", list(Q4_KINDS))
+def test_q4_products_of_the_largest_values_are_exact(isa: str, kind: str) -> None:
+    # Every weight at its top value (15, or 31 for Q5_K) against activations at +-127 in whole
+    # blocks: the largest integer sums a path adds (AVX2 adds maddubs' pairs in 16 bits first).
+    make, _ = Q4_KINDS[kind]
+    q, d, m, _ = make(64, 512, seed=8)
+    q = torch.full_like(q, 31 if kind == "q5k" else 15)
+    packed = packing.pack_q4(q, d, m)
+    x = torch.ones(4, 512)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, 256:] = -1.0
+    got = kernels.q4_matmul(x, packed, 64, isa)
+    assert torch.equal(got, reference.q4_matmul(x, q, d, m))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("scales", ["per 32", "per 16"])
 def test_q8_product_is_its_reference(isa: str, shape: tuple[int, int], scales: str) -> None:
