@@ -257,7 +257,8 @@ class BatchEngine:
         last = self._last_prefill
         if (last is not None and last.prompt_ids == prompt_ids and set(layers) <= set(last.states)
                 and (not every_position or len(last.logits) == len(prompt_ids))):
-            return last.cache, last.logits if every_position else last.logits[-1:], last.states, last.cached
+            # The whole prompt's keys and values are reused: every prompt token counts as cached.
+            return last.cache, last.logits if every_position else last.logits[-1:], last.states, len(prompt_ids)
         cache = self.runner.new_cache(len(prompt_ids))
         prefix = self.prefix_cache
         # Every position's logits need every position computed: such a prompt is only stored.

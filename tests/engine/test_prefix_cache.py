@@ -218,3 +218,14 @@ def test_a_head_reading_the_targets_states_reuses_blocks_that_hold_them(default_
         # The earlier turn's prompt in whole blocks (its answer's blocks hold no states).
         assert a.stats.cached_tokens == (0 if turn == 0 else prompts[-2] // 16 * 16)
         messages = messages + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "Go on."}]
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_a_prompt_sent_twice_in_a_row_reports_its_reuse(tiny_exact: LoadedModel, prefix: bool) -> None:
+    # The second request reuses the first one's prefill whole (whichever cache holds it).
+    engine = Engine(tiny_exact, prefix_cache=PrefixCache(64 << 20) if prefix else None)
+    prompt = _prompt(40, 11)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    first, second = engine.generate(prompt, params), engine.generate(prompt, params)
+    assert first.stats.cached_tokens == 0 and second.stats.cached_tokens == len(prompt)
+    assert second.token_ids == first.token_ids
