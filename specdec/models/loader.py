@@ -199,10 +199,10 @@ def gguf_config_dict(gguf_path: Path) -> dict | None:
     """The Hugging Face config a GGUF file describes, as transformers' `load_gguf_checkpoint`
     builds it, without its reader; None for an architecture outside FAST_CONFIG_ARCHITECTURES
     (or a file that may be renamed to Mistral). That reader parses every metadata value, the
-    vocabulary and merge tables included, in Python: 19-25 s for a 151k- or 262k-token
-    vocabulary, and AutoConfig and AutoTokenizer each parse the file again. transformers' own
-    metadata reader skips over the string arrays (0.1 s); the keys are renamed by transformers'
-    tables as its loader renames them (the same dicts on every model here: a test holds to it)."""
+    vocabulary and merge tables included, one Python object at a time, and AutoConfig and
+    AutoTokenizer each parse the file again; transformers' own metadata reader skips over the
+    string arrays. The keys are renamed by transformers' tables as its loader renames them (the
+    same dicts on every architecture here: a test holds to it)."""
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
     from transformers.integrations.gguf import read_gguf_metadata
 

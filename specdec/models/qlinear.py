@@ -477,8 +477,8 @@ def unpack_q6_k_blocks(raw: np.ndarray, out_features: int, in_features: int) -> 
     product exact in float32 (an f16 times an int8)."""
     supers = in_features // 256
     blocks = np.ascontiguousarray(raw).reshape(out_features, supers, 210)
-    # In bytes throughout (a 6-bit value fits one): an LM head of 233M weights unpacks 4x faster
-    # than through int32, and q comes out int8, as the kernels' records hold it.
+    # In bytes throughout (a 6-bit value fits one): no int32 temporaries four times the matrix's
+    # size, and q comes out int8, as the kernels' records hold it.
     low = blocks[..., :128].reshape(out_features, supers, 2, 2, 32)  # [.., half, l or l + 32, i]
     high = blocks[..., 128:192].reshape(out_features, supers, 2, 1, 32)  # [.., half, 1, i]
     pairs = (high >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & np.uint8(3)  # [.., half, 4, i]: bits 0-1 .. 6-7

@@ -178,3 +178,18 @@ def test_known_drafts_name_catalog_models() -> None:
     assert catalog.known_draft(catalog.MODELS["qwen2.5-coder-1.5b"].path()) == "qwen2.5-coder-0.5b"
     assert catalog.known_draft(catalog.MODELS["qwen2.5-coder-0.5b"].path()) is None
     assert catalog.known("Qwen2.5-Coder-0.5B") is catalog.MODELS["qwen2.5-coder-0.5b"] and catalog.known(None) is None
+
+
+def test_the_models_command_lists_states_and_assembles(fake, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from specdec.cli.main import app
+
+    model, _, whole = fake
+    monkeypatch.setattr(catalog, "MODELS", {model.name: model})  # not the real pair: 1.5 GB
+    listed = CliRunner().invoke(app, ["models"])
+    assert listed.exit_code == 0 and "fake-model" in listed.output and "installed" in listed.output
+    assert not model.path().exists()
+    assembled = CliRunner().invoke(app, ["models", "--assemble"])
+    assert assembled.exit_code == 0 and "assembled" in assembled.output
+    assert model.path().read_bytes() == whole
