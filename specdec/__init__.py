@@ -1,6 +1,6 @@
 """specdec: lossless speculative decoding for LLM text generation.
 
-`LLM` and `RequestOutput` are imported on first use (PEP 562), so that importing a light module
+`LLM`, `RequestOutput` and `Infill` are imported on first use (PEP 562), so that importing a light module
 (`specdec.config`, `specdec.methods`) loads no model code.
 """
 
@@ -13,8 +13,9 @@ from specdec.errors import SpecDecError
 
 if TYPE_CHECKING:
     from specdec.api import LLM, RequestOutput
+    from specdec.models.prompts import Infill
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "SpecDecError", "SpeculativeConfig", "StructuredOutput"]
+__all__ = ["LLM", "Infill", "RequestOutput", "SamplingParams", "SpecDecError", "SpeculativeConfig", "StructuredOutput"]
 __version__ = "0.1.0"
 
 
@@ -23,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from specdec import api
 
         return getattr(api, name)
+    if name == "Infill":
+        from specdec.models.prompts import Infill
+
+        return Infill
     raise AttributeError(f"module 'specdec' has no attribute {name!r}")

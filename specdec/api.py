@@ -14,7 +14,7 @@ from specdec.engine import Engine, Generation, RequestStats, StreamChunk
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.models.prefix_cache import PrefixCache
-from specdec.models.prompts import Message, Prompt, PromptEncoder
+from specdec.models.prompts import Infill, Message, Prompt, PromptEncoder
 from specdec.sampling.logprobs import TokenLogprob
 
 
@@ -101,11 +101,15 @@ class LLM:
         """Token ids for a prompt (:class:`specdec.models.prompts.PromptEncoder`)."""
         return self._encoder.encode(prompt, tools)
 
-    def request_params(self, params: SamplingParams) -> SamplingParams:
-        """The config's drafter-invariant rule applies to every request, speculating or not."""
+    def request_params(self, params: SamplingParams, prompt: Prompt | None = None) -> SamplingParams:
+        """The config's drafter-invariant rule applies to every request, speculating or not; an
+        infill's output also ends at the model's FIM control tokens."""
         config = self.speculative_config
         if config is not None and config.drafter_invariant and not params.drafter_invariant:
-            return dataclasses.replace(params, drafter_invariant=True)
+            params = dataclasses.replace(params, drafter_invariant=True)
+        stops = self._encoder.stop_token_ids(prompt) if prompt is not None else ()
+        if stops:
+            params = dataclasses.replace(params, stop_token_ids=tuple(sorted({*params.stop_token_ids, *stops})))
         return params
 
     def _engine(self, speculate: bool) -> Engine:
@@ -121,16 +125,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt, up to `max_batch` of them together in each target pass (one
         at a time with 1). speculate=False decodes plainly with the same engine."""
-        params = self.request_params(sampling_params or SamplingParams())
-        batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else list(prompts)
+        single = isinstance(prompts, (str, Infill)) or (prompts and isinstance(prompts[0], dict))
+        batch = [prompts] if single else list(prompts)
         engine = self._engine(speculate)
         encoded = [self.encode(prompt) for prompt in batch]  # every prompt checked before any runs
+        params = [self.request_params(sampling_params or SamplingParams(), prompt) for prompt in batch]
         outputs = []
-        for prompt, result in zip(batch, engine.generate_batch(encoded, params, max_batch)):
+        for prompt, p, result in zip(batch, params, engine.generate_batch(encoded, params, max_batch)):
             outputs.append(RequestOutput(
                 prompt, result.text, result.token_ids, result.finish_reason, result.stats,
-                logprobs=result.logprobs if params.logprobs is not None else None,
-                prompt_logprobs=result.prompt_logprobs if params.prompt_logprobs else None,
+                logprobs=result.logprobs if p.logprobs is not None else None,
+                prompt_logprobs=result.prompt_logprobs if p.prompt_logprobs else None,
             ))
         return outputs
 
@@ -146,4 +151,4 @@ class LLM:
         prompt_ids = self.encode(prompt)
         if result is not None:
             result.prompt_ids = list(prompt_ids)
-        return self._engine(speculate).stream(prompt_ids, self.request_params(sampling_params or SamplingParams()), result)
+        return self._engine(speculate).stream(prompt_ids, self.request_params(sampling_params or SamplingParams(), prompt), result)

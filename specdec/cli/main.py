@@ -206,6 +206,7 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="A system message for chat.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Continue the prompt as raw text, without the chat template.")] = False,
+    suffix: Annotated[Optional[str], typer.Option("--suffix", help="Fill in the middle: generate what goes between the prompt (the code before the cursor) and this text, with the model's FIM tokens (Qwen2.5-Coder, StarCoder, CodeGemma, DeepSeek-Coder). The prompt is raw text.")] = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print speculation statistics after the text.")] = False,
     presence_penalty: PresenceOpt = 0.0,
     frequency_penalty: FrequencyOpt = 0.0,
@@ -221,8 +222,10 @@ def generate(
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Generate from a prompt with speculative decoding (ngram by default) and print the text."""
-    if not prompt.strip():
+    if not prompt.strip() and not (suffix or "").strip():
         raise ConfigError("prompt is empty")
+    if suffix is not None and system:
+        raise ConfigError("--system is for a chat; --suffix fills in raw code")
     spec = speculative_config(spec_json, method, k, draft_model)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                             stop=tuple(stop or ()), drafter_invariant=drafter_invariant, presence_penalty=presence_penalty,
@@ -231,9 +234,11 @@ def generate(
     llm = _load(model, spec, device, backend, dtype)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     from specdec.engine import Generation
+    from specdec.models.prompts import Infill
 
+    what = Infill(prompt, suffix) if suffix is not None else prompt if raw else messages
     result = Generation(prompt_ids=[])
-    for chunk in llm.stream(prompt if raw else messages, params, result=result):
+    for chunk in llm.stream(what, params, result=result):
         if stream:
             out.print(chunk.text, end="", markup=False, highlight=False, soft_wrap=True)
     if not stream:

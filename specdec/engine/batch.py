@@ -210,7 +210,7 @@ class BatchEngine:
         stats = seq.result.stats
         stats.prompt_tokens = len(seq.prompt_ids)
         seq.budget = min(params.max_tokens, self.max_model_len - len(seq.prompt_ids))
-        seq._eos = frozenset() if params.ignore_eos else self.target.eos_token_ids
+        seq._eos = (frozenset() if params.ignore_eos else self.target.eos_token_ids) | frozenset(params.stop_token_ids)
         seq._text = TextAssembler(self.target.tokenizer, params.stop)
         if not params.greedy:
             seq.generator = torch.Generator(device=self.runner.device)

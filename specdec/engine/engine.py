@@ -9,7 +9,7 @@ an empty draft, one target pass over the last token, which is what makes outputs
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.methods import build_drafter
@@ -122,17 +122,22 @@ class Engine:
             pass
         return result
 
-    def generate_batch(self, prompts: list[list[int]], params: SamplingParams, max_rows: int = 8) -> list[Generation]:
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
+                       max_rows: int = 8) -> list[Generation]:
         """Generate for several prompts together: up to `max_rows` sequences share each target pass
         (the server's batched step), each drafted by its own fork of this engine's drafter; a
         sequence that finishes leaves its row to the next prompt. The results are in the prompts'
         order, each as :meth:`generate` would give it on the native backend (its rows are bitwise
-        their sequences' alone; on hf, float32 products may round a near tie otherwise)."""
+        their sequences' alone; on hf, float32 products may round a near tie otherwise). `params`:
+        one for every prompt, or one each."""
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        budgets = [self._budget(ids, params) for ids in prompts]  # every prompt checked before any runs
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(each) != len(prompts):
+            raise ValueError(f"{len(each)} sampling params for {len(prompts)} prompts")
+        budgets = [self._budget(ids, p) for ids, p in zip(prompts, each)]  # every prompt checked before any runs
         if len(prompts) <= 1:
-            return [self.generate(ids, params) for ids in prompts]
+            return [self.generate(ids, p) for ids, p in zip(prompts, each)]
         if self._busy:
             raise RuntimeError("this engine is already generating: finish or close the previous stream first")
         engine = self._batch_engine(min(max_rows, len(prompts)), max(len(ids) + b for ids, b in zip(prompts, budgets)))
@@ -144,8 +149,8 @@ class Engine:
                 while waiting and engine.running < engine.max_rows:
                     i = waiting.pop()
                     drafter = self.drafter.fork() if self.drafter is not None else None
-                    k = PREDICTION_K if params.prediction else self.k
-                    out = engine.admit(prompts[i], params, drafter, k, self.new_policy(), result=results[i])
+                    k = PREDICTION_K if each[i].prediction else self.k
+                    out = engine.admit(prompts[i], each[i], drafter, k, self.new_policy(), result=results[i])
                     if out.finished:
                         engine.remove(out.sequence)
                 for out in engine.step():

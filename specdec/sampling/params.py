@@ -52,6 +52,8 @@ class SamplingParams:
 
     top_k = 0 and top_p = 1 and min_p = 0 turn those filters off; top_p = 0 and min_p = 1 keep
     only the most likely token (min_p: every token tied with it), as OpenAI's API allows.
+    stop_token_ids: token ids that end the output as the model's EOS does (not part of it), even
+        with ignore_eos: a fill-in-the-middle request ends at the model's FIM control tokens.
     drafter_invariant: sample each token as argmax(log p + Gumbel noise keyed by the seed and the
         token's position), so a seeded request gives the same tokens whatever the drafter, k,
         batch or load, speculation on or off (see `specdec.sampling.invariant`).
@@ -77,6 +79,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
     drafter_invariant: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -125,6 +128,9 @@ class SamplingParams:
             raise ConfigError(f"logprobs must be None or an integer in 0..20, got {self.logprobs!r}")
         if not isinstance(self.prompt_logprobs, bool):
             raise ConfigError(f"prompt_logprobs must be true or false, got {self.prompt_logprobs!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ConfigError("stop_token_ids must be token ids (integers >= 0)")
         object.__setattr__(self, "prediction", tuple(self.prediction))
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.prediction):
             raise ConfigError("prediction must be token ids (integers >= 0)")

@@ -35,7 +35,7 @@ from specdec.engine.batch import check_prompt
 from specdec.engine.stats import RequestStats
 from specdec.engine.text import TokenBytes
 from specdec.errors import ConfigError, PromptError
-from specdec.models.prompts import PromptEncoder
+from specdec.models.prompts import Infill, PromptEncoder
 from specdec.sampling.grammar import INSTALL_HINT, IsolatedCompiler
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.server import dashboard
@@ -192,7 +192,7 @@ def _structured(body: CompletionRequest | ChatCompletionRequest) -> tuple[Struct
 
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
             route: RouteConfig, vocab: int, structured: StructuredOutput | None = None,
-            prediction: tuple[int, ...] = ()) -> SamplingParams:
+            prediction: tuple[int, ...] = (), stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if any(not s for s in stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
@@ -216,7 +216,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, ch
         raise APIError(400, "ignore_eos cannot go with a structured output: the output ends where the grammar does",
                        param="ignore_eos")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                          min_p=body.min_p, seed=seed, stop=stop, ignore_eos=body.ignore_eos,
+                          min_p=body.min_p, seed=seed, stop=stop, ignore_eos=body.ignore_eos, stop_token_ids=stop_token_ids,
                           drafter_invariant=invariant, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                           logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
@@ -251,14 +251,16 @@ def _encode_completion(state: ServerState, body: CompletionRequest) -> tuple[lis
     else:
         prompts = list(prompt)
     vocab = state.encoder.target.vocab_size
+    if body.suffix is not None and not all(isinstance(p, str) for p in prompts):
+        raise APIError(400, "a suffix (fill in the middle) needs the prompt as text, not token ids", param="suffix")
     encoded = []
     for p in prompts:
         if isinstance(p, str):
-            state.check_size([p], "prompt")
+            state.check_size([p] if body.suffix is None else [p, body.suffix], "prompt")
             try:
-                ids = state.encoder.encode(p)
+                ids = state.encoder.encode(p if body.suffix is None else Infill(p, body.suffix))
             except PromptError as exc:
-                raise APIError(400, str(exc), param="prompt") from None
+                raise APIError(400, str(exc), param="prompt" if body.suffix is None else "suffix") from None
         else:
             if any(t < 0 or t >= vocab for t in p):
                 raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
@@ -507,8 +509,9 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
                        names=await state.encode(state.token_bytes) if body.logprobs is not None else None)
         expanded = [ids for ids in prompts for _ in range(body.n)]
         echoes = [(ids, text) for ids, text in zip(prompts, texts) for _ in range(body.n)] if body.echo else None
-        params = [_params(body, max(max_tokens, 1), i % body.n, route, state.encoder.target.vocab_size, structured)
-                  for i in range(len(expanded))]
+        stops = state.encoder.stop_token_ids(Infill("", body.suffix)) if body.suffix is not None else ()
+        params = [_params(body, max(max_tokens, 1), i % body.n, route, state.encoder.target.vocab_size, structured,
+                          stop_token_ids=stops) for i in range(len(expanded))]
 
         def choice(i: int, r: _Result) -> dict[str, Any]:
             text, logprobs = r.text, None

@@ -5,7 +5,7 @@ Fields follow OpenAI's API; specdec adds `top_k`, `min_p`, `repetition_penalty`,
 <= the route's cap). Structured outputs come as chat's `response_format` (`json_object`,
 `json_schema`) or as `structured_outputs` (`json`, `regex` or `grammar`) on both endpoints.
 Unknown fields are refused, as are OpenAI features specdec does not implement when set to
-anything but their neutral value (best_of > 1, audio, suffix), and text that
+anything but their neutral value (best_of > 1, audio), and text that
 is not valid Unicode (JSON's `\ud800` escapes decode to lone surrogates, which no tokenizer
 takes). Fields that do not change what is generated here (`metadata`, `store`, `service_tier`,
 `reasoning_effort`, `modalities: ["text"]`) are taken and ignored, as OpenAI's newer SDKs and
@@ -194,7 +194,7 @@ class CompletionRequest(_SamplingRequest):
     echo: StrictBool = False
     best_of: int = Field(default=1, ge=1, le=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's legacy API takes up to 5
-    suffix: None = None
+    suffix: StrictStr | None = None  # fill in the middle, for a model with FIM tokens
 
     @field_validator("prompt", mode="before")
     @classmethod

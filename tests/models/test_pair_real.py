@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec import LLM, Infill, SamplingParams, SpeculativeConfig
 from specdec.engine import Engine
 from specdec.models import catalog
 
@@ -49,3 +49,15 @@ def test_the_pair_is_greedy_identical(pair: LLM, options: dict) -> None:
         accepted += spec.stats.accepted_tokens
     # The 0.5B agrees with the 1.5B most of the time (a broken pairing would be near 0).
     assert drafted > 0 and accepted > 0.5 * drafted
+
+
+def test_the_pair_fills_in_the_middle(pair: LLM) -> None:
+    """Qwen2.5-Coder's FIM tokens: the 1.5B writes a function's body between its docstring and
+    the code after it, ends it with its text end, and the draft model's output is the same."""
+    infill = Infill('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', "\n\n\nprint(fibonacci(10))\n")
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    plain = pair.generate(infill, params, speculate=False)[0]
+    spec = pair.generate(infill, params)[0]
+    assert spec.token_ids == plain.token_ids
+    assert plain.finish_reason == "stop" and "return" in plain.text and "print" not in plain.text
+    assert spec.stats.accepted_tokens > 0

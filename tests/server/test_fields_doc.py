@@ -18,8 +18,7 @@ MODELS = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
 # A value each accepted-and-ignored field may take, and a non-neutral one for each refused field.
 IGNORED_VALUES = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "reasoning_effort": "low",
                   "prompt_cache_key": "k", "safety_identifier": "s", "modalities": ["text"]}
-REFUSED_VALUES = {"audio": {"voice": "alloy"}, "best_of": 2,
-                  "suffix": "end"} | {name: [{"type": "function"}] for name in NOT_SUPPORTED}
+REFUSED_VALUES = {"audio": {"voice": "alloy"}, "best_of": 2} | {name: [{"type": "function"}] for name in NOT_SUPPORTED}
 NEUTRAL_VALUES = {"best_of": 1}
 
 
