@@ -432,12 +432,12 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
     def serving() -> bool:
         return state.scheduler.alive and not state.shutting_down
 
-    @app.get(LIVENESS_PATH)
+    @app.api_route(LIVENESS_PATH, methods=["GET", "HEAD"])  # probes may ask with HEAD (RFC 9110 9.3.2)
     async def live() -> JSONResponse:
         ok = serving()
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         ok = serving()
         body = {

@@ -61,7 +61,8 @@ class _BodyTimeout(Exception):
 class RequestGuard:
     """ASGI middleware around the app.
 
-    0. With `allowed` names (a server bound to loopback), refuses another Host with 400; with
+    0. Refuses a request with two Host headers with 400 (RFC 9112), and, with `allowed` names (a
+       server bound to loopback), one that names another host; with
        API keys configured, refuses a request without one of them (OpenAI's `Authorization:
        Bearer KEY`) with 401, on every path but the liveness probe `/health/live`.
     1. Refuses a body over `max_request_bytes` with 413 and the JSON error body: at once when
@@ -100,6 +101,10 @@ class RequestGuard:
 
         try:
             headers = dict(scope["headers"])
+            if sum(name == b"host" for name, _ in scope["headers"]) > 1:  # RFC 9112 3.2: a 400
+                body = error_body("the request has more than one Host header", param="Host", code="invalid_host")
+                await JSONResponse(body, status_code=400)(scope, receive, observed)
+                return
             host = _host_name(headers)  # none at all (HTTP/1.0) is no browser's: answered
             if self.allowed is not None and host and host not in self.allowed:
                 body = error_body("this server answers only to its loopback names in the Host header", param="Host",

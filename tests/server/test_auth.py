@@ -88,3 +88,26 @@ def test_a_server_without_keys_asks_for_none(tiny_server: ServerThread) -> None:
     with socket.create_connection((host, int(port)), timeout=10) as raw:  # HTTP/1.0, no Host: no browser's
         raw.sendall(b"GET /health/live HTTP/1.0\r\n\r\n")
         assert raw.recv(64).startswith(b"HTTP/1.1 200")
+
+
+def _raw(server: ServerThread, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+        conn.sendall(request)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_two_host_headers_are_refused_and_probes_answer_head(keyed: ServerThread) -> None:
+    # RFC 9112 3.2: a request with more than one Host header is a 400, whatever the names.
+    twice = _raw(keyed, b"GET /health/live HTTP/1.1\r\nHost: localhost\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+    assert twice.startswith(b"HTTP/1.1 400") and b"invalid_host" in twice and b"more than one Host" in twice
+    once = _raw(keyed, b"GET /health/live HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+    assert once.startswith(b"HTTP/1.1 200")
+    # Load balancers' probes ask with HEAD: the same status as GET, and no body.
+    head = httpx.head(f"{keyed.url}/health/live", timeout=10)
+    assert head.status_code == 200 and head.content == b""
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    assert httpx.head(f"{keyed.url}/health", headers=auth, timeout=10).status_code == 200
+    assert httpx.head(f"{keyed.url}/health", timeout=10).status_code == 401
