@@ -101,6 +101,10 @@ class LLM:
         """Token ids for a prompt (:class:`specdec.models.prompts.PromptEncoder`)."""
         return self._encoder.encode(prompt, tools)
 
+    def stop_token_ids(self, prompt: Prompt) -> tuple[int, ...]:
+        """Token ids besides EOS that end this prompt's output (an infill's FIM control tokens)."""
+        return self._encoder.stop_token_ids(prompt)
+
     def request_params(self, params: SamplingParams, prompt: Prompt | None = None) -> SamplingParams:
         """The config's drafter-invariant rule applies to every request, speculating or not; an
         infill's output also ends at the model's FIM control tokens."""

@@ -1,4 +1,5 @@
-"""Benchmark prompt files: JSONL, one record a line, `{"id", "category", "turns": [user messages]}`."""
+"""Benchmark prompt files: JSONL, one record a line, `{"id", "category", "turns": [user messages]}`;
+a fill-in-the-middle record has one turn, the code before the cursor, and `"suffix"`, the code after it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Record:
     id: str
     category: str
     turns: tuple[str, ...]
+    suffix: str | None = None  # a fill-in-the-middle record: turns[0] is the prefix
 
 
 def load_records(path: str | Path) -> list[Record]:
@@ -38,7 +40,10 @@ def load_records(path: str | Path) -> list[Record]:
                 turns = [turns]
             if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
                 raise ValueError("'turns' must be a non-empty list of non-empty strings")
-            records.append(Record(str(raw.get("id", number)), str(raw.get("category", "default")), tuple(turns)))
+            suffix = raw.get("suffix")
+            if suffix is not None and (not isinstance(suffix, str) or len(turns) != 1):
+                raise ValueError("a fill-in-the-middle record has one turn (the prefix) and a 'suffix' string")
+            records.append(Record(str(raw.get("id", number)), str(raw.get("category", "default")), tuple(turns), suffix))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise BenchDataError(f"{path}:{number}: not a benchmark record ({exc})") from None
     if not records:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from specdec.api import LLM, Message
+from specdec.models.prompts import Infill, Prompt
 from specdec.bench.data import Record
 from specdec.config import SamplingParams
 from specdec.engine.stats import RequestStats
@@ -38,7 +39,7 @@ class RunResult:
     plain: bool = True  # without stats: whether the system decoded plainly (one target token per token)
 
 
-Runner = Callable[[list[Message]], RunResult]
+Runner = Callable[[Prompt], RunResult]  # a chat, or an infill
 
 
 @dataclass(frozen=True)
@@ -117,22 +118,24 @@ class Tally:
 
 
 def specdec_runner(llm: LLM, params: SamplingParams, speculate: bool) -> Runner:
-    def run(messages: list[Message]) -> RunResult:
-        out = llm.generate([messages], params, speculate=speculate)[0]
+    def run(prompt: Prompt) -> RunResult:
+        out = llm.generate([prompt], params, speculate=speculate)[0]
         return RunResult(out.token_ids, out.text, out.stats.wall_time_s, out.stats)
 
     return run
 
 
-def transformers_runner(loaded: LoadedModel, encode: Callable[[list[Message]], list[int]], params: SamplingParams, **generate_kwargs: Any) -> Runner:
+def transformers_runner(loaded: LoadedModel, encode: Callable[[Prompt], list[int]], params: SamplingParams,
+                        ends: Callable[[Prompt], tuple[int, ...]] = lambda prompt: (), **generate_kwargs: Any) -> Runner:
     """transformers' `generate` on a stock model (no specdec kernels), greedy, same stop rule:
-    EOS ends the output and is not counted."""
+    EOS (and `ends(prompt)`, an infill's) ends the output and is not counted."""
     model, tokenizer = loaded.model, loaded.tokenizer
-    eos = sorted(loaded.eos_token_ids)
 
     @torch.inference_mode()
-    def run(messages: list[Message]) -> RunResult:
-        ids = torch.tensor([encode(messages)], device=loaded.device)
+    def run(prompt: Prompt) -> RunResult:
+        stops = loaded.eos_token_ids | set(ends(prompt))
+        eos = sorted(stops)
+        ids = torch.tensor([encode(prompt)], device=loaded.device)
         start = time.perf_counter()
         out = model.generate(
             input_ids=ids,
@@ -146,7 +149,7 @@ def transformers_runner(loaded: LoadedModel, encode: Callable[[list[Message]], l
         seconds = time.perf_counter() - start
         new = out[0, ids.shape[1] :].tolist()
         for i, token in enumerate(new):
-            if token in loaded.eos_token_ids:
+            if token in stops:
                 new = new[:i]
                 break
         return RunResult(new, tokenizer.decode(new, skip_special_tokens=True), seconds)
@@ -155,9 +158,15 @@ def transformers_runner(loaded: LoadedModel, encode: Callable[[list[Message]], l
 
 
 def run_conversation(system: System, record: Record) -> list[RunResult]:
-    """Each user turn in order; the system's own answer to turn n is in the context of turn n + 1."""
+    """Each user turn in order; the system's own answer to turn n is in the context of turn n + 1.
+    A fill-in-the-middle record is one infill."""
     messages: list[Message] = []
     results = []
+    if record.suffix is not None:
+        cpu_start = time.process_time()
+        result = system.run(Infill(record.turns[0], record.suffix))
+        result.cpu_s = time.process_time() - cpu_start
+        return [result]
     for turn in record.turns:
         messages.append({"role": "user", "content": turn})
         cpu_start = time.process_time()
@@ -233,8 +242,9 @@ def llama_cpp_build() -> str:
     return f"llama-cpp-python {llama_cpp.__version__} (its Python loop over llama.cpp's kernels; built for {' '.join(on)})"
 
 
-def llama_cpp_runner(gguf_path: str, encode: Callable[[list[Message]], list[int]], params: SamplingParams,
-                     eos_token_ids: frozenset[int], prompt_lookup_tokens: int | None = None, threads: int | None = None) -> Runner:
+def llama_cpp_runner(gguf_path: str, encode: Callable[[Prompt], list[int]], params: SamplingParams,
+                     eos_token_ids: frozenset[int], prompt_lookup_tokens: int | None = None, threads: int | None = None,
+                     ends: Callable[[Prompt], tuple[int, ...]] = lambda prompt: ()) -> Runner:
     """llama-cpp-python on the same GGUF file (llama.cpp's own kernels and weight format),
     greedy, with its prompt-lookup drafting when `prompt_lookup_tokens` is set. Raises
     ImportError when llama-cpp-python is not installed."""
@@ -248,12 +258,13 @@ def llama_cpp_runner(gguf_path: str, encode: Callable[[list[Message]], list[int]
                   logits_all=draft is not None, verbose=False)
     tokenizer_eos = frozenset(eos_token_ids) | {model.token_eos()}
 
-    def run(messages: list[Message]) -> RunResult:
-        ids = encode(messages)
+    def run(prompt: Prompt) -> RunResult:
+        ids = encode(prompt)
+        stops = tokenizer_eos | set(ends(prompt))
         new: list[int] = []
         start = time.perf_counter()
         for token in model.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            if token in tokenizer_eos or len(new) >= params.max_tokens:
+            if token in stops or len(new) >= params.max_tokens:
                 break
             new.append(token)
         seconds = time.perf_counter() - start

@@ -50,18 +50,18 @@ def bench_systems(
         name, _, fmt = text.partition(":")
         other_llm = LLM(model, None, device=device, backend=name, dtype=fmt or "auto", prefix_cache_mb=0)
         systems.append(System(f"specdec {other_llm.target.describe()} plain", specdec_runner(other_llm, params, False), PLAIN))
-    encode = llm.encode
+    encode, ends = llm.encode, llm.stop_token_ids
     if "transformers" in peers:
         stock = load_model(model, device=device, backend="hf", fast_kernels=False)
         systems += [
-            System("transformers generate", transformers_runner(stock, encode, params)),
-            System("transformers prompt lookup", transformers_runner(stock, encode, params, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS),
+            System("transformers generate", transformers_runner(stock, encode, params, ends)),
+            System("transformers prompt lookup", transformers_runner(stock, encode, params, ends, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS),
                    "transformers generate"),
         ]
         runner = llm.engine.drafter.model_runner() if llm.engine.drafter is not None else None
         if runner is not None and runner.layers is None and runner.loaded.model is not None:
             # A draft model of its own on transformers: transformers' assisted generation with it.
-            systems.append(System("transformers assisted", transformers_runner(stock, encode, params, assistant_model=runner.loaded.model),
+            systems.append(System("transformers assisted", transformers_runner(stock, encode, params, ends, assistant_model=runner.loaded.model),
                                   "transformers generate"))
     if "llama.cpp" in peers:
         gguf = gguf_file(model)
@@ -71,8 +71,9 @@ def bench_systems(
             eos = llm.target.eos_token_ids
             try:
                 systems += [
-                    System("llama.cpp plain", llama_cpp_runner(gguf, encode, params, eos)),
-                    System("llama.cpp prompt lookup", llama_cpp_runner(gguf, encode, params, eos, PROMPT_LOOKUP_TOKENS), "llama.cpp plain"),
+                    System("llama.cpp plain", llama_cpp_runner(gguf, encode, params, eos, ends=ends)),
+                    System("llama.cpp prompt lookup", llama_cpp_runner(gguf, encode, params, eos, PROMPT_LOOKUP_TOKENS, ends=ends),
+                           "llama.cpp plain"),
                 ]
                 note(f"llama.cpp peers: {llama_cpp_build()}")
             except ImportError:
