@@ -432,10 +432,10 @@ class BatchEngine:
         the positions in it that chose the committed tokens (for logprobs)."""
         assert seq._text is not None
         result = seq.result
-        finish = None
+        finish, at_eos = None, False
         for i, token in enumerate(committed):
             if token in seq._eos:
-                committed, finish = committed[:i], "stop"
+                committed, finish, at_eos = committed[:i], "stop", True
                 break
         room = seq.budget - len(result.token_ids)
         if len(committed) >= room:
@@ -448,6 +448,12 @@ class BatchEngine:
             seq.history.add(committed)
         if seq.constraint is not None:
             seq.constraint.advance(committed)
+            if at_eos and finish == "stop" and seq.constraint.dead_end():
+                # The grammar allows nothing here: its language is empty past this point. The
+                # client's spec, not the engine, failed: said as such (the server's 400).
+                finish = "error"
+                result.error = (f"the {seq.params.structured.what} has no instance that starts with this output "
+                                f"({len(result.token_ids)} tokens): no text can complete it")
         logprobs: tuple[TokenLogprob, ...] = ()
         if seq.params.logprobs is not None:
             logprobs = tuple(token_logprobs(raw[offsets[: len(committed)]], committed, seq.params.logprobs))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.errors import ConfigError
 from specdec.methods import build_drafter
 from specdec.drafters.base import Drafter
 from specdec.drafters.prediction import PREDICTION_K
@@ -109,6 +110,8 @@ class Engine:
                 if out.chunk.token_ids or out.chunk.text:
                     yield out.chunk
                 if out.finished:
+                    if out.sequence.result.error is not None:
+                        raise ConfigError(out.sequence.result.error)
                     return
                 (out,) = engine.step()
         finally:
@@ -160,4 +163,7 @@ class Engine:
             while engine.sequences:
                 engine.remove(engine.sequences[-1])
             self._busy = False
+        for result in results:
+            if result.error is not None:
+                raise ConfigError(result.error)
         return results

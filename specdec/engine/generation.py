@@ -23,7 +23,8 @@ class Generation:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or "error" (see `error`)
+    error: str | None = None  # why the request failed: its structured output has no instance past this output
     # With SamplingParams.logprobs: one per output token; with prompt_logprobs, one per prompt
     # token (None for the first, which nothing predicts).
     logprobs: list[TokenLogprob] = field(default_factory=list)

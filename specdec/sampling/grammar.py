@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, SpecDecError
 from specdec.sampling.params import StructuredOutput
+from specdec.sampling.schema import check_schema
 
 try:
     import xgrammar
@@ -51,98 +52,34 @@ INSTALL_HINT = "structured outputs need xgrammar: pip install --no-deps xgrammar
 _SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
 
 
-def _pointer(schema: Any, ref: str) -> Any:
-    """The node a local `$ref` ("#/$defs/name") names, or None."""
-    node = schema
-    for part in ref[1:].split("/")[1:] if ref != "#" else []:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
-def check_schema(schema: Any) -> None:
-    """Refuse what the grammar would not enforce: a `$ref` outside the schema (a URL, a file: left
-    unconstrained), and a schema with no finite instance (a required `$ref` recursion that never
-    ends: the output could never be complete). ConfigError saying which."""
-    refs: set[str] = set()
-
-    def collect(node: Any) -> None:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str):
-                if not ref.startswith("#"):
-                    raise ConfigError(f"the JSON schema's $ref {ref!r} points outside the schema: only local "
-                                      "references (#/...) are enforced")
-                refs.add(ref)
-            for value in node.values():
-                collect(value)
-        elif isinstance(node, list):
-            for value in node:
-                collect(value)
-
-    collect(schema)
-    # Which references have a finite instance: the least fixpoint, from none, of "a node has one
-    # when what it requires has one" (required properties, a non-empty array's items, one branch
-    # of anyOf/oneOf, every one of allOf, the target of its $ref).
-    targets = {ref: _pointer(schema, ref) for ref in refs}
-    finite = {ref for ref, target in targets.items() if target is None}  # a missing target: xgrammar says so
-
-    def has_instance(node: Any) -> bool:
-        if not isinstance(node, dict):
-            return node is not False
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref not in finite:
-            return False
-        if any(not has_instance(b) for b in node.get("allOf", []) if isinstance(node.get("allOf"), list)):
-            return False
-        for key in ("anyOf", "oneOf"):
-            branches = node.get(key)
-            if isinstance(branches, list) and branches and not any(has_instance(b) for b in branches):
-                return False
-        properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        required = node.get("required") if isinstance(node.get("required"), list) else []
-        if any(name in properties and not has_instance(properties[name]) for name in required):
-            return False
-        items, least = node.get("items"), node.get("minItems", 0)
-        return not (isinstance(least, int) and least > 0 and items is not None and not has_instance(items))
-
-    changed = True
-    while changed:
-        changed = False
-        for ref in refs - finite:
-            if has_instance(targets[ref]):
-                finite.add(ref)
-                changed = True
-    if not has_instance(schema):
-        raise ConfigError("the JSON schema has no finite instance: a required $ref recursion never ends")
-
-
-_WHAT = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}
-
-
 def _source(structured: StructuredOutput) -> str:
-    """The text xgrammar compiles, checked first where specdec checks more than xgrammar does (a
-    JSON schema's references and finiteness)."""
+    """The text xgrammar compiles: a JSON schema checked first (:func:`~specdec.sampling.schema.check_schema`)."""
     if structured.kind != "json":
         return structured.spec
     schema = structured.spec or json.dumps({"type": "object"})
     try:
         parsed = json.loads(schema)
-    except ValueError:
-        parsed = None  # xgrammar says what is wrong with it
-    if parsed is not None:
-        check_schema(parsed)
-    return schema
+    except (ValueError, RecursionError):
+        raise ConfigError("the JSON schema is not JSON, or is nested too deep to read") from None
+    return json.dumps(check_schema(parsed))
+
+
+def check_nonempty(structured: StructuredOutput, compiled, vocab_size: int) -> None:
+    """Refuse a grammar that no output can follow: complete with nothing, or allowing no first
+    token (a regex such as `[^\\s\\S]`, a grammar whose rules never end). Such a spec would
+    otherwise reach generation and fail there, as the server's error rather than the client's."""
+    matcher = xgrammar.GrammarMatcher(compiled)
+    if matcher.is_completed():
+        return  # the empty output is a sentence: EOS may end it at once
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise ConfigError(f"the {structured.what} has no instance: no output can follow it")
 
 
 def _compile_error(structured: StructuredOutput, message: str) -> ConfigError:
     reason = _SOURCE_PREFIX.sub("", message.strip().splitlines()[-1] if message.strip() else "unknown error")
-    return ConfigError(f"the {_WHAT[structured.kind]} does not compile: {reason}")
+    return ConfigError(f"the {structured.what} does not compile: {reason}")
 
 
 class GrammarCompiler:
@@ -156,6 +93,7 @@ class GrammarCompiler:
         if xgrammar is None:
             raise ConfigError(INSTALL_HINT)
         self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
         self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                            stop_token_ids=sorted(stop_ids))
         self._compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
@@ -193,13 +131,19 @@ class GrammarCompiler:
             compiled = grammar_worker.compile_spec(self._compiler, structured.kind, source)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise _compile_error(structured, str(exc)) from None
+        check_nonempty(structured, compiled, self.vocab_size)
         self.adopt(structured, compiled)
         return compiled
 
     def constraint(self, structured: StructuredOutput, compiled=None) -> Constraint:
         """A fresh state for one request (before its first output token); `compiled`: the spec's
         grammar where the caller compiled it (a server's :class:`IsolatedCompiler`)."""
-        return Constraint(xgrammar.GrammarMatcher(compiled or self.compile(structured)), self.vocab_size)
+        return Constraint(xgrammar.GrammarMatcher(compiled or self.compile(structured)), self.vocab_size, self.stop_ids)
+
+
+def _int32(value: int) -> int:
+    """A 32-bit word's bits as the signed int32 a bitmask tensor holds."""
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def xgrammar_installed() -> bool:
@@ -219,63 +163,105 @@ def compiler_for(tokenizer, vocab_size: int, stop_ids: frozenset[int]) -> Gramma
     return per_tokenizer[key]
 
 
+class GrammarCompilerError(SpecDecError):
+    """The child that compiles grammars died (not the spec's fault): the server's 503."""
+
+
 class IsolatedCompiler:
     """Compiles for a server: in a child process (:mod:`specdec.sampling.grammar_worker`), one spec
-    at a time, within `timeout_s` (the child is killed at the deadline, its memory freed, and a
-    new one started for the next spec) and `max_bytes` of compiled grammar. What compiles is
-    adopted by `compiler`, whose cache the engine reads, so a spec is compiled once. A spec that
-    does not compile, compiles too slowly or too large is a ConfigError that says which.
+    at a time, within `timeout_s` of the caller's wait (the child's start-up included, should it
+    be starting) and `max_bytes` of compiled grammar. The child starts with the server
+    (:meth:`start`); one that passes the deadline or compiles too large a grammar is killed, its
+    memory freed, and a new one started at once for the next spec. What compiles is adopted by
+    `compiler`, whose cache the engine reads, so a spec is compiled once. A spec that does not
+    compile, compiles too slowly or too large is a ConfigError that says which; a child that dies
+    while compiling is a GrammarCompilerError.
     """
-
-    READY_TIMEOUT_S = 120.0  # the child's start (importing xgrammar, reading the vocabulary)
 
     def __init__(self, compiler: GrammarCompiler, timeout_s: float, max_bytes: int) -> None:
         self.compiler = compiler
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
         self._child: subprocess.Popen | None = None
+        self._ready = False  # whether the child has said it is ready
         self._lock = threading.Lock()
         self._info: str | None = None
+
+    def start(self) -> None:
+        """Start the child without waiting for it (it reads the vocabulary while the server starts)."""
+        with self._lock:
+            if self._child is None or self._child.poll() is not None:
+                self._spawn()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until the child has started (True), or `timeout_s` passes (False)."""
+        with self._lock:
+            if self._child is None or self._child.poll() is not None:
+                self._spawn()
+            if not self._ready:
+                self._ready = self._receive(self._child, timeout_s) is not None
+            return self._ready
 
     def compile(self, structured: StructuredOutput):
         """The compiled grammar (also adopted by `compiler`)."""
         if (compiled := self.compiler.cached(structured)) is not None:
             return compiled
         source = _source(structured)
+        deadline = time.monotonic() + self.timeout_s
         with self._lock:
             if (compiled := self.compiler.cached(structured)) is not None:  # compiled while this one waited
                 return compiled
-            child = self._ready_child()
-            child.stdin.write(grammar_worker.frame({"kind": structured.kind, "spec": source}))
-            child.stdin.flush()
-            reply = self._receive(child, self.timeout_s)
+            if self._child is None or self._child.poll() is not None:
+                self._spawn()
+            child = self._child
+            if not self._ready:
+                if self._receive(child, deadline - time.monotonic()) is None:
+                    self._failed(child, structured, "starting")
+                self._ready = True
+            try:
+                child.stdin.write(grammar_worker.frame({"kind": structured.kind, "spec": source}))
+                child.stdin.flush()
+            except BrokenPipeError:  # the child died since: no reply will come
+                child.wait()
+                self._failed(child, structured, "waiting for a spec")
+            reply = self._receive(child, deadline - time.monotonic())
             if reply is None:
-                self._stop()
-                raise ConfigError(f"the {_WHAT[structured.kind]} took longer than {self.timeout_s:g} s to compile "
-                                  "(the server's grammar_timeout_s): give a smaller one")
+                self._failed(child, structured, "compiling")
+            if "too_big" in reply:
+                self._restart()  # the child holds the grammar's memory until it is gone
         if "error" in reply:
             raise _compile_error(structured, reply["error"])
         if "too_big" in reply:
-            raise ConfigError(f"the {_WHAT[structured.kind]} compiles to {reply['too_big'] / (1 << 20):.0f} MiB, more than "
+            raise ConfigError(f"the {structured.what} compiles to {reply['too_big'] / (1 << 20):.0f} MiB, more than "
                               f"the server's {self.max_bytes / (1 << 20):g} MiB (max_grammar_mb): give a smaller one")
         compiled = xgrammar.CompiledGrammar.deserialize_json(reply["grammar"], self.compiler.info)
+        check_nonempty(structured, compiled, self.compiler.vocab_size)
         self.compiler.adopt(structured, compiled)
         return compiled
 
-    def _ready_child(self) -> subprocess.Popen:
-        if self._child is not None and self._child.poll() is None:
-            return self._child
+    def _failed(self, child: subprocess.Popen, structured: StructuredOutput, doing: str) -> None:
+        """No reply by the deadline: a child that died is named as such, a live one was too slow."""
+        code = child.poll()
+        self._restart()
+        if code is not None:
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            raise GrammarCompilerError(f"the grammar compiler stopped ({how}) while {doing}; a new one has started: "
+                                       "send the request again")
+        raise ConfigError(f"the {structured.what} took longer than {self.timeout_s:g} s to compile (the server's "
+                          "grammar_timeout_s, the compiler's start-up included): give a smaller one")
+
+    def _spawn(self) -> None:
         if self._info is None:
             self._info = self.compiler.info.serialize_json()
         child = subprocess.Popen([sys.executable, str(Path(grammar_worker.__file__))], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        self._child = child
         child.stdin.write(grammar_worker.frame({"info": self._info, "max_bytes": self.max_bytes}))
         child.stdin.flush()
-        if self._receive(child, self.READY_TIMEOUT_S) is None:
-            self._stop()
-            raise ConfigError("the grammar compiler did not start")
-        return child
+        self._child, self._ready = child, False
+
+    def _restart(self) -> None:
+        self._stop()
+        self._spawn()
 
     @staticmethod
     def _receive(child: subprocess.Popen, timeout_s: float) -> Any | None:
@@ -292,11 +278,17 @@ class IsolatedCompiler:
                     return None
                 chunk = os.read(fd, max(need - len(data), 1 << 16))
                 if not chunk:
+                    child.wait()  # closed: the child is gone (its exit code says how)
                     return None
                 data += chunk
                 if need == grammar_worker.HEADER.size and len(data) >= need:
                     need += grammar_worker.HEADER.unpack(data[: grammar_worker.HEADER.size])[0]
         return json.loads(bytes(data[grammar_worker.HEADER.size : need]))
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before it starts)."""
+        return self._child.pid if self._child is not None else None
 
     def _stop(self) -> None:
         if self._child is not None:
@@ -311,11 +303,18 @@ class IsolatedCompiler:
 
 
 class Constraint:
-    """One request's grammar state after its committed output tokens."""
+    """One request's grammar state after its committed output tokens.
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    A dead end, a position where the grammar allows no token though it is not complete (a rule
+    that never ends, say `a[^\\s\\S]` after its "a"), allows only the stop tokens: the output
+    ends there, the same with or without speculation, and :attr:`dead_end` says so once an EOS
+    is committed before the grammar was complete.
+    """
+
+    def __init__(self, matcher, vocab_size: int, stop_ids: frozenset[int] = frozenset()) -> None:
         self._matcher = matcher  # xgrammar.GrammarMatcher, rollback unbounded
         self.vocab_size = vocab_size
+        self._stop_words = [(token // 32, _int32(1 << (token % 32))) for token in sorted(stop_ids) if token < vocab_size]
 
     def allowed_prefix(self, draft: list[int]) -> int:
         """How many leading tokens of a chain draft the grammar allows after the committed output."""
@@ -351,6 +350,9 @@ class Constraint:
                 walked.append(token)
             if len(walked) == len(path) and not self._matcher.is_terminated():  # past EOS: never reached
                 self._matcher.fill_next_token_bitmask(bitmask, j)
+                if not bool(bitmask[j].any()):  # a dead end: only a stop token may follow
+                    for word, bit in self._stop_words:
+                        bitmask[j, word] |= bit
         if walked:
             self._matcher.rollback(len(walked))
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
@@ -361,6 +363,14 @@ class Constraint:
         for token in tokens:
             if not self._matcher.accept_token(token):
                 raise RuntimeError(f"token {token} was committed against the grammar")
+
+    def dead_end(self) -> bool:
+        """Whether the output so far ends at a dead end: nothing but a stop token may follow it."""
+        if self._matcher.is_completed() or self._matcher.is_terminated():
+            return False
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        self._matcher.fill_next_token_bitmask(bitmask, 0)
+        return not bool(bitmask.any())
 
     @property
     def complete(self) -> bool:

@@ -38,6 +38,11 @@ class StructuredOutput:
             if not isinstance(schema, dict):
                 raise ConfigError("a JSON schema must be a JSON object")
 
+    @property
+    def what(self) -> str:
+        """The kind in words, for messages."""
+        return {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}[self.kind]
+
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str | None = None) -> StructuredOutput:
         """A JSON document following `schema` (a dict or its text); None: any JSON object."""

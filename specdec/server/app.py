@@ -36,11 +36,11 @@ from specdec.engine.stats import RequestStats
 from specdec.engine.text import TokenBytes
 from specdec.errors import ConfigError, PromptError
 from specdec.models.prompts import Infill, PromptEncoder
-from specdec.sampling.grammar import INSTALL_HINT, IsolatedCompiler
+from specdec.sampling.grammar import INSTALL_HINT, GrammarCompilerError, IsolatedCompiler
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.server import dashboard
 from specdec.server.config import RouteConfig, ServerConfig
-from specdec.server.memory import MemoryPlan
+from specdec.server.memory import MemoryPlan, resident_bytes
 from specdec.server.logprobs import chat_logprobs, completion_logprobs
 from specdec.server.guard import LIVENESS_PATH, RequestGuard, allowed_hosts
 from specdec.server.metrics import ServerMetrics
@@ -129,6 +129,8 @@ class ServerState:
             return await asyncio.get_running_loop().run_in_executor(self.grammar_pool, self.grammars.compile, structured)
         except ConfigError as exc:
             raise APIError(400, str(exc), param=param) from None
+        except GrammarCompilerError as exc:
+            raise APIError(503, str(exc), type="server_error", code="grammar_compiler_failed") from None
 
 
 JSON_INVALID = "We could not parse the JSON body of your request."
@@ -363,6 +365,8 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not state.scheduler.alive:
             state.scheduler.start()
+        if state.grammars is not None:
+            state.grammars.start()  # its start-up is not a client's wait
         yield
         state.shutting_down = True
         await asyncio.to_thread(state.scheduler.stop)
@@ -462,9 +466,15 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
         """The start-up memory plan, the KV cache actually allocated and the prefix cache's budget
         and what it holds now."""
         prefix = state.scheduler.engine.prefix_cache
-        return state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes,
+        plan = state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes,
                                          "prefix_cache_budget_bytes": prefix.budget_bytes if prefix is not None else 0,
                                          "prefix_cache_held_bytes": prefix.nbytes if prefix is not None else 0}
+        # What the plan adds up to, and what the process holds: the difference is the runtime's
+        # own (Python, torch, the tokenizer, allocator slack; docs/server.md says how much).
+        plan["plan_bytes"] = sum(plan[key] for key in ("target_weight_bytes", "draft_weight_bytes", "kv_allocated_bytes",
+                                                       "prefix_cache_budget_bytes"))
+        plan["resident_bytes"] = resident_bytes()
+        return plan
 
     def prefix_cache() -> dict[str, Any] | None:
         """What the prefix cache holds and has done (None: off)."""
@@ -481,6 +491,7 @@ def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         state.metrics.refresh_rates()
+        state.metrics.memory.labels("resident").set(resident_bytes())
         for route, cache in shared_caches():
             state.metrics.suffix_cache.labels(route).set(cache.nbytes)
             state.metrics.suffix_cache_requests.labels(route).set(cache.requests)
@@ -694,6 +705,8 @@ async def _collect(job: _Job, request: Request, shape: _Shape) -> list[_Result]:
             elif event.kind == "done":
                 result.finish_reason, result.stats = event.finish_reason, event.stats
                 pending -= 1
+            elif event.client:
+                raise APIError(400, event.message, code="no_instance")
             else:
                 raise APIError(503, event.message, type="server_error", code="generation_failed")
     finally:
@@ -887,7 +900,8 @@ def _stream(job: _Job, meta: dict[str, Any], plan: _Plan, *, include_usage: bool
                     yield chunks.last(event.index, finish, event.stats)
                 else:
                     pending -= 1
-                    yield _sse(error_body(event.message, type="server_error", code="generation_failed"))
+                    yield _sse(error_body(event.message, code="no_instance") if event.client else
+                               error_body(event.message, type="server_error", code="generation_failed"))
             if include_usage:
                 yield chunks.chunk([], **_totals(plan, results))
             yield _DONE

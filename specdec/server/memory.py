@@ -9,6 +9,7 @@ the sequences; without one it gets what the sequences leave (:meth:`MemoryPlan.l
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -95,3 +96,12 @@ def plan_memory(target: LoadedModel, drafters: list[Drafter], max_model_len: int
         kv += loaded.backend.kv_bytes_per_token(layers)
     return MemoryPlan(target.weight_bytes(), weights, target.backend.kv_bytes_per_token(), kv, max_model_len,
                       cache_budget_bytes, target.describe(), prefix_cache_bytes)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (RSS, from /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -150,6 +150,7 @@ class ServerThread:
     """Runs the server in a background thread of this process (tests, benchmarks)."""
 
     def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.state = state
         self.server = uvicorn_server(state, host, port, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, name="specdec-uvicorn", daemon=True)
         self.host = host

@@ -39,7 +39,8 @@ class Event:
 
     kind: "prompt" (the prompt's logprobs, first, when asked for), "token" (new text and tokens,
     with their logprobs when asked for), "done" (finish_reason and stats; the last event), or
-    "error" (message; also the last event).
+    "error" (message; also the last event; `client`: the request's own fault, a 4xx, such as
+    a structured output that no text can complete).
     """
 
     kind: str
@@ -50,6 +51,7 @@ class Event:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     message: str = ""
+    client: bool = False
 
 
 @dataclass(eq=False)
@@ -290,6 +292,11 @@ class Scheduler:
         if tokens or out.chunk.text:
             request.sink(Event("token", request.index, out.chunk.text, tuple(out.chunk.token_ids), out.chunk.logprobs))
         if out.finished:
+            error = out.sequence.result.error
+            if error is not None:  # the client's spec failed, not the engine: a 4xx
+                request.sink(Event("error", request.index, message=error, client=True))
+                self._finish(request, "rejected", notify=False)
+                return
             self._finish(request, out.sequence.result.finish_reason or "stop")
 
     def _finish(self, request: ServerRequest, reason: str, notify: bool = True) -> None:

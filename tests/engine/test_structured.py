@@ -116,6 +116,17 @@ def test_a_bad_spec_is_a_config_error(target: LoadedModel) -> None:
         StructuredOutput("json", "{nope")
 
 
+def test_a_spec_without_instance_is_a_config_error(target: LoadedModel) -> None:
+    """No first token (refused before prefill), or a dead end after some (the output ends there,
+    the same with a drafter, and the request fails as the spec's error, not the engine's)."""
+    with pytest.raises(ConfigError, match="regular expression has no instance: no output can follow it"):
+        Engine(target).generate(PROMPT, SamplingParams(structured=StructuredOutput("regex", "[^\\s\\S]")))
+    dead = SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "t1[^\\s\\S]"))
+    for engine in (Engine(target), Engine(target, NgramDrafter(1, 3), 3)):
+        with pytest.raises(ConfigError, match="1 tokens\\): no text can complete it"):
+            engine.generate(PROMPT, dead)
+
+
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=4, structured=ALTERNATING)
 
 
@@ -138,7 +149,7 @@ def test_sampling_constrained_follows_the_masked_target(target, small_model_fact
 
 
 def test_schemas_the_grammar_would_not_enforce_are_refused() -> None:
-    from specdec.sampling.grammar import check_schema
+    from specdec.sampling.schema import check_schema
 
     node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}
     for ref in ("https://example.com/a.json", "file:///etc/passwd", "other.json#/x"):

@@ -5,6 +5,8 @@ enum of 100,000 strings compiled on the scheduler thread, twice, and froze every
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from specdec.sampling import grammar
 from specdec.server.config import ServerConfig
 from specdec.server.runtime import ServerThread, build_state
 from tests.server.conftest import ROUTES
+from tests.server.test_schema_limits import errors
 
 pytest.importorskip("xgrammar")
 
@@ -35,6 +38,13 @@ def _enum(n: int) -> dict:
     # On the tiny model's vocabulary: 1,000 strings compile in 0.02 s to 145 KB, 5,000 in 0.09 s
     # to 0.9 MB, 50,000 in 10 s to 250 MB (on the real model's, 20,000 take 14 s).
     return {"type": "string", "enum": [f"value number {i}" for i in range(n)]}
+
+
+@pytest.fixture(autouse=True)
+def ready(limited: ServerThread) -> None:
+    """Each test starts with the compiler's child started: its start-up counts in a request's
+    limit, which is short here."""
+    assert limited.state.grammars.wait_ready(60)
 
 
 def _ask(server: ServerThread, schema: dict | None = None, timeout: float = 60) -> httpx.Response:
@@ -63,16 +73,38 @@ def test_a_slow_compile_is_cut_at_the_deadline_and_stalls_nobody(limited: Server
     assert TIMEOUT_S <= slow_done - start < TIMEOUT_S + 10
     assert plain_done < slow_done  # answered before the compile's deadline, not behind it
     # The child was killed; a new one compiles the next spec.
-    assert _ask(limited, _enum(100)).status_code == 200
+    assert limited.state.grammars.wait_ready(60) and _ask(limited, _enum(100)).status_code == 200
 
 
-def test_a_grammar_too_large_is_refused(limited: ServerThread) -> None:
+def test_a_grammar_too_large_is_refused_and_its_child_killed(limited: ServerThread) -> None:
+    assert _ask(limited, _enum(10)).status_code == 200
+    before = limited.state.grammars.pid
     reply = _ask(limited, _enum(5_000))
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert "compiles to" in error["message"] and "max_grammar_mb" in error["message"]
     assert error["param"] == "response_format.json_schema.schema"
-    assert _ask(limited, _enum(1_000)).status_code == 200
+    # The child that held the oversized grammar is gone (its memory with it); a new one serves on.
+    assert not os.path.exists(f"/proc/{before}") and limited.state.grammars.pid != before
+    assert limited.state.grammars.wait_ready(60) and _ask(limited, _enum(1_000)).status_code == 200
+
+
+def test_the_child_starts_with_the_server_and_its_death_is_named(limited: ServerThread) -> None:
+    assert limited.state.grammars.pid is not None  # started with the server, before any structured request
+    before = errors(limited)
+    child = limited.state.grammars.pid
+    answered: dict = {}
+    thread = threading.Thread(target=lambda: answered.setdefault("reply", _ask(limited, _enum(50_000))))
+    thread.start()
+    time.sleep(0.3)  # the compile has started
+    os.kill(child, signal.SIGKILL)
+    thread.join()
+    reply = answered["reply"]
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "grammar_compiler_failed", reply.text
+    assert "stopped (signal 9) while" in reply.json()["error"]["message"]
+    assert errors(limited) == before + 1  # the server's failure, counted as one
+    assert limited.state.grammars.wait_ready(60)  # a new child was started
+    assert _ask(limited, _enum(20)).status_code == 200
 
 
 def test_the_engine_compiles_nothing(limited: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
