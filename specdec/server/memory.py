@@ -9,6 +9,7 @@ the sequences; without one it gets what the sequences leave (:meth:`MemoryPlan.l
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -105,3 +106,21 @@ def resident_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+_libc = None
+
+
+def release_free_memory() -> bool:
+    """Hand the C allocator's free pages back to the system (glibc's malloc_trim). Requests of
+    different lengths leave holes between long-lived blocks (the prefix cache's) that glibc keeps
+    for itself; without this the server's resident memory grows past its plan while what it holds
+    does not. False where there is no glibc."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    return bool(_libc) and bool(_libc.malloc_trim(0))

@@ -28,9 +28,13 @@ from specdec.engine.stats import RequestStats
 from specdec.errors import SpecDecError
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.server.config import RouteConfig
+from specdec.server.memory import release_free_memory
 from specdec.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+
+
+TRIM_EVERY_S = 1.0  # at most this often, the allocator's free pages go back once requests finished
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class Scheduler:
         # What adaptive k has learned on each adaptive route, shared by its sequences.
         self._adaptive = AdaptiveStates()  # per route
         self._stopping = threading.Event()
+        self._finished_since_trim, self._trimmed_at = 0, 0.0
         self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
         self.steps = 0
 
@@ -172,6 +177,9 @@ class Scheduler:
             if self._running:
                 self._step()
             self._update_gauges()
+            if self._finished_since_trim and time.monotonic() - self._trimmed_at >= TRIM_EVERY_S:
+                release_free_memory()  # a few ms: what finished requests freed goes back to the system
+                self._finished_since_trim, self._trimmed_at = 0, time.monotonic()
         for request in list(self._running.values()) + list(self._waiting) + self._drain_all():
             self._finish(request, "abort")
         self._update_gauges()
@@ -300,6 +308,7 @@ class Scheduler:
             self._finish(request, out.sequence.result.finish_reason or "stop")
 
     def _finish(self, request: ServerRequest, reason: str, notify: bool = True) -> None:
+        self._finished_since_trim += 1
         seq = request.sequence
         if seq is not None and self._running.pop(seq.id, None) is not None:
             self.engine.remove(seq)

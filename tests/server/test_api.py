@@ -7,10 +7,12 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import kernels
 from specdec.engine.stats import RequestStats
+from specdec.server.memory import release_free_memory, resident_bytes
 from specdec.server.runtime import ServerThread
 
 STATS_KEYS = set(RequestStats().to_dict())
@@ -129,6 +131,21 @@ def test_health_reports_memory_plan(server: ServerThread) -> None:
     assert health["file_types"] == ["Q4_1", "Q8_0"]  # the default model's GGUF: Q4_1 layers, a Q8_0 LM head
     assert memory["bytes_per_sequence"] == 256 * memory["target_kv_bytes_per_token"]
     assert memory["max_sequences"] == memory["cache_budget_bytes"] // memory["bytes_per_sequence"]
+    # The plan's sum, and what the process holds beside it (the test process: the server's own and more).
+    assert memory["plan_bytes"] == sum(memory[key] for key in ("target_weight_bytes", "draft_weight_bytes",
+                                                              "kv_allocated_bytes", "prefix_cache_budget_bytes"))
+    assert memory["resident_bytes"] > memory["target_weight_bytes"]
+    assert metrics(server)[("specdec_memory_bytes", (("part", "resident"),))] > memory["target_weight_bytes"]
+
+
+def test_free_memory_goes_back_to_the_system() -> None:
+    """The scheduler's trim: freed holes between live allocations leave the resident set."""
+    torch.empty(5_000_000).fill_(0)  # an mmapped 20 MB freed: glibc now serves blocks this size from its heap
+    held = [torch.empty(300_000).fill_(1.0) for _ in range(400)]  # 1.2 MB each, 480 MB
+    del held[::2]  # holes, each between two live blocks
+    before = resident_bytes()
+    assert release_free_memory()
+    assert resident_bytes() < before - 100 * (1 << 20)
 
 
 PLAIN_ABORTS = ("specdec_requests_total", (("finish_reason", "abort"), ("route", "plain")))
