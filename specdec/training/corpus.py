@@ -304,10 +304,10 @@ def decode_rows(target: LoadedModel, requests: Iterator[tuple[Any, list[int], Sa
                 exhausted = True
                 break
             owner, ids, params = item
-            seq = Sequence(ids, params)
-            owners[seq.id] = owner
-            if engine.add(seq).finished:
-                done(seq)
+            first = engine.admit(ids, params)
+            owners[first.sequence.id] = owner
+            if first.finished:
+                done(first.sequence)
         if not engine.running:
             break
         for output in engine.step():
