@@ -57,11 +57,14 @@ def test_the_clients_parse_gets_its_model(client: openai.OpenAI) -> None:
 
 
 def test_sampled_json_validates(client: openai.OpenAI) -> None:
+    finished = 0
     for seed in range(3):
         out = client.chat.completions.create(model="spec", messages=MESSAGES, max_tokens=128, temperature=0.8,
                                              seed=seed, response_format=JSON_SCHEMA)
-        if out.choices[0].finish_reason == "stop":
+        if out.choices[0].finish_reason == "stop":  # a document cut by max_tokens cannot validate
             jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+            finished += 1
+    assert finished >= 2  # the schema's lengths leave room to finish within 128 tokens
 
 
 @pytest.mark.parametrize("extension", [{"regex": r"(Yes|No), because [a-z ,]{10,60}\."},
