@@ -249,6 +249,16 @@ class BatchEngine:
         with kernels.torch_ops_inline():
             return self._emit(seq, first, drafted=0, accepted=0, raw=raw, offsets=[0])
 
+    @torch.inference_mode()
+    def warm(self, prompt_ids: list[int], layers: tuple[int, ...] = ()) -> int:
+        """Prefill `prompt_ids` into the prefix cache only (no row, no output): a long prompt's
+        first part, ahead of its :meth:`admit`, which then prefills only what is left (exactly,
+        as any prefix-cache hit). Returns the tokens it computed; 0 without a prefix cache."""
+        if self.prefix_cache is None or len(prompt_ids) < 2:
+            return 0
+        _, _, _, cached = self._prefill(list(prompt_ids), layers)
+        return len(prompt_ids) - cached
+
     def _prefill(self, prompt_ids: list[int], layers: tuple[int, ...], every_position: bool = False
                  ) -> tuple[PreallocatedCache, torch.Tensor, dict[int, torch.Tensor], int]:
         """The prompt's cache, its logits ([1, vocab]: the last position's; [prompt, vocab] with

@@ -14,6 +14,7 @@ Example (`specdec serve --config server.toml`)::
     request_head_timeout_s = 10   # a request line and headers not all there by then: 408, closed
     max_connections = 256         # open connections at most; past it a request gets a 503
     grammar_timeout_s = 10        # a structured output's compile longer than this gets a 400
+    prefill_chunk_s = 0.25        # while streams run, a new prompt is prefilled this long at a time
     max_grammar_mb = 64           # and one that compiles to more memory than this
     graceful_shutdown_s = 30      # on SIGTERM, time for requests in flight to finish; then they abort
     api_keys = ["sk-..."]         # clients send one as "Authorization: Bearer KEY" (default: none asked)
@@ -282,6 +283,10 @@ class ServerConfig:
     # max_grammar_bytes (an enum of 20,000 strings takes 14 s and 100 MB to compile).
     grammar_timeout_s: float = 10.0
     max_grammar_bytes: int = 64 << 20
+    # Chunked prefill: while sequences run, a new prompt is prefilled about this long at a time
+    # between their steps (into the prefix cache, at the rate measured), so no running stream
+    # waits for a whole long prefill. Needs the prefix cache.
+    prefill_chunk_s: float = 0.25
     drift: DriftConfig = field(default_factory=DriftConfig)
     # torch intra-op threads of the scheduler thread, which does all the model work (specdec's
     # kernels use as many). None is auto: torch's default (one per core), except for one
@@ -314,7 +319,7 @@ class ServerConfig:
         prefix = self.prefix_cache_bytes
         if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0):
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0 or None, got {prefix!r}")
-        for name in ("request_body_timeout_s", "request_head_timeout_s", "grammar_timeout_s"):
+        for name in ("request_body_timeout_s", "request_head_timeout_s", "grammar_timeout_s", "prefill_chunk_s"):
             wait = getattr(self, name)
             if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < float("inf"):
                 raise ConfigError(f"{name} must be a number > 0, got {wait!r}")
@@ -356,7 +361,7 @@ def default_config(**overrides: Any) -> ServerConfig:
 
 _SCALAR_KEYS = ("max_model_len", "max_num_seqs", "max_waiting", "graceful_shutdown_s", "threads", "max_request_bytes",
                 "request_body_timeout_s", "request_head_timeout_s", "max_connections", "backend", "dtype", "api_keys",
-                "grammar_timeout_s")
+                "grammar_timeout_s", "prefill_chunk_s")
 _TOP_KEYS = {*_SCALAR_KEYS, "cache_budget_mb", "prefix_cache_mb", "max_grammar_mb", "drift", "routes", "replicas"}
 _REPLICA_KEYS = set(ReplicaConfig.__dataclass_fields__)
 _ROUTE_KEYS = {"speculative", "load_schedule", "max_num_speculative_tokens"}

@@ -80,7 +80,8 @@ def build_state(config: ServerConfig, model: str | None = None, *, loaded: Loade
     # The HTTP side encodes prompts with its own tokenizer copy: a fast tokenizer must not be
     # used from two threads at once, and the scheduler thread decodes with the original.
     encoder = PromptEncoder(dataclasses.replace(target, tokenizer=copy.deepcopy(target.tokenizer)))
-    scheduler = Scheduler(engine, drafters, metrics, max_waiting=config.max_waiting, threads=config.threads)
+    scheduler = Scheduler(engine, drafters, metrics, max_waiting=config.max_waiting, threads=config.threads,
+                          prefill_chunk_s=config.prefill_chunk_s)
     # Built here, before the scheduler thread uses the tokenizer: the compiler the engine reads
     # grammars from, filled by the child process that compiles each request's.
     grammars = None

@@ -23,7 +23,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
 from specdec.engine.adaptive import AdaptiveStates, SpeculationPolicy
-from specdec.engine.batch import BatchEngine, Sequence, SequenceOutput
+from specdec.engine.batch import BatchEngine, Sequence, SequenceOutput, target_layers
 from specdec.engine.stats import RequestStats
 from specdec.errors import SpecDecError
 from specdec.sampling.logprobs import TokenLogprob
@@ -34,6 +34,7 @@ from specdec.server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 
+FIRST_CHUNK = 64  # chunked prefill's tokens before any rate is measured (see ServerConfig.prefill_chunk_s)
 TRIM_EVERY_S = 1.0  # at most this often, the allocator's free pages go back once requests finished
 
 
@@ -74,6 +75,7 @@ class ServerRequest:
     sequence: Sequence | None = None
     last_emit: float | None = None
     grammar: Any = None  # params.structured compiled (the engine compiles nothing on this thread)
+    warmed: int = 0  # prompt tokens prefilled into the prefix cache ahead of admission (chunked prefill)
 
     def k_at(self, running: int) -> int:
         """k for the next step when `running` sequences share the batch."""
@@ -99,8 +101,9 @@ class Scheduler:
     """Runs the batched engine in a background thread; see the module docstring."""
 
     def __init__(self, engine: BatchEngine, drafters: dict[str, Drafter | None], metrics: ServerMetrics,
-                 max_waiting: int = 256, threads: int | None = None) -> None:
+                 max_waiting: int = 256, threads: int | None = None, prefill_chunk_s: float = 0.25) -> None:
         self.engine = engine
+        self.prefill_chunk_s = prefill_chunk_s  # chunked prefill's time between two steps
         self.drafters = drafters  # route name -> prototype drafter (never run), or None
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -114,6 +117,8 @@ class Scheduler:
         self._adaptive = AdaptiveStates()  # per route
         self._stopping = threading.Event()
         self._finished_since_trim, self._trimmed_at = 0, 0.0
+        self._prefill_rate: float | None = None  # prompt tokens a second, from chunks measured
+        self.prefill_chunks = 0  # chunks prefilled ahead of admission, since start
         self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
         self.steps = 0
 
@@ -212,8 +217,44 @@ class Scheduler:
                     kept.append(request)
             self._waiting = kept
 
+    def _chunk(self) -> int:
+        """Prompt tokens to prefill between two steps: prefill_chunk_s at the rate measured, whole blocks."""
+        block = self.engine.prefix_cache.block
+        size = FIRST_CHUNK if self._prefill_rate is None else int(self.prefill_chunk_s * self._prefill_rate)
+        return max(block, size // block * block)
+
+    def _prefill_chunk(self, request: ServerRequest) -> bool:
+        """Prefill the next chunk of a waiting prompt into the prefix cache, when sequences run
+        that a whole prefill would stall; False when it should be admitted now instead."""
+        cache = self.engine.prefix_cache
+        if cache is None or not self._running or request.params.prompt_logprobs:
+            return False
+        upto = request.warmed + self._chunk()
+        if len(request.prompt_ids) - upto < cache.block:  # what is left fits one chunk: admit
+            return False
+        prototype = self.drafters.get(request.route.name)
+        layers = target_layers(prototype) if prototype is not None and request.k > 0 else ()
+        start = time.perf_counter()
+        try:
+            computed = self.engine.warm(request.prompt_ids[:upto], layers)
+        except Exception:  # noqa: BLE001  admission prefills it whole, and reports any error
+            log.exception("chunked prefill failed; prefilling the prompt whole")
+            return False
+        seconds = time.perf_counter() - start
+        if computed >= cache.block and seconds > 0:
+            # The latest chunk's rate: a chunk slows as the prompt it extends grows (attention, the
+            # copy of what the cache held), and the next one is at least as long.
+            self._prefill_rate = computed / seconds
+        if computed > upto - request.warmed + cache.block:  # the cache did not keep the chunks before
+            upto = len(request.prompt_ids)  # (too small a budget): the rest is prefilled at admission
+        request.warmed = upto
+        self.prefill_chunks += 1
+        return True
+
     def _admit(self) -> None:
         while self._waiting and self.engine.running < self.engine.max_rows:
+            if self._prefill_chunk(self._waiting[0]):
+                return  # a step for the running sequences before the next chunk
             request = self._waiting.popleft()
             prototype = self.drafters.get(request.route.name)
             drafter = fork_drafter(prototype) if prototype is not None and request.k > 0 else None
