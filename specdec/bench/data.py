@@ -40,7 +40,7 @@ def load_records(path: str | Path) -> list[Record]:
                 turns = [turns]
             if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
                 raise ValueError("'turns' must be a non-empty list of non-empty strings")
-            suffix = raw.get("suffix")
+            suffix = raw.get("suffix")  # a field name
             if suffix is not None and (not isinstance(suffix, str) or len(turns) != 1):
                 raise ValueError("a fill-in-the-middle record has one turn (the prefix) and a 'suffix' string")
             records.append(Record(str(raw.get("id", number)), str(raw.get("category", "default")), tuple(turns), suffix))

@@ -254,7 +254,8 @@ def _encode_completion(state: ServerState, body: CompletionRequest) -> tuple[lis
         prompts = list(prompt)
     vocab = state.encoder.target.vocab_size
     if body.suffix is not None and not all(isinstance(p, str) for p in prompts):
-        raise APIError(400, "a suffix (fill in the middle) needs the prompt as text, not token ids", param="suffix")
+        raise APIError(400, "a suffix (fill in the middle) needs the prompt as text, not token ids",
+                       param="suffix")  # a field name
     encoded = []
     for p in prompts:
         if isinstance(p, str):
@@ -262,7 +263,7 @@ def _encode_completion(state: ServerState, body: CompletionRequest) -> tuple[lis
             try:
                 ids = state.encoder.encode(p if body.suffix is None else Infill(p, body.suffix))
             except PromptError as exc:
-                raise APIError(400, str(exc), param="prompt" if body.suffix is None else "suffix") from None
+                raise APIError(400, str(exc), param="prompt" if body.suffix is None else "suffix") from None  # a field name
         else:
             if any(t < 0 or t >= vocab for t in p):
                 raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")

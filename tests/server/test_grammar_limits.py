@@ -89,19 +89,24 @@ def test_a_grammar_too_large_is_refused_and_its_child_killed(limited: ServerThre
     assert limited.state.grammars.wait_ready(60) and _ask(limited, _enum(1_000)).status_code == 200
 
 
-def test_the_child_starts_with_the_server_and_its_death_is_named(limited: ServerThread) -> None:
+def test_the_child_starts_with_the_server_and_its_death_is_named(limited: ServerThread,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     assert limited.state.grammars.pid is not None  # started with the server, before any structured request
     before = errors(limited)
-    child = limited.state.grammars.pid
-    answered: dict = {}
-    thread = threading.Thread(target=lambda: answered.setdefault("reply", _ask(limited, _enum(50_000))))
-    thread.start()
-    time.sleep(0.3)  # the compile has started
-    os.kill(child, signal.SIGKILL)
-    thread.join()
-    reply = answered["reply"]
+    receive = grammar.IsolatedCompiler._receive
+
+    def dies_while_compiling(child, timeout_s: float):  # the spec is with the child: kill it
+        os.kill(child.pid, signal.SIGKILL)
+        return receive(child, timeout_s)
+
+    monkeypatch.setattr(grammar.IsolatedCompiler, "_receive", staticmethod(dies_while_compiling))
+    reply = _ask(limited, {"type": "string", "enum": [f"death {i}" for i in range(30)]})  # compiled by no one yet
+    monkeypatch.undo()
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "grammar_compiler_failed", reply.text
     assert "stopped (signal 9) while" in reply.json()["error"]["message"]
+    deadline = time.monotonic() + 5  # the guard counts it once the response is out
+    while errors(limited) != before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert errors(limited) == before + 1  # the server's failure, counted as one
     assert limited.state.grammars.wait_ready(60)  # a new child was started
     assert _ask(limited, _enum(20)).status_code == 200
