@@ -68,12 +68,7 @@ def check_nonempty(structured: StructuredOutput, compiled, vocab_size: int) -> N
     """Refuse a grammar that no output can follow: complete with nothing, or allowing no first
     token (a regex such as `[^\\s\\S]`, a grammar whose rules never end). Such a spec would
     otherwise reach generation and fail there, as the server's error rather than the client's."""
-    matcher = xgrammar.GrammarMatcher(compiled)
-    if matcher.is_completed():
-        return  # the empty output is a sentence: EOS may end it at once
-    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
-    matcher.fill_next_token_bitmask(bitmask, 0)
-    if not bool(bitmask.any()):
+    if Constraint(xgrammar.GrammarMatcher(compiled), vocab_size).dead_end():  # before any output
         raise ConfigError(f"the {structured.what} has no instance: no output can follow it")
 
 
