@@ -93,12 +93,21 @@ def test_the_child_starts_with_the_server_and_its_death_is_named(limited: Server
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     assert limited.state.grammars.pid is not None  # started with the server, before any structured request
     before = errors(limited)
-    receive = grammar.IsolatedCompiler._receive
+    frame, receive = grammar.grammar_worker.frame, grammar.IsolatedCompiler._receive
+    stopped: list[int] = []
+
+    def held(message):  # the spec goes to a child that cannot answer it: no race with a fast compile
+        if "spec" in message:
+            stopped.append(limited.state.grammars.pid)
+            os.kill(stopped[-1], signal.SIGSTOP)
+        return frame(message)
 
     def dies_while_compiling(child, timeout_s: float):  # the spec is with the child: kill it
-        os.kill(child.pid, signal.SIGKILL)
+        if child.pid in stopped:
+            os.kill(child.pid, signal.SIGKILL)
         return receive(child, timeout_s)
 
+    monkeypatch.setattr(grammar.grammar_worker, "frame", held)
     monkeypatch.setattr(grammar.IsolatedCompiler, "_receive", staticmethod(dies_while_compiling))
     reply = _ask(limited, {"type": "string", "enum": [f"death {i}" for i in range(30)]})  # compiled by no one yet
     monkeypatch.undo()
