@@ -8,7 +8,7 @@ head's probabilities along it, what the floor reads), and whether the target acc
 through that token. Prints, per draft position, the share accepted in bins of each; `--json`
 writes the bins.
 
-    python benchmarks/head_calibration.py --data benchmarks/results/tune_prompts_round11.jsonl \
+    python benchmarks/head_calibration.py --data benchmarks/results/tune_prompts.jsonl \
         --json benchmarks/results/head_calibration_tune_29m.json
 """
 

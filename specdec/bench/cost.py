@@ -29,7 +29,7 @@ def step_costs(
     Sizes take turns round by round, so that machine noise falls on all of them alike, and each
     is timed in its own steady state, as decoding runs: after WARM_PASSES untimed passes of its
     size, the sizes of a round from the widest down. The passes after a wider one run slower for
-    a while (benchmarks/results, round 16): timed there, the plain step, the ratios'
+    a while (benchmarks/results/README.md, "Pass costs"): timed there, the plain step, the ratios'
     denominator, is inflated and every wider pass looks cheaper than it is.
     """
     runner = ModelRunner(loaded, layers)

@@ -4,7 +4,7 @@ Every pass streams all of a model's weights once. In 4 KiB pages that is one pag
 4 KiB read, tens of thousands a pass, more than the TLB holds, so each pass walks the page tables
 again; in 2 MiB pages a pass touches a few dozen. The bytes and the arithmetic are unchanged: the
 same weights, copied, give the same bits (tested). A small gain, on decoding's passes only
-(a prompt's prefill is bound by arithmetic): benchmarks/results/README.md, round 17.
+(a prompt's prefill is bound by arithmetic): docs/backends.md, "The matrices in 2 MiB pages".
 
 Linux gives huge pages to an anonymous mapping that asks for them (`madvise(MADV_HUGEPAGE)`) when
 `/sys/kernel/mm/transparent_hugepage/enabled` is `always` or `madvise`, and when it finds free 2
