@@ -29,6 +29,7 @@ import torch
 from specdec.bench.data import load_records, select
 from specdec.drafters.eagle import EagleHead
 from specdec.engine import Engine
+from specdec.methods import EagleTrainOptions
 from specdec.models import LoadedModel, load_model
 from specdec.models.prompts import PromptEncoder
 from specdec.sampling.params import SamplingParams
@@ -67,7 +68,7 @@ def main() -> None:
     for directory in args.heads:
         head = EagleHead.load(directory, target).eval()
         view = TargetView(target, head.config.target_layers, head.draft_ids)
-        agreement = evaluate(head, view, sequences, config.ttt_steps)
+        agreement = evaluate(head, view, sequences, config.head_options)
         report["heads"][str(directory)] = agreement
         print(f"{str(directory):60s} " + "  ".join(f"{a:.3f}" for a in agreement), flush=True)
     if args.json:
@@ -94,8 +95,9 @@ def on_prompts(target: LoadedModel, heads: list[Path], prompts: Path, per_catego
         head = EagleHead.load(directory, target).eval()
         view = TargetView(target, head.config.target_layers, head.draft_ids)
         every = [s for group in by_category.values() for s in group]
-        result = {"all": evaluate(head, view, every, TrainConfig.ttt_steps),
-                  **{c: evaluate(head, view, group, TrainConfig.ttt_steps) for c, group in by_category.items()}}
+        options = EagleTrainOptions()  # the draft depths training measures
+        result = {"all": evaluate(head, view, every, options),
+                  **{c: evaluate(head, view, group, options) for c, group in by_category.items()}}
         report["heads"][str(directory)] = result
         print(str(directory))
         for name, agreement in result.items():

@@ -12,7 +12,7 @@ and one line in :data:`METHODS`. `SpeculativeConfig` holds only the keys every m
 module and `specdec/drafters/` names a method (a test holds to that).
 
 The trainable heads (`train-draft`) are here too: each family's class, its one-line help and
-its training options (:data:`HEADS`).
+its own training options, a frozen :class:`TrainOptions` subclass (:data:`HEADS`).
 """
 
 from __future__ import annotations
@@ -432,27 +432,74 @@ def pinned(config: SpeculativeConfig, target: LoadedModel) -> SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class TrainOptions:
+    """A head family's own `train-draft` options (none here); each family subclasses it with
+    fields that have defaults, validated in `__post_init__`. A field's name is its CLI flag
+    (`ttt_steps`: `--ttt-steps`), unique across families, so that a flag names its family."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class EagleTrainOptions(TrainOptions):
+    """ttt_steps: the draft depths training unrolls (training-time test): the head learns to
+    draft from its own output state this many tokens deep, and a step trains that many positions."""
+
+    ttt_steps: int = 3
+
+    def __post_init__(self) -> None:
+        require_int("ttt_steps", self.ttt_steps, 1)
+
+
+@dataclass(frozen=True)
+class MedusaTrainOptions(TrainOptions):
+    """medusa_heads: how many heads a fresh Medusa head has (tokens drafted per step); a head
+    trained further (--init) keeps its own count."""
+
+    medusa_heads: int = 3
+
+    def __post_init__(self) -> None:
+        require_int("medusa_heads", self.medusa_heads, 1)
+
+
+@dataclass(frozen=True)
 class HeadFamily:
     """A trainable head: its class (a :class:`~specdec.drafters.head_parts.TrainableHead`, named
-    as "module:Class" and imported when asked for), its one-line help, and the `train-draft`
-    options it reads besides the common ones (with their defaults)."""
+    as "module:Class" and imported when asked for), its one-line help, and its own `train-draft`
+    options (a :class:`TrainOptions` subclass), which reach only its head."""
 
     name: str
     head: str
     summary: str
-    train_options: dict[str, Any]
+    options: type[TrainOptions] = TrainOptions
 
     def head_class(self) -> type:
         return resolve(self.head)
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self.options)]
+
+    def make_options(self, values: dict[str, Any]) -> TrainOptions:
+        """The family's options from the keys given (the rest at their defaults); a ConfigError
+        names a key of another family (this one would not read it) or of none."""
+        for key in sorted(set(values) - set(self.keys())):
+            owners = [h.name for h in HEADS.values() if key in h.keys()]
+            own = ", ".join(self.keys()) or "none"
+            if owners:
+                raise ConfigError(f"{key} is an option of {', '.join(owners)} heads; a {self.name} head does not "
+                                  f"read it ({self.name}'s: {own})")
+            raise ConfigError(f"unknown training option {key!r} for {self.name} heads ({self.name}'s: {own})")
+        return self.options(**values)
 
 
 # The head family train-draft trains when none is named.
 DEFAULT_HEAD = "eagle"
 HEADS: dict[str, HeadFamily] = {h.name: h for h in (
     HeadFamily("eagle", "specdec.drafters.eagle:EagleHead", "one decoder layer on three of the target's layers",
-               {"ttt_steps": 3}),
+               EagleTrainOptions),
     HeadFamily("medusa", "specdec.drafters.medusa:MedusaHeads", "residual heads on the target's last state",
-               {"medusa_heads": 3}),
+               MedusaTrainOptions),
 )}
 
 
@@ -472,23 +519,9 @@ def head_class(name: str) -> type:
     return head_family(name).head_class()
 
 
-def train_option_default(key: str) -> Any:
-    """The default of a family's own `train-draft` option (e.g. `ttt_steps`)."""
-    for family in HEADS.values():
-        if key in family.train_options:
-            return family.train_options[key]
-    raise KeyError(key)
-
-
-def check_train_options(arch: str, values: dict[str, Any]) -> None:
-    """ConfigError for a family's own training option given another value than its default when
-    training another family (it would be ignored)."""
-    own = head_family(arch).train_options
-    for family in HEADS.values():
-        for key, default in family.train_options.items():
-            if key not in own and values.get(key, default) != default:
-                raise ConfigError(f"{key} is an option of {family.name} heads; a {arch} head does not read it "
-                                  f"({arch}'s: {', '.join(own) or 'none'})")
+def train_option_keys() -> list[str]:
+    """Every family's own `train-draft` option keys."""
+    return sorted(key for family in HEADS.values() for key in family.keys())
 
 
 # --- validation helpers for options ---------------------------------------------------------

@@ -8,6 +8,7 @@ read of it and names a factory that exists, and the registry and the config load
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import pkgutil
@@ -134,13 +135,20 @@ def test_the_config_and_the_registry_load_no_model_code() -> None:
 
 
 def test_a_training_option_of_another_head_family_is_refused() -> None:
-    # The registry says which train-draft options each family reads.
-    own = {name: set(methods.head_family(name).train_options) for name in methods.trainable_heads()}
+    # The registry says which train-draft options each family reads: its own options dataclass.
+    own = {name: set(methods.head_family(name).keys()) for name in methods.trainable_heads()}
     for arch, keys in own.items():
+        family = methods.head_family(arch)
+        assert issubclass(family.options, methods.TrainOptions) and dataclasses.is_dataclass(family.options)
+        assert family.make_options({}) == family.options()  # every option has a default
         for other, other_keys in own.items():
             for key in other_keys - keys:
-                default = methods.train_option_default(key)
-                methods.check_train_options(arch, {key: default})  # at its default: fine
+                default = getattr(methods.head_family(other).options(), key)
                 with pytest.raises(specdec.SpecDecError, match=f"{key} is an option of {other} heads"):
-                    methods.check_train_options(arch, {key: default + 1})
+                    family.make_options({key: default})  # given at all: this family would not read it
+        with pytest.raises(specdec.SpecDecError, match="unknown training option"):
+            family.make_options({"no_such_option": 1})
+    # A flag names one family: no two families share a key.
+    every = [key for name in own for key in methods.head_family(name).keys()]
+    assert len(every) == len(set(every)) and sorted(every) == methods.train_option_keys()
     assert any(own.values())

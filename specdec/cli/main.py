@@ -268,7 +268,7 @@ def bench(
     max_tokens: MaxTokensOpt = 128,
     json_path: JsonOutOpt = None,
     report_dir: Annotated[Optional[Path], typer.Option("--report-dir", help="Write report.md and PNG plots into this folder.")] = None,
-    peers: Annotated[bool, typer.Option("--peers", help="Also run the peers on the same prompts: transformers' generate (plain and prompt lookup) and, when llama-cpp-python is installed (make peers) and the model is a GGUF file, llama.cpp (plain and prompt lookup).")] = False,
+    peers: Annotated[bool, typer.Option("--peers", help="Also run the peers on the same prompts: transformers' generate (plain and prompt lookup) and, when the model is a GGUF file and `make peers` has built them, llama.cpp's C++ programs (plain, n-gram, and the same draft model at its default and best settings).")] = False,
     peer_names: Annotated[Optional[list[str]], typer.Option("--peer", help="Only this peer: transformers or llama.cpp (repeatable; implies --peers).")] = None,
     compare: Annotated[Optional[list[str]], typer.Option("--compare", help="Another speculative config (JSON or file) to run side by side on the same target (repeatable).")] = None,
     other_backends: Annotated[Optional[list[str]], typer.Option("--plain-on", help="Also decode plainly on another backend and weight format, BACKEND[:DTYPE], e.g. hf:float32 (repeatable).")] = None,
@@ -676,8 +676,8 @@ def train_draft(
     max_time: Annotated[Optional[float], typer.Option("--max-time", help="Seconds for this run: answering, then training with what is left. With --resume of a run that had started training: the training's seconds in all, earlier runs included (omit it to keep the first run's budget).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Training tokens in all (every epoch, earlier runs included); with --max-time, whichever comes first.")] = None,
     draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="Tokens the head can propose: the target's most frequent in the answers.")] = 8192,
-    ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="EAGLE: draft depths unrolled in training (training-time test).")] = 3,
-    medusa_heads: Annotated[int, typer.Option("--medusa-heads", help="Medusa: heads (tokens drafted per step).")] = 3,
+    ttt_steps: Annotated[Optional[int], typer.Option("--ttt-steps", help=f"EAGLE: draft depths unrolled in training (training-time test; default {registry.EagleTrainOptions.ttt_steps}).")] = None,
+    medusa_heads: Annotated[Optional[int], typer.Option("--medusa-heads", help=f"Medusa: heads (tokens drafted per step; default {registry.MedusaTrainOptions.medusa_heads}).")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     init: Annotated[Optional[Path], typer.Option("--init", help="Start from this head's weights and draft vocabulary (a head directory) instead of fresh ones.")] = None,
     answers_from: Annotated[Optional[Path], typer.Option("--answers-from", help="Train on the answers an earlier run wrote (its answers.jsonl) instead of answering.")] = None,
@@ -702,9 +702,11 @@ def train_draft(
     from specdec.training.run import TrainRun
     from specdec.training.run import train_draft as run_training
 
+    # Each family's own flags, as given: they reach the --arch family's options (another's is refused).
+    given = {key: value for key, value in (("ttt_steps", ttt_steps), ("medusa_heads", medusa_heads)) if value is not None}
     run = TrainRun(out_dir=out_dir, arch=arch, data=data, answers=answers, code_prompts=code_prompts,
                    answer_tokens=answer_tokens, answer_time=answer_time, max_time=max_time, max_tokens=max_tokens,
-                   draft_vocab=draft_vocab, ttt_steps=ttt_steps, medusa_heads=medusa_heads, seed=seed, init=init,
+                   draft_vocab=draft_vocab, head_options=given, seed=seed, init=init,
                    answers_from=answers_from, text=text, tasks=tasks, self_prompts=self_prompts,
                    exclude=tuple(exclude or ()), answer_rows=answer_rows, batch_tokens=batch_tokens,
                    bf16=bf16, device=device, checkpoint_every=checkpoint_every, resume=resume)

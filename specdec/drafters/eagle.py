@@ -38,11 +38,11 @@ from torch import nn
 from specdec.drafters import eagle_unroll, head_files
 from specdec.drafters.base import Drafter, Proposal, best_subtree
 from specdec import kernels
-from specdec.drafters.head_parts import (TREE_SLOTS, PackedHead, TrainableHead, check_draft_format, draft_format,
-                                         rms_norm, rope, rope_inv_freq, rotate)
+from specdec.drafters.head_parts import TREE_SLOTS, PackedHead, TrainableHead, check_draft_format, draft_format
 from specdec.errors import ConfigError
+from specdec.models.layer_math import rms_norm, rope, rope_inv_freq, rotate
 from specdec.models.loader import LoadedModel
-from specdec.methods import TreeOptions
+from specdec.methods import EagleTrainOptions, TreeOptions
 from specdec.models.native import NO_SLOTS, Visible, visible_slots
 from specdec.models.qlinear import PackedLinear
 from specdec.sampling.invariant import invariant_tokens
@@ -273,10 +273,10 @@ class EagleHead(TrainableHead):
     # --- training (train-draft) ----------------------------------------------------------------
 
     @classmethod
-    def fresh(cls, target: LoadedModel, d2t_ids: torch.Tensor, *, heads: int, seed: int) -> EagleHead:
+    def fresh(cls, target: LoadedModel, d2t_ids: torch.Tensor, options: EagleTrainOptions, *, seed: int) -> EagleHead:
         """A new head tied to the target's LM head rows for the vocabulary `d2t_ids`: small normal
         weights, the output projections scaled down so that the layer starts near the identity
-        on its residual (`heads` is Medusa's)."""
+        on its residual (the options shape training's unroll, not the head)."""
         backend = target.backend
         config = EagleHeadConfig.for_target(target, len(d2t_ids))
         head = cls(config, backend.input_embeddings(), d2t_ids - torch.arange(len(d2t_ids)),
@@ -292,14 +292,16 @@ class EagleHead(TrainableHead):
     def view_layers(self, target: LoadedModel) -> tuple[int, ...]:
         return self.config.target_layers
 
-    def draft_positions(self, depth: int) -> int:
-        return depth
+    def draft_positions(self, options: EagleTrainOptions) -> int:
+        return options.ttt_steps
 
-    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, begin: torch.Tensor):
-        """Training-time test unrolled `depth` draft steps over a batch ([batch, n, ...]), from the
-        positions `begin` [batch] on: the window offsets, and per depth j its output states, which
-        predict row t (shift 0), meaningful from position j on, scored by `logits`."""
-        offset, states = eagle_unroll.ttt_states(self, features, tokens, depth, begin)
+    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, begin: torch.Tensor,
+                     options: EagleTrainOptions):
+        """Training-time test unrolled `options.ttt_steps` draft steps over a batch ([batch, n,
+        ...]), from the positions `begin` [batch] on: the window offsets, and per depth j its
+        output states, which predict row t (shift 0), meaningful from position j on, scored by
+        `logits`."""
+        offset, states = eagle_unroll.ttt_states(self, features, tokens, options.ttt_steps, begin)
         return offset, [(state, 0, j, self.logits) for j, state in enumerate(states)]
 
     # --- files --------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""What the heads that read the target's hidden states share (EAGLE, MTP, Medusa, hybrid):
-RMS norm and rotary embeddings as a head layer computes them, a head's matrices packed for
-specdec's kernels, and the base class of the heads `train-draft` trains."""
+"""What the heads that read the target's hidden states share (EAGLE, MTP, Medusa, hybrid): a
+head's matrices packed for specdec's kernels, and the base class of the heads `train-draft`
+trains. A head layer's RMS norm and rotary embedding are the target's own
+(:mod:`specdec.models.layer_math`)."""
 
 from __future__ import annotations
 
@@ -18,33 +19,10 @@ from specdec.errors import ConfigError
 from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, PackedLinear
 
 if TYPE_CHECKING:
+    from specdec.methods import TrainOptions
     from specdec.models.loader import LoadedModel
 
 TREE_SLOTS = 64  # cache slots for a tree's expanded nodes (tree_width x depth at most)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMS norm over the last dimension."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def rope_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] the rotary frequencies of a head layer."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-
-
-def rope(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [..., n, head_dim] of the rotary embedding at these positions [..., n]."""
-    angles = positions.float()[..., None] * inv_freq  # [..., n, head_dim / 2]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [heads, n, head_dim] turned by the rotary embedding (cos, sin: [n, head_dim])."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 @dataclass(frozen=True)
@@ -94,27 +72,28 @@ DraftEntry = tuple[torch.Tensor, int, int, Callable[[torch.Tensor], torch.Tensor
 class TrainableHead(nn.Module):
     """A head `train-draft` trains (a family in :data:`specdec.methods.HEADS`): what training
     calls of it. A family's head module defines each; the drafter that runs it reads only its
-    weights."""
+    weights. `options` is always the family's own :class:`~specdec.methods.TrainOptions`
+    subclass, the only way a family's training options reach its head."""
 
     def draft_ids(self) -> torch.Tensor:
         """[draft_vocab] the target token of each draft token."""
         raise NotImplementedError
 
     @classmethod
-    def fresh(cls, target: LoadedModel, d2t_ids: torch.Tensor, *, heads: int, seed: int) -> TrainableHead:
-        """A new head for the target, over the draft vocabulary `d2t_ids` (`heads`: Medusa's count)."""
+    def fresh(cls, target: LoadedModel, d2t_ids: torch.Tensor, options: TrainOptions, *, seed: int) -> TrainableHead:
+        """A new head for the target, over the draft vocabulary `d2t_ids`."""
         raise NotImplementedError
 
     def view_layers(self, target: LoadedModel) -> tuple[int, ...]:
         """The target layers whose outputs the head reads (what a training view keeps)."""
         raise NotImplementedError
 
-    def draft_positions(self, depth: int) -> int:
-        """How many draft positions a step trains when unrolled `depth` deep."""
+    def draft_positions(self, options: TrainOptions) -> int:
+        """How many draft positions a step trains (and evaluation measures)."""
         raise NotImplementedError
 
-    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, depth: int,
-                     begin: torch.Tensor) -> tuple[torch.Tensor, list[DraftEntry]]:
+    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, begin: torch.Tensor,
+                     options: TrainOptions) -> tuple[torch.Tensor, list[DraftEntry]]:
         """Over a batch of views (features [batch, n, ...], tokens [batch, n]) whose positions from
         begin [batch] on are counted: the window offsets [batch] (column c is position offset +
         c) and each draft position's :data:`DraftEntry`."""

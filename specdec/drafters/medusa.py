@@ -28,8 +28,9 @@ from torch import nn
 from specdec.drafters import head_files
 from specdec.drafters.base import Drafter, Proposal, best_subtree
 from specdec.drafters.head_parts import TrainableHead, check_draft_format, draft_format
-from specdec.methods import TreeOptions
+from specdec.methods import MedusaTrainOptions, TreeOptions
 from specdec.errors import ConfigError
+from specdec.models.layer_math import rms_norm
 from specdec.models.loader import LoadedModel
 from specdec.models.qlinear import PackedLinear
 from specdec.sampling.invariant import invariant_tokens
@@ -113,7 +114,7 @@ class MedusaHeads(TrainableHead):
     def forward(self, states: torch.Tensor) -> torch.Tensor:
         """states: [n, hidden], the target's last layer output (before its final norm).
         Returns [heads, n, draft_vocab] (the whole vocabulary for untied heads)."""
-        x = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self.final_norm
+        x = rms_norm(states, self.final_norm, self.config.rms_norm_eps)
         out = []
         for head in self.medusa_head:
             y = head[0](x)
@@ -137,11 +138,13 @@ class MedusaHeads(TrainableHead):
     # --- training (train-draft) ----------------------------------------------------------------
 
     @classmethod
-    def fresh(cls, target: LoadedModel, d2t_ids: torch.Tensor, *, heads: int, seed: int) -> MedusaHeads:
-        """`heads` new heads tied to the target's LM head rows for the vocabulary `d2t_ids`, with
-        zero residual blocks: each starts as the target's own next-token guess (`seed` is unused)."""
+    def fresh(cls, target: LoadedModel, d2t_ids: torch.Tensor, options: MedusaTrainOptions, *,
+              seed: int) -> MedusaHeads:
+        """`options.medusa_heads` new heads tied to the target's LM head rows for the vocabulary
+        `d2t_ids`, with zero residual blocks: each starts as the target's own next-token guess
+        (`seed` is unused)."""
         backend = target.backend
-        config = MedusaConfig(heads, backend.hidden_size, backend.vocab_size, len(d2t_ids),
+        config = MedusaConfig(options.medusa_heads, backend.hidden_size, backend.vocab_size, len(d2t_ids),
                               float(target.config.rms_norm_eps), target=target.name)
         new = cls(config, backend.final_norm_weight(), d2t_ids - torch.arange(len(d2t_ids)),
                   backend.output_embeddings()[d2t_ids])
@@ -153,14 +156,15 @@ class MedusaHeads(TrainableHead):
     def view_layers(self, target: LoadedModel) -> tuple[int, ...]:
         return (target.num_layers - 1,)
 
-    def draft_positions(self, depth: int) -> int:
-        return self.config.num_heads
+    def draft_positions(self, options: MedusaTrainOptions) -> int:
+        return self.config.num_heads  # the head's own count (a head trained further keeps its count)
 
-    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, begin: torch.Tensor):
+    def draft_states(self, features: torch.Tensor, tokens: torch.Tensor, begin: torch.Tensor,
+                     options: MedusaTrainOptions):
         """Head i's states at position t predict row t + i (the target's distribution at t + 1 + i),
         scored by that head's LM head. features: [batch, n, hidden]; every position (offsets 0)."""
         c = self.config
-        x = features * torch.rsqrt(features.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * self.final_norm
+        x = rms_norm(features, self.final_norm, c.rms_norm_eps)
         tied = lambda y: y @ self.lm_head_rows.t()  # noqa: E731
         offset = torch.zeros(features.shape[0], dtype=torch.long, device=features.device)
         return offset, [(head[0](x), i, 0, tied if c.tied_lm_head else head[1]) for i, head in enumerate(self.medusa_head)]
@@ -275,7 +279,7 @@ class MedusaDrafter(Drafter):
         """state: [1, hidden] -> [count, draft_vocab], the first `count` heads; the arithmetic of
         :meth:`MedusaHeads.forward` with the packed matrices."""
         c, w = self.heads.config, self.weights
-        x = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * self.heads.final_norm
+        x = rms_norm(state, self.heads.final_norm, c.rms_norm_eps)
         ys = torch.cat([x + F.silu(w.blocks[i](x).float() + w.biases[i]) for i in range(count)])  # [count, hidden]
         if len(w.lm) == 1:
             return w.lm[0](ys).float()

@@ -32,8 +32,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.drafters.eagle import EagleDrafter, attention_mask
-from specdec.drafters.head_parts import PackedHead, check_draft_format, rms_norm, rope, rope_inv_freq, rotate
+from specdec.drafters.head_parts import PackedHead, check_draft_format
 from specdec.errors import ConfigError
+from specdec.models.layer_math import rms_norm, rope, rope_inv_freq, rotate
 from specdec.models.loader import LoadedModel
 from specdec.models.native import Visible
 from specdec.models.qlinear import PackedLinear

@@ -36,6 +36,7 @@ from specdec.models.backend import ForwardOutput, causal_mask, kv_bytes_per_toke
 from specdec.models import huge_pages
 from specdec.models.batch_cache import BatchCache, BatchCacheLayer
 from specdec.models.cache import PreallocatedLayer
+from specdec.models.layer_math import rms_norm, rope, rope_inv_freq, rotate
 from specdec.models.qlinear import FORMATS, KERNEL_FORMATS, Embedding, PackedLinear, RawWeight, StackedLinear
 
 log = logging.getLogger(__name__)
@@ -132,16 +133,8 @@ def part_specs(matrices: Sequence[PackedLinear | StackedLinear]) -> list[int]:
     return [value for m in matrices for part in m.parts for value in (_PART_KINDS[part.fmt], part.out_features)]
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [..., dim] float32
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [rows, heads, new, head_dim]; cos, sin: [rows, 1, new, head_dim] (halves repeated, as HF)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+# The names tests/kernels compares the fused operations against.
+_rms_norm, _rotate = rms_norm, rotate
 
 
 class NativeBackend:
@@ -171,11 +164,11 @@ class NativeBackend:
                                  "logits: use --backend hf")
         if torch.device(device).type != "cpu":
             raise ModelLoadError("the native backend's packed kernels run on the CPU; use --backend hf on other devices")
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        if model_type == "phi3" and (rope.get("rope_type", "default") != "default"
-                                     or rope.get("partial_rotary_factor", 1.0) != 1.0):
+        rope_config = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if model_type == "phi3" and (rope_config.get("rope_type", "default") != "default"
+                                     or rope_config.get("partial_rotary_factor", 1.0) != 1.0):
             raise ModelLoadError(f"the native backend runs Phi-3 with its default rotary embedding; this one's is "
-                                 f"{rope.get('rope_type')!r} (long-context scaling): use --backend hf")
+                                 f"{rope_config.get('rope_type')!r} (long-context scaling): use --backend hf")
         self.config = config
         self.model_type = model_type
         self.device = torch.device(device)
@@ -251,7 +244,7 @@ class NativeBackend:
             raise ModelLoadError(f"the native backend runs Gemma 3 with default or linear rotary scaling; this one's "
                                  f"{kind} layers use {rope_type!r}: use --backend hf")
         dim = self.head_dim
-        inv_freq = 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        inv_freq = rope_inv_freq(float(params["rope_theta"]), dim)
         if rope_type == "linear":
             inv_freq = inv_freq / float(params["factor"])
         return inv_freq, 1.0
@@ -265,9 +258,8 @@ class NativeBackend:
         if table is None or table[0].shape[0] < needed:
             size = max(4096, 1 << (needed - 1).bit_length())
             inv_freq, scaling = self._rotary[kind]
-            freqs = torch.arange(size, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [size, head_dim / 2]
-            angles = torch.cat([freqs, freqs], dim=-1)
-            table = self._tables[kind] = (angles.cos() * scaling, angles.sin() * scaling)  # [size, head_dim]
+            cos, sin = rope(inv_freq, torch.arange(size))  # [size, head_dim]
+            table = self._tables[kind] = (cos * scaling, sin * scaling)
         flat = positions.reshape(-1)
         return table[0][flat], table[1][flat]
 
@@ -579,7 +571,7 @@ class NativeBackend:
     # run fused (specdec.kernels: a few calls a layer); otherwise as PyTorch operations.
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self._ops.rms_norm(x, weight, self.eps) if self.fused else _rms_norm(x, weight, self.eps)
+        return self._ops.rms_norm(x, weight, self.eps) if self.fused else rms_norm(x, weight, self.eps)
 
     def _silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         # h: [tokens, 2 * inter] (gate, then up) -> [tokens, inter]
@@ -610,9 +602,9 @@ class NativeBackend:
             qkv = qkv.view(rows, new, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
             q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)  # [rows, h, new, head_dim]
             if layer.q_norm is not None:
-                q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
+                q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
             cos4, sin4 = cos.view(rows, 1, new, -1), sin.view(rows, 1, new, -1)  # [rows, 1, new, head_dim]
-            q, k = _rotate(q, cos4, sin4), _rotate(k, cos4, sin4)
+            q, k = rotate(q, cos4, sin4), rotate(k, cos4, sin4)
         keys, values = cache_layer.update(k.to(self.kv_dtype), v.to(self.kv_dtype))  # [rows, kv_heads, cached + new, head_dim]
         if visible is not None and self.fused:
             # Each query of each row attends alone over its row's visible slots, exactly as a

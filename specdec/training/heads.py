@@ -8,9 +8,9 @@ after next), restricted to the draft vocabulary: soft cross-entropy, as EAGLE-3 
 
 Training-time test: drafting k tokens, the head reads its own output state in place of the
 target's from the second token on, attending to its own earlier drafted entries. Training
-unrolls `ttt_steps` such depths: at depth j, position t reads the depth j - 1 output at t - 1,
-and attends to the depth-0 entries up to t - j plus one entry of each depth 1 .. j (the ones a
-draft of j + 1 tokens would have written). Depth j's loss is weighted 0.8^j.
+unrolls EAGLE's option `ttt_steps` such depths: at depth j, position t reads the depth j - 1
+output at t - 1, and attends to the depth-0 entries up to t - j plus one entry of each depth
+1 .. j (the ones a draft of j + 1 tokens would have written). Depth j's loss is weighted 0.8^j.
 
 Medusa's heads read only the target's last state at t; head i learns the target's distribution
 at t + 1 + i (token t + 2 + i). Their residual blocks start at zero, so each head starts as the
@@ -50,22 +50,27 @@ from specdec.training.corpus import split_of
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REPORT_FILE = "report.json"
+LOG_FILE = "log.jsonl"
+VIEWS_DIR = "views"
 DEPTH_WEIGHT = 0.8
 # A resumed run may change its budget (to train longer) and the machine it runs on; every other
 # setting must be the same.
 BUDGET_FIELDS = ("max_tokens", "max_time", "checkpoint_every_s")
 MACHINE_FIELDS = ("device", "bf16")
-
-
 LOSS_ON = ("answers", "all")
+BF16 = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """A training run's settings. `arch` names the head family (:data:`specdec.methods.HEADS`)
+    and `head_options` are that family's own options (its :class:`~specdec.methods.TrainOptions`
+    subclass; None: its defaults), which reach only its head; options of another family are
+    refused. The rest is every family's."""
+
     arch: str = registry.DEFAULT_HEAD
-    medusa_heads: int = registry.train_option_default("medusa_heads")
+    head_options: registry.TrainOptions | None = None
     draft_vocab_size: int = 8192
-    ttt_steps: int = registry.train_option_default("ttt_steps")
     lr: float = 1e-3
     warmup_steps: int = 20
     final_lr_fraction: float = 0.1  # with a token budget, the rate falls along a cosine to this fraction of lr
@@ -83,6 +88,32 @@ class TrainConfig:
     view_top: int = 64  # the target's most likely draft tokens kept per position
     bf16: str = "auto"  # the step in bfloat16 autocast: "auto" (a GPU, or a CPU that multiplies bfloat16), "on", "off"
     device: str = "cpu"  # where the head trains ("cuda": a GPU); the target runs where it was loaded
+
+    def __post_init__(self) -> None:
+        family = registry.head_family(self.arch)  # ConfigError for an unknown one
+        if self.head_options is None:
+            object.__setattr__(self, "head_options", family.options())
+        elif not isinstance(self.head_options, family.options):
+            owners = [h.name for h in registry.HEADS.values() if isinstance(self.head_options, h.options)]
+            own = f"{family.options.__name__} ({', '.join(family.keys()) or 'none'})"
+            raise ConfigError(f"head_options {self.head_options!r} are {' or '.join(owners) or 'no'} heads' options; "
+                              f"a {self.arch} head reads {own}")
+        if self.loss_on not in LOSS_ON:
+            raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
+        if self.bf16 not in BF16:
+            raise ConfigError(f"bf16 must be one of {', '.join(BF16)}, got {self.bf16!r}")
+
+
+def saved_settings(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's settings (`asdict` of its TrainConfig) as today's TrainConfig lays them out.
+    A checkpoint written when the family options were fields of TrainConfig (`ttt_steps`,
+    `medusa_heads`, every family's) has its family's moved into `head_options`, the others dropped."""
+    settings = dict(saved)
+    flat = {key: settings.pop(key) for key in registry.train_option_keys() if key in settings}
+    if "head_options" not in settings:
+        own = registry.head_family(settings.get("arch", registry.DEFAULT_HEAD)).keys()
+        settings["head_options"] = {key: value for key, value in flat.items() if key in own}
+    return settings
 
 
 def learning_rate(config: TrainConfig, progress: Progress) -> float:
@@ -294,9 +325,10 @@ def counted_from(record: dict, ids: list[int], answers: bool) -> int:
 
 
 def batch_losses(head: nn.Module, samples: list[TargetSample], sequences: list[list[int]], starts: list[int],
-                 depth: int) -> list[tuple[torch.Tensor, int, int]]:
+                 options: registry.TrainOptions) -> list[tuple[torch.Tensor, int, int]]:
     """Per draft position (EAGLE: depth; Medusa: head) (mean loss, correct count, positions
-    counted) over a batch of sequences, counting sequence b's positions from starts[b].
+    counted) over a batch of sequences, counting sequence b's positions from starts[b]; `options`
+    are the head family's own (:class:`~specdec.methods.TrainOptions`).
 
     The sequences run as one padded batch (a shorter one padded at its end: no position reads a
     later one), and the draft vocabulary's logits are made only at the positions counted: the
@@ -318,7 +350,7 @@ def batch_losses(head: nn.Module, samples: list[TargetSample], sequences: list[l
     lengths, begin = lengths.to(device), torch.tensor(starts, device=device)
     t = torch.arange(width, device=device)[None]
     results = []
-    offset, entries = head.draft_states(features, tokens, depth, begin)
+    offset, entries = head.draft_states(features, tokens, begin, options)
     for states, shift, first, score in entries:
         rows, cols = ((t >= begin.clamp(min=first)[:, None]) & (t < (lengths - shift)[:, None])).nonzero(as_tuple=True)
         if len(rows) == 0:
@@ -382,8 +414,9 @@ def compact_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def new_head(target: LoadedModel, d2t_ids: torch.Tensor, config: TrainConfig) -> nn.Module:
-    """A fresh head of `config.arch` reading the target's LM head rows for the vocabulary `d2t_ids`."""
-    return registry.head_class(config.arch).fresh(target, d2t_ids, heads=config.medusa_heads, seed=config.seed)
+    """A fresh head of `config.arch` reading the target's LM head rows for the vocabulary
+    `d2t_ids`, built with the family's own options."""
+    return registry.head_class(config.arch).fresh(target, d2t_ids, config.head_options, seed=config.seed)
 
 
 @dataclass
@@ -401,9 +434,42 @@ class Progress:
     phase: str = "views"  # "views", then "train"
 
 
-BF16 = ("auto", "on", "off")
-LOG_FILE = "log.jsonl"
-VIEWS_DIR = "views"
+@dataclass
+class Run:
+    """What the steps of :func:`train_head` share: the settings and output directory, the head and
+    its optimizer, the draft vocabulary (and the fraction of the training tokens it covers), what
+    trained the starting head (--init), the target's views, the progress, and when the whole run
+    began (resumes included: the budget's clock)."""
+
+    config: TrainConfig
+    out: Path
+    device: torch.device
+    head: nn.Module
+    optimizer: torch.optim.Optimizer
+    d2t_ids: torch.Tensor
+    coverage: float
+    prior: dict[str, Any]
+    view: TargetView
+    autocast: bool
+    progress: Progress
+    began: float
+
+    def out_of_budget(self) -> bool:
+        config, progress = self.config, self.progress
+        progress.elapsed_s = time.monotonic() - self.began
+        return ((config.max_tokens is not None and progress.tokens >= config.max_tokens)
+                or (config.max_time is not None and progress.elapsed_s >= config.max_time))
+
+    def checkpoint(self) -> None:
+        """The run's state to out/checkpoint.pt, through a temporary file: a kill mid-write leaves
+        the previous checkpoint whole."""
+        state = {"config": asdict(self.config), "d2t_ids": self.d2t_ids, "coverage": self.coverage,
+                 "head": self.head.state_dict(), "optimizer": compact_optimizer(self.optimizer),
+                 "progress": asdict(self.progress), "started_from": self.prior}
+        path = self.out / CHECKPOINT_FILE
+        partial = path.with_suffix(".tmp")
+        torch.save(state, partial)
+        partial.replace(path)
 
 
 def train_head(
@@ -425,56 +491,63 @@ def train_head(
     trains on batches of them; `out/log.jsonl` gets a line at every checkpoint (tokens, loss,
     training agreement, tokens/s) with the held-out agreement per draft position every
     `validate_every_s`."""
-    family = registry.head_class(config.arch)  # ConfigError for an unknown one
-    registry.check_train_options(config.arch, {"ttt_steps": config.ttt_steps, "medusa_heads": config.medusa_heads})
-    if config.loss_on not in LOSS_ON:
-        raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {config.loss_on!r}")
-    if config.bf16 not in BF16:
-        raise ConfigError(f"bf16 must be one of {', '.join(BF16)}, got {config.bf16!r}")
     device = training_device(config.device)
     out.mkdir(parents=True, exist_ok=True)
-    checkpoint_path = out / CHECKPOINT_FILE
-    # Fixed-text records only train: the held-out split measures what drafting faces, answers.
-    held_out = lambda r: r.get("kind") != "text" and split_of(r["id"], config.validation_fraction) == "validation"  # noqa: E731
-    train_ids = [r for r in records if not held_out(r)]
-    validation = [r for r in records if held_out(r)][: config.max_validation_sequences]
-    if not train_ids:
-        raise ConfigError("no training sequences (every record fell in the validation split)")
-    sequence = lambda r: (r["prompt_ids"] + r.get("answer_ids", []))[: config.max_seq_len]  # noqa: E731
+    train, validation = split_records(records, config)
+    sequences = [training_sequence(r, config) for r in train]
+    held_out = [(training_sequence(r, config), answer_start(r)) for r in validation]
     torch.manual_seed(config.seed)
+    run = start_run(target, sequences, out, config, device, resume=resume, init=init)
 
-    progress = Progress()
-    if resume and checkpoint_path.is_file():
-        saved = torch.load(checkpoint_path, weights_only=False, map_location="cpu")
-        ours = asdict(config)
-        differ = {k: v for k, v in saved["config"].items()
-                  if k not in BUDGET_FIELDS + MACHINE_FIELDS and ours.get(k) != v}
-        if differ:
-            raise ConfigError(f"{checkpoint_path} was written with other settings: {differ}")
-        d2t_ids = saved["d2t_ids"]
+    # 1. The target's views, made once (the budget's clock runs: they are most of a first epoch),
+    #    each with the target's distributions from the first row its loss counts.
+    starts = [counted_from(r, ids, config.loss_on == "answers") for r, ids in zip(train, sequences)]
+    held_rows = [(ids, counted_from(r, ids, True)) for r, (ids, _) in zip(validation, held_out)]
+    make_views(run, [*zip(sequences, starts), *held_rows], on_progress)
+    # 2. Steps over batches of views, in the seeded order, epoch after epoch.
+    batches = train_steps(run, sequences, starts, held_out, on_progress)
+    # 3. The head with its history, and the report.
+    return finish(run, target, sequences, held_out, batches)
+
+
+def split_records(records: list[dict], config: TrainConfig) -> tuple[list[dict], list[dict]]:
+    """The records trained on and the held-out ones (at most `max_validation_sequences`), split
+    by a hash of each id. Fixed-text records only train: the held-out split measures what
+    drafting faces, answers. ConfigError where nothing is left to train on."""
+    held = lambda r: r.get("kind") != "text" and split_of(r["id"], config.validation_fraction) == "validation"  # noqa: E731
+    train = [r for r in records if not held(r)]
+    validation = [r for r in records if held(r)][: config.max_validation_sequences]
+    if not train:
+        raise ConfigError("no training sequences (every record fell in the validation split)")
+    return train, validation
+
+
+def training_sequence(record: dict, config: TrainConfig) -> list[int]:
+    """A record's tokens as training reads them: prompt then answer, cut to `max_seq_len`."""
+    return (record["prompt_ids"] + record.get("answer_ids", []))[: config.max_seq_len]
+
+
+def start_run(target: LoadedModel, sequences: list[list[int]], out: Path, config: TrainConfig, device: torch.device, *,
+              resume: bool, init: Path | None) -> Run:
+    """The run at its start: resumed from out/checkpoint.pt where `resume` finds one (its settings
+    must be this run's but for BUDGET_FIELDS and MACHINE_FIELDS), else a new optimizer over a head
+    from `init` or a fresh one (its draft vocabulary the most frequent tokens of `sequences`); the
+    target's views kept in out/views."""
+    checkpoint_path = out / CHECKPOINT_FILE
+    saved = torch.load(checkpoint_path, weights_only=False, map_location="cpu") \
+        if resume and checkpoint_path.is_file() else None
+    if saved is not None:
+        check_resumable(saved["config"], config, checkpoint_path)
+        d2t_ids, coverage, prior = saved["d2t_ids"], saved["coverage"], saved.get("started_from") or {}
         head = new_head(target, d2t_ids, config)
         head.load_state_dict(saved["head"])
         progress = Progress(**saved["progress"])
-        coverage = saved["coverage"]
-        prior = saved.get("started_from") or {}
     elif init is not None:
-        start_from = family.load(init, target)
-        # What trained the starting head (none for a published one), kept with this one's.
-        prior = {"from": str(init), **start_from.config.training}
-        d2t_ids = start_from.draft_ids
-        if len(d2t_ids) != config.draft_vocab_size:
-            raise ConfigError(f"--init head has a draft vocabulary of {len(d2t_ids)}; this run asks for {config.draft_vocab_size}")
-        counts = Counter(token for r in train_ids for token in sequence(r))
-        kept = set(d2t_ids.tolist())
-        coverage = sum(c for t, c in counts.items() if t in kept) / max(1, sum(counts.values()))
-        head = new_head(target, d2t_ids, config)
-        head.load_state_dict(start_from.state_dict())
-        saved = None
+        head, d2t_ids, coverage, prior = initial_head(target, sequences, init, config)
+        progress = Progress()
     else:
-        d2t_ids, coverage = draft_vocabulary([sequence(r) for r in train_ids], config.draft_vocab_size,
-                                             target.backend.vocab_size)
-        head = new_head(target, d2t_ids, config)
-        saved, prior = None, {}
+        d2t_ids, coverage = draft_vocabulary(sequences, config.draft_vocab_size, target.backend.vocab_size)
+        head, prior, progress = new_head(target, d2t_ids, config), {}, Progress()
     head.to(device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     if saved is not None:
@@ -484,38 +557,61 @@ def train_head(
     view = TargetView(target, layers, head.draft_ids, config.view_top, store)
     autocast = config.bf16 == "on" or (config.bf16 == "auto" and (
         torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_multiplies_bfloat16()))
+    return Run(config, out, device, head, optimizer, d2t_ids, coverage, prior, view, autocast, progress,
+               began=time.monotonic() - progress.elapsed_s)
 
-    def checkpoint() -> None:
-        state = {"config": asdict(config), "d2t_ids": d2t_ids, "coverage": coverage, "head": head.state_dict(),
-                 "optimizer": compact_optimizer(optimizer), "progress": asdict(progress), "started_from": prior}
-        partial = checkpoint_path.with_suffix(".tmp")
-        torch.save(state, partial)
-        partial.replace(checkpoint_path)  # a kill mid-write leaves the previous checkpoint whole
 
-    start = time.monotonic() - progress.elapsed_s
-    positions = head.draft_positions(config.ttt_steps)
-    weights = [DEPTH_WEIGHT ** j for j in range(positions)]
+def check_resumable(saved: dict[str, Any], config: TrainConfig, path: Path) -> None:
+    """ConfigError unless a checkpoint's settings (`saved`, in any layout :func:`saved_settings`
+    reads) are this run's, its budget and machine aside."""
+    ours = asdict(config)
+    differ = {k: v for k, v in saved_settings(saved).items()
+              if k not in BUDGET_FIELDS + MACHINE_FIELDS and ours.get(k) != v}
+    if differ:
+        raise ConfigError(f"{path} was written with other settings: {differ}")
 
-    def out_of_budget() -> bool:
-        progress.elapsed_s = time.monotonic() - start
-        return ((config.max_tokens is not None and progress.tokens >= config.max_tokens)
-                or (config.max_time is not None and progress.elapsed_s >= config.max_time))
 
-    # 1. The target's views, made once (the budget's clock runs: they are most of a first epoch),
-    #    each with the target's distributions from the first row its loss counts.
-    sequences = [sequence(r) for r in train_ids]
-    starts = [counted_from(r, ids, config.loss_on == "answers") for r, ids in zip(train_ids, sequences)]
-    for ids, first in [*zip(sequences, starts), *((sequence(r), counted_from(r, sequence(r), True)) for r in validation)]:
-        if out_of_budget():
+def initial_head(target: LoadedModel, sequences: list[list[int]], init: Path,
+                 config: TrainConfig) -> tuple[nn.Module, torch.Tensor, float, dict[str, Any]]:
+    """A head with the weights and draft vocabulary of the head in `init`, that vocabulary, the
+    fraction of the training tokens it covers, and what trained that head (none for a published
+    one), kept with this one's history."""
+    start_from = registry.head_class(config.arch).load(init, target)
+    prior = {"from": str(init), **start_from.config.training}
+    d2t_ids = start_from.draft_ids
+    if len(d2t_ids) != config.draft_vocab_size:
+        raise ConfigError(f"--init head has a draft vocabulary of {len(d2t_ids)}; this run asks for {config.draft_vocab_size}")
+    counts = Counter(token for ids in sequences for token in ids)
+    kept = set(d2t_ids.tolist())
+    coverage = sum(c for t, c in counts.items() if t in kept) / max(1, sum(counts.values()))
+    head = new_head(target, d2t_ids, config)
+    head.load_state_dict(start_from.state_dict())
+    return head, d2t_ids, coverage, prior
+
+
+def make_views(run: Run, rows: list[tuple[list[int], int]], on_progress: Callable[[Progress], None]) -> None:
+    """The target's view of each (sequence, first row counted) that the store lacks, while the
+    budget lasts."""
+    progress = run.progress
+    for ids, first in rows:
+        if run.out_of_budget():
             break
-        if len(ids) >= 2 and view.stored(ids, first) is None:
+        if len(ids) >= 2 and run.view.stored(ids, first) is None:
             began = time.monotonic()
-            view(ids, first)
+            run.view(ids, first)
             progress.view_s += time.monotonic() - began
             progress.view_tokens += len(ids)
             on_progress(progress)
 
-    # 2. Steps over batches of views, in the seeded order, epoch after epoch.
+
+def train_steps(run: Run, sequences: list[list[int]], starts: list[int], held_out: list[tuple[list[int], int]],
+                on_progress: Callable[[Progress], None]) -> int:
+    """Steps over batches of the sequences (each counted from its start) until the budget is
+    spent, in the seeded order of :func:`epoch_batches`, from where the progress left off; every
+    `checkpoint_every_s` a checkpoint and a log line, with the held-out agreement every
+    `validate_every_s`. Returns the number of batches of the last epoch."""
+    config, progress = run.config, run.progress
+    positions = run.head.draft_positions(config.head_options)
     lengths = [len(ids) for ids in sequences]
     usable = [i for i, n in enumerate(lengths) if n >= positions + 2]
     if not usable:
@@ -524,63 +620,76 @@ def train_head(
     batches = epoch_batches([lengths[i] for i in usable], progress.epoch, config.seed, config.batch_sequences,
                             config.batch_tokens)
     last_checkpoint = last_validation = time.monotonic()
-    while not out_of_budget():
+    while not run.out_of_budget():
         if progress.cursor >= len(batches):
             progress.cursor, progress.epoch = 0, progress.epoch + 1
             batches = epoch_batches([lengths[i] for i in usable], progress.epoch, config.seed, config.batch_sequences,
                                     config.batch_tokens)
-        began = time.monotonic()
         chosen = [usable[i] for i in batches[progress.cursor]]
         progress.cursor += 1
-        ids = [sequences[i] for i in chosen]
-        firsts = [starts[i] for i in chosen]
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            results = batch_losses(head, [view(s, f) for s, f in zip(ids, firsts)], ids, firsts, config.ttt_steps)
-            loss = sum(w * r[0] for w, r in zip(weights, results))
-        loss.backward()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, progress)
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        progress.steps += 1
-        progress.tokens += sum(len(s) for s in ids)
-        progress.loss = float(loss.detach())
-        progress.agreement = results[0][1] / max(results[0][2], 1)
-        progress.step_s += time.monotonic() - began
+        train_step(run, [sequences[i] for i in chosen], [starts[i] for i in chosen])
         on_progress(progress)
         if time.monotonic() - last_checkpoint >= config.checkpoint_every_s:
-            checkpoint()
+            run.checkpoint()
             held = None
-            if validation and time.monotonic() - last_validation >= config.validate_every_s:
-                held = evaluate(head, view, [(sequence(r), answer_start(r)) for r in validation], config.ttt_steps, autocast)
-                head.train()
+            if held_out and time.monotonic() - last_validation >= config.validate_every_s:
+                held = evaluate(run.head, run.view, held_out, config.head_options, run.autocast)
+                run.head.train()
                 last_validation = time.monotonic()
-            log_line(out, progress, held)
+            log_line(run.out, progress, held)
             last_checkpoint = time.monotonic()
+    return len(batches)
 
-    checkpoint()
+
+def train_step(run: Run, ids: list[list[int]], firsts: list[int]) -> None:
+    """One optimizer step on a batch of sequences (sequence b counted from firsts[b]): draft
+    position j's loss weighted DEPTH_WEIGHT^j, the step's learning rate, gradients clipped to norm 1."""
+    config, progress, head = run.config, run.progress, run.head
+    began = time.monotonic()
+    run.optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.autocast):
+        results = batch_losses(head, [run.view(s, f) for s, f in zip(ids, firsts)], ids, firsts, config.head_options)
+        loss = sum(DEPTH_WEIGHT ** j * r[0] for j, r in enumerate(results))
+    loss.backward()
+    for group in run.optimizer.param_groups:
+        group["lr"] = learning_rate(config, progress)
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    run.optimizer.step()
+    progress.steps += 1
+    progress.tokens += sum(len(s) for s in ids)
+    progress.loss = float(loss.detach())
+    progress.agreement = results[0][1] / max(results[0][2], 1)
+    progress.step_s += time.monotonic() - began
+
+
+def finish(run: Run, target: LoadedModel, sequences: list[list[int]], held_out: list[tuple[list[int], int]],
+           batches: int) -> dict[str, Any]:
+    """The last checkpoint and log line, the head saved to `out` with its training history
+    (`config.training`: what trained it, and the head it started from), and the run's report,
+    also written to out/report.json. `batches`: the number of the last epoch's."""
+    config, progress, head, out = run.config, run.progress, run.head, run.out
+    run.checkpoint()
     head.eval()
     # None where nothing is held out (fixed text only, or too few answers): nothing to measure on.
-    agreement = evaluate(head, view, [(sequence(r), answer_start(r)) for r in validation], config.ttt_steps,
-                         autocast) if validation else None
+    agreement = evaluate(head, run.view, held_out, config.head_options, run.autocast) if held_out else None
     log_line(out, progress, agreement)
     head.config.training.update({
-        "sequences": len(train_ids), "tokens": progress.tokens, "steps": progress.steps,
-        "distinct_tokens": sum(lengths), "epochs": round(progress.epoch + progress.cursor / len(batches), 3),
-        "seconds": round(progress.elapsed_s), "arch": config.arch, "ttt_steps": config.ttt_steps,
-        "draft_vocab_coverage": round(coverage, 4), "seed": config.seed, "validation_agreement": agreement,
+        "sequences": len(sequences), "tokens": progress.tokens, "steps": progress.steps,
+        "distinct_tokens": sum(len(ids) for ids in sequences),
+        "epochs": round(progress.epoch + progress.cursor / batches, 3), "seconds": round(progress.elapsed_s), "arch": config.arch, **config.head_options.to_dict(),
+        "draft_vocab_coverage": round(run.coverage, 4), "seed": config.seed, "validation_agreement": agreement,
     })
-    if prior:  # a head trained further (--init): its whole history, and every token it has trained on
+    if run.prior:  # a head trained further (--init): its whole history, and every token it has trained on
         head.config.training.update({
-            "started_from": prior,
-            "total_tokens": progress.tokens + int(prior.get("total_tokens") or prior.get("tokens") or 0)})
+            "started_from": run.prior,
+            "total_tokens": progress.tokens + int(run.prior.get("total_tokens") or run.prior.get("tokens") or 0)})
     head.cpu().save(out)
     report = {"target": target.name, "weight_format": target.backend.weight_format, **head.config.training,
-              "validation_sequences": len(validation), "head_bytes": (out / "model.safetensors").stat().st_size,
-              "bf16": autocast, "view_tokens_per_s": round(progress.view_tokens / progress.view_s) if progress.view_s else None,
+              "validation_sequences": len(held_out), "head_bytes": (out / "model.safetensors").stat().st_size,
+              "bf16": run.autocast,
+              "view_tokens_per_s": round(progress.view_tokens / progress.view_s) if progress.view_s else None,
               "train_tokens_per_s": round(progress.tokens / progress.step_s) if progress.step_s else None,
-              "views_bytes": store.nbytes(), "checkpoint_bytes": checkpoint_path.stat().st_size}
+              "views_bytes": run.view.store.nbytes(), "checkpoint_bytes": (out / CHECKPOINT_FILE).stat().st_size}
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
 
@@ -598,19 +707,19 @@ def log_line(out: Path, progress: Progress, validation: list[float] | None) -> N
 
 
 @torch.no_grad()
-def evaluate(head: nn.Module, view: TargetView, sequences: list[tuple[list[int], int]], depth: int,
-             autocast: bool = False, batch: int = 8) -> list[float]:
+def evaluate(head: nn.Module, view: TargetView, sequences: list[tuple[list[int], int]],
+             options: registry.TrainOptions, autocast: bool = False, batch: int = 8) -> list[float]:
     """Top-1 agreement with the target per draft position (EAGLE: the (j + 1)-th drafted token,
     the earlier ones right; Medusa: head j), over (sequence, first position counted) pairs: the
-    answer positions of held-out records."""
-    positions = head.draft_positions(depth)
+    answer positions of held-out records. `options`: the head family's own, as in training."""
+    positions = head.draft_positions(options)
     correct, counted = [0] * positions, [0] * positions
     usable = [(ids, max(0, min(start, len(ids) - 2))) for ids, start in sequences if len(ids) >= positions + 2]
     for begin in range(0, len(usable), batch):
         part = usable[begin : begin + batch]
         with torch.autocast(head.draft_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
             results = batch_losses(head, [view(ids, start) for ids, start in part], [ids for ids, _ in part],
-                                   [start for _, start in part], depth)
+                                   [start for _, start in part], options)
         for j, (_, c, n) in enumerate(results):
             correct[j] += c
             counted[j] += n

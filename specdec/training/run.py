@@ -10,19 +10,19 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specdec.methods import head_class
+from specdec.methods import head_family
 from specdec.errors import ConfigError
 from specdec.models.loader import LoadedModel
 from specdec.training.corpus import (Prompt, back_translations, excluded_runs, generate_answers, read_answers,
                                      select_prompts, self_prompts, source_id, task_prompts, text_records)
-from specdec.training.heads import (BF16, BUDGET_FIELDS, CHECKPOINT_FILE, MACHINE_FIELDS, Progress, TrainConfig, train_head,
-                                    training_device)
+from specdec.training.heads import (BF16, BUDGET_FIELDS, CHECKPOINT_FILE, MACHINE_FIELDS, Progress, TrainConfig,
+                                    saved_settings, train_head, training_device)
 
 ANSWERS_FILE = "answers.jsonl"
 REQUESTS_FILE = "self_prompts.jsonl"  # every request the target wrote for --self-prompts, kept or not
@@ -38,7 +38,9 @@ def _silent(label: str, total: int) -> Iterator[Callable[[object], None]]:
 
 @dataclass(frozen=True)
 class TrainRun:
-    """What a run does (the options of `specdec train-draft`)."""
+    """What a run does (the options of `specdec train-draft`). `head_options`: the options of
+    the `arch` family given (e.g. {"ttt_steps": 4} from --ttt-steps), the rest at the family's
+    defaults; an option of another family is refused."""
 
     out_dir: Path
     arch: str
@@ -50,8 +52,7 @@ class TrainRun:
     max_time: float | None = None
     max_tokens: int | None = None
     draft_vocab: int = 8192
-    ttt_steps: int = TrainConfig.ttt_steps
-    medusa_heads: int = TrainConfig.medusa_heads
+    head_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     init: Path | None = None
     answers_from: Path | None = None
@@ -68,7 +69,7 @@ class TrainRun:
 
     def check(self) -> None:
         """ConfigError for what would fail later: before the target loads."""
-        head_class(self.arch)  # an unknown architecture
+        head_family(self.arch).make_options(self.head_options)  # an unknown architecture, or another's options
         if self.max_time is None and self.max_tokens is None:
             raise ConfigError("give a budget: --max-time SECONDS and/or --max-tokens N")
         if not self.resume and ((self.out_dir / ANSWERS_FILE).exists() or (self.out_dir / CHECKPOINT_FILE).exists()):
@@ -97,9 +98,10 @@ def resumed_config(out_dir: Path, fresh: TrainConfig) -> TrainConfig:
     path = out_dir / CHECKPOINT_FILE
     if not path.is_file():
         return fresh
-    saved = torch.load(path, weights_only=False, map_location="cpu")["config"]  # written on any device
+    saved = saved_settings(torch.load(path, weights_only=False, map_location="cpu")["config"])  # written on any device
     keep = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__ and k not in MACHINE_FIELDS
             and (k not in BUDGET_FIELDS or getattr(fresh, k) is None)}
+    keep["head_options"] = head_family(keep.get("arch", fresh.arch)).make_options(keep["head_options"])
     return dataclasses.replace(fresh, **keep)
 
 
@@ -155,8 +157,8 @@ def train_draft(target: LoadedModel, run: TrainRun, *, start: float | None = Non
     remaining = None if run.max_time is None else max(0.0, run.max_time - (time.monotonic() - start))
     if run.resume and run.max_time is not None and (run.out_dir / CHECKPOINT_FILE).is_file():
         remaining = run.max_time  # training had started: --max-time is its whole budget, earlier runs included
-    config = TrainConfig(arch=run.arch, medusa_heads=run.medusa_heads, draft_vocab_size=run.draft_vocab,
-                         ttt_steps=run.ttt_steps, max_tokens=run.max_tokens, seed=run.seed, max_time=remaining,
+    config = TrainConfig(arch=run.arch, head_options=head_family(run.arch).make_options(run.head_options),
+                         draft_vocab_size=run.draft_vocab, max_tokens=run.max_tokens, seed=run.seed, max_time=remaining,
                          batch_tokens=run.batch_tokens, bf16=run.bf16, device=run.device,
                          checkpoint_every_s=run.checkpoint_every)
     if run.resume:  # a resumed run keeps the first run's settings, its training budget included

@@ -51,6 +51,8 @@ def test_train_then_draft_with_the_head(run_cli_tiny: CliRun, tiny_model_dir: Pa
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--max-tokens", "10", "--arch", "hydra"], "unknown head architecture"),
+    (["--max-tokens", "10", "--arch", "medusa", "--ttt-steps", "4"], "ttt_steps is an option of eagle heads"),
+    (["--max-tokens", "10", "--medusa-heads", "2"], "medusa_heads is an option of medusa heads"),
     ([], "give a budget"),
     (["--max-tokens", "10", "--self-prompts", "2", "--exclude", "no/such/benchmark.jsonl"], "--exclude file not found"),
 ])

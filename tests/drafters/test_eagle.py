@@ -1,5 +1,6 @@
 """EAGLE heads: drafting matches what training unrolls, files round-trip (ours and EAGLE-3's
-layout), training resumes exactly, and the batched engine feeds each row's head its states."""
+layout), and the batched engine feeds each row's head its states. Training them:
+tests/training/."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.eagle import EagleDrafter, EagleHead, default_target_layers
 from specdec.drafters.eagle_unroll import ttt_forward
 from specdec.engine import Engine
-from specdec.engine.batch import BatchEngine, Sequence
+from specdec.engine.batch import BatchEngine
 from specdec.errors import ConfigError
 from specdec.models import LoadedModel, ModelRunner
 from specdec.sampling.penalties import tree_paths
-from specdec.training.heads import Progress, TargetView, TrainConfig, evaluate, learning_rate, new_head, train_head
+from specdec.training.heads import TrainConfig, new_head
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -143,79 +144,13 @@ def test_batched_rows_each_get_their_states(tiny_native: LoadedModel) -> None:
     alone = [Engine(tiny_native, EagleDrafter(head), 3).generate(p, GREEDY).stats.per_position_acceptance
              for p in prompts]
     engine = BatchEngine(tiny_native, max_rows=3, max_model_len=64, max_draft=3)
-    seqs = [Sequence(p, GREEDY, EagleDrafter(head), k=3) for p in prompts]
-    engine.add(seqs[0])
+    seqs = [engine.admit(prompts[0], GREEDY, EagleDrafter(head), 3).sequence]
     engine.step()
-    engine.add(seqs[1])
-    engine.add(seqs[2])
+    seqs += [engine.admit(p, GREEDY, EagleDrafter(head), 3).sequence for p in prompts[1:]]
     while not all(s.finished for s in seqs):
         engine.step()
     assert [s.result.token_ids for s in seqs] == plain
     assert [s.result.stats.per_position_acceptance for s in seqs] == alone
-
-
-def test_training_resumes_where_it_stopped(tiny_native: LoadedModel, tmp_path) -> None:
-    records = [{"id": f"r{i}", "prompt_ids": torch.randint(0, 400, (12,)).tolist(),
-                "answer_ids": torch.randint(0, 400, (20,)).tolist()} for i in range(12)]
-    config = TrainConfig(draft_vocab_size=128, batch_sequences=2, max_tokens=32 * 6, checkpoint_every_s=0.0,
-                         validation_fraction=0.2, seed=7)
-    whole = train_head(tiny_native, records, tmp_path / "whole", config)
-
-    class Killed(Exception):
-        pass
-
-    def kill_after_two(progress) -> None:
-        if progress.steps == 2:
-            raise Killed
-
-    with pytest.raises(Killed):
-        train_head(tiny_native, records, tmp_path / "split", config, on_progress=kill_after_two)
-    resumed = train_head(tiny_native, records, tmp_path / "split", config, resume=True)
-    assert resumed["steps"] == whole["steps"] and resumed["tokens"] == whole["tokens"]
-    a = load_file(str(tmp_path / "whole" / "model.safetensors"))
-    b = load_file(str(tmp_path / "split" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
-def test_resume_refuses_other_settings_but_takes_a_larger_budget(tiny_native: LoadedModel, tmp_path) -> None:
-    records = [{"id": f"r{i}", "prompt_ids": list(range(3, 30)), "answer_ids": []} for i in range(6)]
-    config = TrainConfig(draft_vocab_size=64, batch_sequences=1, max_tokens=30, validation_fraction=0.0)
-    first = train_head(tiny_native, records, tmp_path, config)
-    with pytest.raises(ConfigError, match="other settings"):
-        train_head(tiny_native, records, tmp_path, dataclasses.replace(config, lr=0.5), resume=True)
-    # Another machine: bfloat16 autocast there (or not) is its own choice, as is the device.
-    longer = train_head(tiny_native, records, tmp_path, dataclasses.replace(config, max_tokens=90, bf16="on"), resume=True)
-    assert longer["steps"] > first["steps"] and first["tokens"] < 90 <= longer["tokens"] and longer["bf16"]
-
-
-def test_learning_rate_warms_up_then_falls_to_its_floor_at_the_token_budget() -> None:
-    config = TrainConfig(lr=1e-3, warmup_steps=10, max_tokens=1000, final_lr_fraction=0.1)
-    assert learning_rate(config, Progress(steps=0)) == pytest.approx(1e-4)
-    assert learning_rate(config, Progress(steps=9)) == pytest.approx(1e-3)
-    rates = [learning_rate(config, Progress(steps=50, tokens=t)) for t in range(0, 1001, 100)]
-    assert rates[5] == pytest.approx(0.55e-3) and rates[-1] == pytest.approx(1e-4)
-    assert all(a > b for a, b in zip(rates, rates[1:]))
-    assert learning_rate(config, Progress(steps=50, tokens=5000)) == pytest.approx(1e-4)  # past the budget: the floor
-    # A time budget alone gives no end to fall towards: the rate stays.
-    assert learning_rate(TrainConfig(lr=1e-3, warmup_steps=10, max_time=60.0), Progress(steps=50, tokens=10**9)) == 1e-3
-
-
-def test_training_learns(self_distilled, tmp_path) -> None:
-    # A short run on the target's own greedy text must lift the head's agreement with the target
-    # on that text far above an untrained head's. (A constant rate: 60 steps are too few to
-    # spend half of them on a falling one.)
-    target, records = self_distilled(24)
-    config = TrainConfig(draft_vocab_size=8, batch_sequences=4, max_tokens=30 * 4 * 60, validation_fraction=0.0,
-                         lr=3e-3, ttt_steps=2, final_lr_fraction=1.0)
-    train_head(target, records, tmp_path, config)
-    head = EagleHead.load(tmp_path, target)
-    untrained = random_head(target)
-    view = TargetView(target, head.config.target_layers, head.draft_ids)
-    sequences = [(r["prompt_ids"] + r["answer_ids"], 0) for r in records]
-    trained, before = evaluate(head, view, sequences, 2), evaluate(untrained, view, sequences, 2)
-    assert trained[0] > before[0] + 0.3 and trained[1] > before[1] + 0.2, (trained, before)
 
 
 def test_a_forked_drafter_shares_the_weights(tiny_native: LoadedModel) -> None:
@@ -245,10 +180,8 @@ def test_tree_drafts_are_verified_losslessly(tiny_native: LoadedModel, width: in
     assert Engine(tiny_native, EagleDrafter(head, tree_width=width, tree_nodes=nodes), 3).generate(
         prompts[0], GREEDY).token_ids == plain[0]
     engine = BatchEngine(tiny_native, max_rows=2, max_model_len=64, max_draft=8)
-    seqs = [Sequence(prompts[0], GREEDY, EagleDrafter(head, tree_width=width, tree_nodes=nodes), k=3),
-            Sequence(prompts[1], GREEDY, EagleDrafter(head), k=3)]
-    for seq in seqs:
-        engine.add(seq)
+    seqs = [engine.admit(prompts[0], GREEDY, EagleDrafter(head, tree_width=width, tree_nodes=nodes), 3).sequence,
+            engine.admit(prompts[1], GREEDY, EagleDrafter(head), 3).sequence]
     while not all(s.finished for s in seqs):
         engine.step()
     assert [s.result.token_ids for s in seqs] == plain
@@ -312,9 +245,7 @@ def test_drafts_under_a_confidence_floor_are_verified_losslessly(tiny_native: Lo
         patch.setattr(EagleDrafter, "propose", counted)
         assert Engine(tiny_native, make(), 3).generate(prompts[0], GREEDY).token_ids == plain[0]
         engine = BatchEngine(tiny_native, max_rows=2, max_model_len=64, max_draft=8)
-        seqs = [Sequence(p, GREEDY, make(), k=3) for p in prompts]
-        for seq in seqs:
-            engine.add(seq)
+        seqs = [engine.admit(p, GREEDY, make(), 3).sequence for p in prompts]
         while not all(s.finished for s in seqs):
             engine.step()
     assert [s.result.token_ids for s in seqs] == plain
@@ -354,63 +285,6 @@ def test_an_oracle_tree_is_accepted_along_its_right_branch(tiny_native: LoadedMo
     assert result.stats.target_tokens_per_output_token == 15 / 12
 
 
-def test_view_store_reads_back_what_it_made_and_survives_a_kill(tiny_native: LoadedModel, tmp_path) -> None:
-    from specdec.training.heads import ViewStore
-
-    head = random_head(tiny_native, 512)
-    layers = head.config.target_layers
-    meta = TargetView.meta(tiny_native, layers, head.draft_ids, 16)
-    view = TargetView(tiny_native, layers, head.draft_ids, 16, ViewStore(tmp_path, meta))
-    first, second = list(range(40, 70)), list(range(80, 95))
-    made = view(first)
-    assert made.index.shape == (29, 16) and made.features.dtype == torch.bfloat16
-    view(second)
-    # The rows of a third sequence cut by a kill: in the data files, not yet in the log.
-    with (tmp_path / "features.bin").open("ab") as handle:
-        handle.write(b"\0" * 1000)
-    with (tmp_path / "rows.jsonl").open("a") as handle:
-        handle.write('{"key": "cut", "sta')
-    reopened = TargetView(tiny_native, layers, head.draft_ids, 16, ViewStore(tmp_path, meta))
-    reopened.runner.forward = None  # a stored sequence must not run the target again
-    again = reopened(first)
-    for name in ("features", "index", "values", "top"):
-        assert torch.equal(getattr(again, name), getattr(made, name)), name
-    assert torch.equal(reopened(second).top, view(second).top)
-    assert (tmp_path / "features.bin").stat().st_size == (29 + 14) * meta["feature_size"] * 2
-    # The kept probabilities are the target's: the top tokens' of its softmax over the draft ids.
-    probs = torch.softmax(view.runner.score(first)[1:].float(), dim=-1)[:, head.draft_ids]
-    torch.testing.assert_close(again.values.float(), probs.topk(16, dim=-1).values, rtol=1e-2, atol=1e-3)
-    with pytest.raises(ConfigError, match="draft_vocab, draft_vocab_size"):
-        ViewStore(tmp_path, TargetView.meta(tiny_native, layers, head.draft_ids[:100], 16))
-
-
-def test_a_view_from_a_start_skips_the_prompts_distributions(tiny_any: LoadedModel, tmp_path) -> None:
-    from specdec.training.heads import ViewStore
-
-    head = random_head(tiny_any, 256)
-    layers = head.config.target_layers
-    meta = TargetView.meta(tiny_any, layers, head.draft_ids, 16)
-    view = TargetView(tiny_any, layers, head.draft_ids, 16, ViewStore(tmp_path, meta))
-    ids, start = list(range(40, 70)), 11
-    part = view(ids, start)
-    whole = TargetView(tiny_any, layers, head.draft_ids, 16)(ids)
-    # The rows it made are the whole view's (to rounding: a float32 LM head over fewer rows; the
-    # quantized formats' kernels give the same bits, test_views_from_a_start_are_bitwise_the_whole_ones).
-    torch.testing.assert_close(part.values[start:].float(), whole.values[start:].float())
-    assert torch.equal(part.features, whole.features)
-    assert part.top.shape == whole.top.shape and bool((part.top[:start] == -1).all())
-    assert not part.values[:start].any()
-    # Stored under its start: it serves that start, never a view counted from earlier rows.
-    assert view.stored(ids, start) is not None and view.stored(ids) is None and view.stored(ids, 5) is None
-    # A whole view serves every start.
-    view(ids)
-    assert view.stored(ids, 5) == view.stored(ids) == ViewStore.key(ids)
-    with pytest.raises(ValueError, match="past the last row"):
-        view(ids, 29)
-    with pytest.raises(ValueError, match="at least 2 tokens"):
-        view([5])
-
-
 def test_forward_gives_logits_for_the_last_tokens_asked(tiny_any: LoadedModel) -> None:
     runner = ModelRunner(tiny_any)
     ids = list(range(30, 50))
@@ -424,90 +298,6 @@ def test_forward_gives_logits_for_the_last_tokens_asked(tiny_any: LoadedModel) -
             runner.forward(runner.new_cache(len(ids)), ids, last_logits=bad)
     with pytest.raises(ValueError, match="last_logits"):
         runner.forward(runner.new_cache(len(ids)), ids, last_only=True, last_logits=1)
-
-
-def test_views_from_a_start_are_bitwise_the_whole_ones(default_model: LoadedModel) -> None:
-    """On the default model's formats (q4 layers, a q8 LM head: row-invariant kernels), a view
-    made from a start is bitwise the whole view's rows from there on: training reads the same."""
-    head = random_head(default_model, 1024)
-    view = TargetView(default_model, head.config.target_layers, head.draft_ids)
-    ids = default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because it was late for work.")
-    whole, part = view(ids), view(ids, 6)
-    for name in ("features", "index", "values", "top"):
-        assert torch.equal(getattr(part, name)[6:], getattr(whole, name)[6:]), name
-
-
-def test_loss_counts_answer_positions_only(tiny_native: LoadedModel) -> None:
-    from specdec.training.heads import answer_start, batch_losses
-
-    records = [{"id": "x", "prompt_ids": list(range(10, 22)), "answer_ids": list(range(30, 38))},
-               {"id": "y", "prompt_ids": list(range(5, 10)), "answer_ids": list(range(60, 64))}]
-    sequences = [r["prompt_ids"] + r["answer_ids"] for r in records]
-    head = random_head(tiny_native, 256)
-    view = TargetView(tiny_native, head.config.target_layers, head.draft_ids)
-    samples = [view(ids) for ids in sequences]
-    starts = [answer_start(r) for r in records]
-    assert starts == [10, 3]  # position 10 predicts token 12, the first answer token
-    counted = [n for _, _, n in batch_losses(head, samples, sequences, starts, 3)]
-    assert counted == [sum(len(ids) - 1 - s for ids, s in zip(sequences, starts))] * 3
-    counted = [n for _, _, n in batch_losses(head, samples, sequences, [0, 0], 3)]
-    assert counted == [sum(len(ids) - 1 - j for ids in sequences) for j in range(3)]
-    # Padding the shorter sequence changes nothing: alone, each gives the batch's own terms.
-    together = batch_losses(head, samples, sequences, [0, 0], 3)
-    alone = [batch_losses(head, [s], [ids], [0], 3) for s, ids in zip(samples, sequences)]
-    for j in range(3):
-        n = [a[j][2] for a in alone]
-        torch.testing.assert_close(together[j][0], (alone[0][j][0] * n[0] + alone[1][j][0] * n[1]) / sum(n))
-        assert together[j][1] == alone[0][j][1] + alone[1][j][1]
-
-
-def test_init_starts_from_a_head(tiny_native: LoadedModel, tmp_path) -> None:
-    start = random_head(tiny_native, 128, seed=9)
-    start.save(tmp_path / "start")
-    records = [{"id": f"r{i}", "prompt_ids": list(range(3, 20)), "answer_ids": list(range(40, 50))} for i in range(4)]
-    config = TrainConfig(draft_vocab_size=128, batch_sequences=1, max_tokens=20, validation_fraction=0.0, lr=0.0)
-    train_head(tiny_native, records, tmp_path / "out", config, init=tmp_path / "start")
-    a = load_file(str(tmp_path / "start" / "model.safetensors"))
-    b = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert all(torch.equal(a[name], b[name]) for name in a)  # lr 0: the starting weights, saved again
-    # The head keeps what trained it before: trained further, it counts every token it has seen.
-    history = EagleHead.load(tmp_path / "out", tiny_native).config.training
-    assert history["started_from"] == {"from": str(tmp_path / "start")}  # an untrained head: no history
-    assert history["total_tokens"] == history["tokens"] > 0
-    start.config.training.update({"tokens": 1000, "total_tokens": 5000})
-    start.save(tmp_path / "start")
-    train_head(tiny_native, records, tmp_path / "again", config, init=tmp_path / "start")
-    history = EagleHead.load(tmp_path / "again", tiny_native).config.training
-    assert history["started_from"]["total_tokens"] == 5000 and history["total_tokens"] == 5000 + history["tokens"]
-
-
-def test_a_time_budget_stops_training_on_time(tiny_native: LoadedModel, tmp_path) -> None:
-    records = [{"id": f"r{i}", "prompt_ids": list(range(3, 20)), "answer_ids": list(range(40, 60))} for i in range(8)]
-    config = TrainConfig(draft_vocab_size=128, batch_sequences=1, max_time=3.0, validation_fraction=0.0)
-    report = train_head(tiny_native, records, tmp_path, config)
-    assert report["steps"] > 1 and 3 <= report["seconds"] <= 30
-
-
-def test_records_sharing_an_id_train_over_several_epochs(tiny_native: LoadedModel, tmp_path) -> None:
-    # The target's views are keyed by content, not id: two records with one id but different
-    # texts must each keep their own view (a shared key fed one record's states to the other).
-    records = [{"id": "same", "prompt_ids": list(range(3, 3 + n)), "answer_ids": list(range(50, 60))} for n in (8, 14)]
-    config = TrainConfig(draft_vocab_size=64, batch_sequences=2, max_tokens=4 * 42, validation_fraction=0.0)
-    assert train_head(tiny_native, records, tmp_path, config)["epochs"] >= 3
-
-
-def test_fixed_text_trains_and_is_never_held_out(tiny_native: LoadedModel, tmp_path) -> None:
-    # With every record in the held-out split by its hash (fraction 1), answers are all held
-    # out, but fixed-text records still train; with only text, nothing is held out.
-    text = [{"id": f"text:t{i}", "kind": "text", "prompt_ids": [], "answer_ids": list(range(3 + i, 30 + i))}
-            for i in range(4)]
-    answers = [{"id": f"a{i}", "prompt_ids": [5, 6, 7], "answer_ids": list(range(40 + i, 60 + i))} for i in range(3)]
-    config = TrainConfig(draft_vocab_size=64, batch_sequences=1, max_tokens=60, validation_fraction=1.0)
-    report = train_head(tiny_native, text + answers, tmp_path / "mixed", config)
-    assert report["sequences"] == 4 and report["validation_sequences"] == 3
-    assert all(a == a for a in report["validation_agreement"])  # measured: not NaN
-    with pytest.raises(ConfigError, match="no training sequences"):
-        train_head(tiny_native, answers, tmp_path / "answers", config)
 
 
 def test_hybrid_drafts_lookup_up_to_k_and_the_head_up_to_its_own_bound(tiny_native: LoadedModel,
@@ -581,19 +371,6 @@ def test_hybrid_branches_verify_lookup_and_the_head_together(tiny_native: Loaded
     params = dataclasses.replace(GREEDY, max_tokens=16)
     out = Engine(tiny_native, hybrid, 4).generate(prompt, params)
     assert out.token_ids == Engine(tiny_native).generate(prompt, params).token_ids
-
-
-@pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built on this machine")
-def test_views_keep_the_same_distribution_without_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specdec.training.heads import draft_distribution
-
-    logits = 3 * torch.randn(20, 300, generator=torch.Generator().manual_seed(4))
-    draft = torch.randperm(300, generator=torch.Generator().manual_seed(5))[:100]
-    fast = draft_distribution(logits, draft, 16)
-    monkeypatch.setattr(kernels, "available", lambda: False)
-    plain = draft_distribution(logits, draft, 16)
-    assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
-    torch.testing.assert_close(fast[2], plain[2], rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="specdec's kernels are not built on this machine")

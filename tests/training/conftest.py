@@ -1,4 +1,4 @@
-"""Fixtures shared by the draft-head tests (EAGLE, Medusa)."""
+"""Fixtures shared by the training tests (EAGLE, Medusa)."""
 
 from __future__ import annotations
 
