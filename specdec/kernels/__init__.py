@@ -1,19 +1,21 @@
 """specdec's own CPU kernels (a C++ extension), built on first use into the cache.
 
 `quant.cpp` holds products of a few float rows with GGUF-style quantized weights (q4: Q4_0/Q4_1
-blocks, q8: Q8_0 blocks), with AVX-512 VNNI and AVX2 paths chosen at run time; `packing.py` lays
-weights out for them, `half.cpp` multiplies float16 weights (GGUF's F16) as stored, and
-`reference.py` is the plain PyTorch arithmetic they are tested against bit for bit.
-`attention.cpp` attends a few queries per row over the KV cache in one call a layer;
-`layer_ops.cpp` fuses RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate)
-* up (GELU for Gemma) (tested against PyTorch within float32 rounding, the rotary bitwise, and all of them bitwise
-across pass shapes: a row's result never depends on the other rows). `forward.cpp` runs the decoder
-layers of a pass in one call of those same kernels; `pool.cpp` is the thread pool they share
-(work claimed in chunks, so a descheduled thread stalls nobody); `bindings.cpp` holds the module's Python
-functions (`ops.h` declares what the sources share; only the bindings include pybind11). The
-extension is compiled once per machine, torch installation and version of its sources with the
-compiler on the machine; where it cannot be built (no compiler, no AVX2), :func:`load` says why
-once and the native backend runs PyTorch's own int4/int8 kernels instead.
+blocks, q8: Q8_0 blocks), `amx.cpp` their AMX tiles, `rotated.cpp` the r8 products and `half.cpp`
+float16 weights' (GGUF's F16); `packing.py` lays weights out for them. `attention.cpp` attends a
+few queries per row over the KV cache in one call a layer; `layer_ops.cpp` fuses RMSNorm, the
+rotary embedding with the query/key/value split, and SiLU(gate) * up (GELU for Gemma);
+`distribution.cpp` reduces logits over the vocabulary; `forward.cpp` runs the decoder layers of a
+pass in one call of those same kernels; `pool.cpp` is the thread pool they share (work claimed in
+chunks, so a descheduled thread stalls nobody); `bindings.cpp` holds the module's Python
+functions (`ops.h` declares what the sources share; only the bindings include pybind11).
+`cpu.cpp` detects the CPU at run time and picks each op's path, named alike everywhere (`ISAS`:
+avx2, avx512_vnni, amx). `reference.py` has every exported op's arithmetic in plain PyTorch, which
+tests/kernels holds each kernel to bit for bit on every path; a row's result never depends on the
+other rows. The extension is compiled once per machine, torch installation and version of its
+sources with the compiler on the machine (an edited source is a new version: the next load
+rebuilds); where it cannot be built (no compiler, no avx2 path), :func:`load` says why once and
+the native backend runs PyTorch's own int4/int8 kernels instead.
 """
 
 from __future__ import annotations
@@ -39,14 +41,16 @@ from specdec.paths import cache_dir
 log = logging.getLogger("specdec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("quant.cpp", "amx.cpp", "rotated.cpp", "half.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "pool.cpp",
+           for name in ("cpu.cpp", "quant.cpp", "amx.cpp", "rotated.cpp", "half.cpp", "attention.cpp", "layer_ops.cpp", "forward.cpp", "pool.cpp",
                         "distribution.cpp", "bindings.cpp")]
-# The instruction sets a product may be asked to run on: auto picks the best this CPU has.
+# The kernel paths an op may be asked to run on, by name and by the code the extension takes (its
+# cpu.h's Isa and ISA_NAMES, which a test holds to these): auto picks the best this CPU has. These
+# names are the only ones the kernels, `instruction_sets()`, errors and the CLI use.
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3}
-# The paths, slowest first: AVX2 (every supported CPU), AVX-512 VNNI, and AMX tiles for products
-# of 16 rows or more (fewer rows, attention and the rest run the AVX-512 path under it).
+# The paths, slowest first: avx2 (every supported CPU), avx512_vnni, and amx: AMX tiles for products
+# of 16 rows or more (fewer rows, attention and the rest run avx512_vnni under it).
 PATHS = ("avx2", "avx512_vnni", "amx")
-# Set to a path this CPU has (`avx2`, `avx512_vnni`, `amx`) to force it, e.g. the AVX2 path on an
+# Set to a path this CPU has (`avx2`, `avx512_vnni`, `amx`) to force it, e.g. the avx2 path on an
 # AVX-512 machine for tests and comparisons, or to `off`.
 ENV_ISA = "SPECDEC_KERNELS"
 
@@ -55,7 +59,7 @@ class KernelsUnavailable(RuntimeError):
     """The extension cannot be built or run on this machine."""
 
 
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "quant.h", "pool.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu.h", "simd.h", "ops.h", "quant.h", "pool.h")]
 
 
 def _sources_digest() -> str:
@@ -121,7 +125,7 @@ def _build() -> ModuleType | str:
     except Exception as exc:  # noqa: BLE001 - any build failure means: run without the kernels
         return f"the extension did not build ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]})"
     if "avx2" not in module.instruction_sets():
-        return "this CPU has no AVX2"
+        return f"no avx2 path: {module.missing_reason(ISAS['avx2'])}"
     return module
 
 
@@ -157,9 +161,9 @@ def torch_ops_inline(when: bool = True) -> Iterator[None]:
     operation over a vocabulary's logits is big enough for torch to split it among its OpenMP
     threads, which then spin, waiting for more work, on the cores the kernels' pool needs for the
     next pass: that pass loses a core for part of its time (a sampled step's pass ran far slower
-    than a greedy one's: benchmarks/results/README.md, round 17). On one thread those small
-    operations cost little. Elsewhere (the CLI, the server, a script importing specdec first),
-    or without `when`, this does nothing."""
+    than a greedy one's: benchmarks/results/history/2026-12-07-xeon-torch-threads-huge-pages-eagle-step.md).
+    On one thread those small operations cost little. Elsewhere (the CLI, the server, a script
+    importing specdec first), or without `when`, this does nothing."""
     threads = torch.get_num_threads()
     if not when or threads == 1 or _openmp.spin_bounded:
         yield
@@ -206,15 +210,13 @@ def default_isa() -> str:
     return wanted
 
 
-def missing_reason(isa: str) -> str:
-    """Why this machine has no `isa` path (empty where it has one)."""
-    if isa in instruction_sets():
-        return ""
+def missing_reason(isa: str = "auto") -> str:
+    """Why this machine has no `isa` path (`auto`: no path at all); empty where it has one."""
     if not available():
         return f"specdec kernels unavailable: {_build()}"
-    if isa == "amx":
-        return load().amx_unavailable_reason()
-    return f"this CPU has no {isa.upper().replace('_', ' ')}"
+    if isa == "auto" or isa in instruction_sets():
+        return ""
+    return load().missing_reason(ISAS[isa])
 
 
 def product(fmt: str, isa: str | None = None) -> Callable[..., torch.Tensor]:

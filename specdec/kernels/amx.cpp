@@ -12,10 +12,10 @@
 // after its product waits for it, and holds up the tile unit), and the blocks' epilogues run a
 // group of four behind their products, in block order.
 //
-// Linux hands a process the tile state only on request (arch_prctl), and each thread must load a
-// tile configuration before its first tile instruction: amx_begin() does that for every chunk of
-// work a thread takes, and amx_end() releases the state, so that other code on the thread (oneDNN,
-// say) finds it as it left it. GCC's tile intrinsics declare no memory operands, so the compiler
+// Linux hands a process the tile state only on request (cpu.cpp asks, once), and each thread must
+// load a tile configuration before its first tile instruction: amx_begin() does that for every
+// chunk of work a thread takes, and amx_end() releases the state, so that other code on the thread
+// (oneDNN, say) finds it as it left it. GCC's tile intrinsics declare no memory operands, so the compiler
 // could move the stores of a q4 block's bytes past the tile load that reads them: the wrappers
 // below clobber memory.
 
@@ -23,13 +23,9 @@
 #include "quant.h"
 #include "simd.h"
 
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -37,30 +33,6 @@
 
 namespace specdec {
 namespace {
-
-constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
-constexpr long XFEATURE_XTILEDATA = 18;
-
-struct State {
-    bool usable;
-    std::string reason;
-};
-
-const State& state() {
-    static const State s = []() -> State {
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
-            return {false, "this CPU has no AMX-INT8"};
-        if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-              __builtin_cpu_supports("avx512vnni")))
-            return {false, "this CPU has AMX but not the AVX-512 its epilogue runs on"};
-        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0)
-            return {false, std::string("Linux did not grant the AMX tile state (arch_prctl: ") +
-                               std::strerror(errno) + ")"};
-        return {true, ""};
-    }();
-    return s;
-}
 
 // Palette 1; colsb and rows per tile as the header above lays them out.
 struct alignas(64) TileConfig {
@@ -259,9 +231,6 @@ AmxTileFn pick(int rows, std::integer_sequence<int, T...>) {
 }
 
 }  // namespace
-
-bool amx_usable() { return state().usable; }
-const std::string& amx_unavailable_reason() { return state().reason; }
 
 AmxTileFn q4_tile_amx(int rows) { return pick<Q4Half>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }
 AmxTileFn q4f_tile_amx(int rows) { return pick<Q4Float>(rows, std::make_integer_sequence<int, AMX_ROWS>{}); }

@@ -8,6 +8,7 @@
 // AVX2 + FMA path (every supported CPU has it) and an AVX-512 one, chosen as the products' path is;
 // the exponential is simd.h's polynomial, not the C library's. Keys and values are float32 or
 // float16 (the cache's format; each element widened exactly on load, then the same arithmetic).
+// reference.py's attend_cached is the same arithmetic in PyTorch, for either width of the scores.
 
 #include "pool.h"
 #include <ATen/ops/empty.h>
@@ -456,7 +457,7 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
     // q [rows, heads, new, head_dim]; keys, values [rows, kv_heads, S, head_dim] (any strides but
     // the last); counts [rows, new] int32; slots [rows, new, L] int32 or empty -> [rows, new, heads * head_dim];
     // isa as the products take it (the AVX-512 path for head_dim 64 or 128, else AVX2)
-    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
+    specdec::require_avx2();
     TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q must be [rows, heads, new, head_dim] float32");
     TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() &&
                     (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) &&
@@ -491,7 +492,7 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& keys, const at::
     // group split into balanced sets: 4 -> 2 + 2).
     const int64_t sets = (group + 2) / 3;
     const float fscale = static_cast<float>(scale);
-    const bool wide = resolve_isa(isa) != ISA_AVX2 && (head_dim == 64 || head_dim == 128);
+    const bool wide = specdec::resolve_isa(isa) != specdec::ISA_AVX2 && (head_dim == 64 || head_dim == 128);
     const int64_t qs = qc.stride(1);  // between heads
     // Tasks differ in length (a prompt's later queries see more keys, rows of a batch hold
     // prefixes of their own): lane j takes every lanes-th task from the j-th, so that each lane

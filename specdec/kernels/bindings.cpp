@@ -4,9 +4,10 @@
 
 #include "ops.h"
 #include "pool.h"
-#include "quant.h"
 
 #include <torch/csrc/utils/pybind.h>
+
+#include <iterator>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("q4_matmul", [](const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t isa,
@@ -41,11 +42,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("__len__", &LayerWeights::layers);
     m.def("forward_layers", &forward_layers, "decoder layers of a short pass in one call (see forward.cpp)");
     m.def("head_layer", &head_layer, "a draft head's decoder layer (EAGLE-3's) in one call (see forward.cpp)");
-    m.def("instruction_sets", &instruction_sets, "the kernel paths this CPU can run");
+    // The machine and the pool, not ops (reference.py's NOT_OPS says so of each).
+    m.def("isa_names", []() { return std::vector<std::string>(std::begin(specdec::ISA_NAMES), std::end(specdec::ISA_NAMES)); },
+          "the kernel paths' names, indexed by the `isa` code the ops take (0: auto)");
+    m.def("instruction_sets", &specdec::instruction_sets, "the kernel paths this CPU can run, by name");
+    m.def("missing_reason", &specdec::missing_reason, "why this process cannot run path `isa` (empty where it can)");
     m.def("hold_threads", [](int64_t threads) { specdec::hold_threads(static_cast<int>(threads)); },
           "kernel calls from this thread use this many threads whatever torch's count (0: torch's)");
     m.def("kernel_threads", []() { return static_cast<int64_t>(specdec::kernel_threads()); },
           "the threads a kernel call from this thread uses now");
-    m.def("amx_unavailable_reason", []() { return specdec::amx_unavailable_reason(); },
-          "why this process has no AMX path (empty where it has one)");
 }

@@ -9,7 +9,7 @@
 // most likely tokens of the draft vocabulary with their probabilities under the softmax over the
 // whole vocabulary. One pass a row for the maximum, one for the sum of exp(x - max), one over the
 // draft tokens for the k best (a small heap), where PyTorch's argmax, softmax, gather and top-k
-// each made a [positions, vocabulary] pass or copy.
+// each made a [positions, vocabulary] pass or copy. reference.py has both in PyTorch, bit for bit.
 
 #include "pool.h"
 #include <ATen/ops/empty.h>
@@ -77,7 +77,7 @@ double sum_exp(const float* x, int64_t n, float m) {
 
 at::Tensor argmax_rows(const at::Tensor& x) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "x must be [rows, n] float32 with n >= 1");
-    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
+    specdec::require_avx2();
     const at::Tensor xc = x.contiguous();
     const int64_t rows = xc.size(0), n = xc.size(1);
     auto out = at::empty({rows}, at::kLong);
@@ -95,7 +95,7 @@ std::vector<at::Tensor> draft_distribution(const at::Tensor& logits, const at::T
     TORCH_CHECK(draft_ids.dim() == 1 && draft_ids.scalar_type() == at::kLong, "draft_ids must be [draft] int64");
     const int64_t rows = logits.size(0), vocab = logits.size(1), draft = draft_ids.size(0);
     TORCH_CHECK(vocab > 0 && k >= 1 && k <= draft, "need 1 <= k <= the draft tokens and a vocabulary");
-    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
+    specdec::require_avx2();
     const at::Tensor x = logits.contiguous(), ids = draft_ids.contiguous();
     const int64_t* id = ids.data_ptr<int64_t>();
     for (int64_t j = 0; j < draft; ++j) TORCH_CHECK(id[j] >= 0 && id[j] < vocab, "a draft token is outside the vocabulary");

@@ -2,7 +2,8 @@
 // kernels, in the same order and on the same values as the native backend's Python loop calls
 // them one by one, so the outputs are bitwise that loop's; what goes is the Python and dispatch
 // between them (a dozen calls a layer, a third of a plain step on the default model) and the KV
-// cache's copies, written here straight from the rotary embedding's output.
+// cache's copies, written here straight from the rotary embedding's output. reference.py composes
+// its per-op references the same way.
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>

@@ -5,7 +5,7 @@
 // set: 16 lanes, lane j summing inputs j, 16 + j, 32 + j, ... first to last (a multiply, then an
 // add, each rounded: no FMA), then the lanes folded in halves (j + 8, then the 8 lanes as
 // simd.h's horizontal_sum), then the residual added where given. The AVX-512 path holds the 16
-// lanes in one register, the AVX2 path in two; `reference.py`'s half_matmul is the same sequence
+// lanes in one register, the AVX2 path in two; `reference.py`'s f16_matmul is the same sequence
 // in PyTorch.
 //
 // Layout: the matrix as is, [out, in] float16 row-major (in a multiple of 16), so that the
@@ -130,7 +130,7 @@ at::Tensor half_matmul(const at::Tensor& x, const at::Tensor& w, int64_t out_fea
     TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs, the weights ", K);
     TORCH_CHECK(w.size(0) == out_features, "out_features does not match the weights");
     // AMX has no exact float16 product: its path runs the AVX-512 tiles here.
-    const bool avx512 = resolve_isa(isa) != ISA_AVX2;
+    const bool avx512 = specdec::resolve_isa(isa) != specdec::ISA_AVX2;
     const int max_rows = avx512 ? 4 : 2;
 
     const at::Tensor xc = x.contiguous();

@@ -1,6 +1,7 @@
 // The small per-layer operations of decoding, fused so that a layer is a handful of calls:
 // RMSNorm, the rotary embedding with the query/key/value split, and SiLU(gate) * up. Each row
 // (token) is computed alone in a fixed order, so a row's bits never depend on the rest of the pass.
+// reference.py has each one's arithmetic in PyTorch, bit for bit.
 
 #include "pool.h"
 #include <ATen/ops/empty.h>
@@ -49,7 +50,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
     const int64_t dim = x.size(-1);
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim, "weight must be [dim]");
-    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
+    specdec::require_avx2();
     const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
     auto out = at::empty_like(xc);
     const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
@@ -79,7 +80,7 @@ std::vector<at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& co
     const bool normed = q_norm.numel() > 0;
     TORCH_CHECK(!normed || (q_norm.numel() == head_dim && k_norm.numel() == head_dim && q_norm.scalar_type() == at::kFloat
                             && k_norm.scalar_type() == at::kFloat), "q_norm and k_norm must both be [head_dim] float32");
-    TORCH_CHECK(!normed || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")), "this CPU has no AVX2 and FMA");
+    if (normed) specdec::require_avx2();
     const at::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous();
     const at::Tensor qn = normed ? q_norm.contiguous() : q_norm, kn = normed ? k_norm.contiguous() : k_norm;
     const float e = static_cast<float>(eps);
@@ -155,7 +156,7 @@ template <class Act>
 at::Tensor gated(const at::Tensor& h) {
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.size(1) % 2 == 0, "h must be [rows, 2 * inter] float32");
     TORCH_CHECK(h.size(1) % 16 == 0, "inter must be a multiple of 8");
-    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 and FMA");
+    specdec::require_avx2();
     const at::Tensor hc = h.contiguous();
     auto out = at::empty({h.size(0), h.size(1) / 2}, at::kFloat);
     const float* hp = hc.data_ptr<float>();

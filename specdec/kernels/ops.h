@@ -5,6 +5,7 @@
 // sources that include only this compile in a fraction of the time; bindings.cpp has the rest.
 #include <ATen/core/Tensor.h>
 
+#include "cpu.h"
 
 #include <string>
 #include <vector>
@@ -27,17 +28,10 @@ inline const float* residual_rows(const c10::optional<at::Tensor>& residual, int
     return holder.data_ptr<float>();
 }
 
-// The kernel paths, as the `isa` arguments name them (specdec.kernels.ISAS on the Python side).
-// ISA_AMX: AMX tiles for products of several rows, the AVX-512 VNNI path for the rest and for attention.
-enum Isa : int64_t { ISA_AUTO = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
-
 // quant.cpp: x [rows, in] float32 times packed q4 (Q4_0/Q4_1/Q4_K) or q8 (Q8_0/Q5_0/Q6_K) weights, plus the
-// residual where given -> [rows, out] float32; isa: an Isa.
+// residual where given -> [rows, out] float32; isa: a kernel path (cpu.h's Isa), as for every op below.
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                                int64_t isa, bool q4, const c10::optional<at::Tensor>& residual);
-std::vector<std::string> instruction_sets();
-// The path a kernel takes: ISA_AUTO -> the best this CPU has (AMX, else AVX-512 with VNNI, else AVX2).
-int64_t resolve_isa(int64_t isa);
 
 // rotated.cpp: x [rows, in] float32 times r8 weights ([units, in * 16 + 64] uint8: int8 a weight,
 // a float32 scale a column, stored rotated) after the same rotation of x, plus the residual where

@@ -63,18 +63,6 @@ constexpr int64_t AMX_MIN_ROWS = 8;
 constexpr int64_t PANEL = specdec::AMX_ROWS;
 constexpr int64_t PANEL_GROUP = 8;
 
-bool has_avx512() {
-    static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    return yes;
-}
-
-bool has_avx2() {
-    static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                            __builtin_cpu_supports("f16c");
-    return yes;
-}
-
 // ---------------------------------------------------------------------------------------------
 // One block of 32: d = amax / 127, q = round(x * (1 / d)) half to even (the default rounding mode,
 // as nearbyint), and the sum of q. The maximum is exact in any order and each element's multiply
@@ -440,15 +428,6 @@ constexpr auto AVX2_ROWS = std::make_integer_sequence<int, 4>{};
 
 }  // namespace
 
-int64_t resolve_isa(int64_t isa) {
-    if (isa == ISA_AUTO) return specdec::amx_usable() ? ISA_AMX : has_avx512() ? ISA_AVX512 : ISA_AVX2;
-    TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512 || isa == ISA_AMX, "unknown instruction set ", isa);
-    TORCH_CHECK(isa != ISA_AMX || specdec::amx_usable(), "no AMX path: ", specdec::amx_unavailable_reason());
-    TORCH_CHECK(isa != ISA_AVX512 || has_avx512(), "this CPU has no AVX-512 VNNI");
-    TORCH_CHECK(has_avx2(), "this CPU has no AVX2");
-    return isa;
-}
-
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                                int64_t isa, bool q4, const c10::optional<at::Tensor>& residual) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, in] float32");
@@ -464,7 +443,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     TORCH_CHECK(packed.size(2) == record, "packed record size ", packed.size(2), ", expected ", record);
     TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs, the weights ", K);
     TORCH_CHECK(out_features > (units - 1) * NC && out_features <= units * NC, "out_features does not match units");
-    isa = resolve_isa(isa);
+    isa = specdec::resolve_isa(isa);
 
     const at::Tensor xc = x.contiguous();
     const int64_t rows = xc.size(0);
@@ -474,7 +453,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     thread_local std::vector<int32_t> s_buf, s16_buf;
     // On AMX a tile loads 16 rows of a block whatever its own size: room for the last block's.
     // Records with a scale per 16 inputs run the VNNI tiles under it (the same bits).
-    const bool amx = isa == ISA_AMX && rows >= specdec::AMX_ROWS && !q6;
+    const bool amx = isa == specdec::ISA_AMX && rows >= specdec::AMX_ROWS && !q6;
     q_buf.resize(rows * K + (amx ? specdec::AMX_PAD_BYTES : 0));
     d_buf.resize(rows * G);
     sf_buf.resize(rows * G);
@@ -489,7 +468,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
     auto vnni_tile = [&](int n) {
-        if (isa == ISA_AVX2) {
+        if (isa == specdec::ISA_AVX2) {
             if (q4) return q5 ? q4_avx2<specdec::Q5Float>(n, AVX2_ROWS) : f32 ? q4_avx2<specdec::Q4Float>(n, AVX2_ROWS)
                                                                              : q4_avx2<specdec::Q4Half>(n, AVX2_ROWS);
             return q6 ? q8_avx2<true>(n, AVX2_ROWS) : q8_avx2<false>(n, AVX2_ROWS);
@@ -512,7 +491,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
         std::vector<std::pair<int64_t, TileFn>> tiles;    // (first row in the panel, tile function)
     };
     std::vector<Panel> panels;
-    const int max_tile = isa == ISA_AVX2 ? 4 : 8;
+    const int max_tile = isa == specdec::ISA_AVX2 ? 4 : 8;
     int64_t amx_panels = 0;
     for (int64_t p0 = 0; p0 < rows; p0 += PANEL) {
         const int64_t n = std::min<int64_t>(PANEL, rows - p0);
@@ -558,12 +537,3 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& packed, int64
     });
     return out;
 }
-
-std::vector<std::string> instruction_sets() {
-    std::vector<std::string> found;
-    if (has_avx2()) found.emplace_back("avx2");
-    if (has_avx512()) found.emplace_back("avx512_vnni");
-    if (specdec::amx_usable()) found.emplace_back("amx");
-    return found;
-}
-

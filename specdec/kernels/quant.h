@@ -1,11 +1,10 @@
 // What the products' sources share (quant.cpp: quantization, the AVX2 and AVX-512 VNNI tiles and
-// the dispatch; amx.cpp: the AMX tiles): the quantized activations and a tile's signature.
+// the choice of tiles; amx.cpp: the AMX tiles): the quantized activations and a tile's signature.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
-#include <string>
 
 namespace specdec {
 
@@ -50,10 +49,7 @@ using Q5Float = Affine<false, true, 512 + 128>;  // Q5_K
 using TileFn = void (*)(const uint8_t* unit, const Rows& x, int64_t row0, float* out, const float* res,
                         int64_t ldo, int ncols);
 
-// amx.cpp. Whether this process can run tile instructions (the CPU has AMX-INT8 and Linux granted
-// the tile state), asked once; if not, why.
-bool amx_usable();
-const std::string& amx_unavailable_reason();
+// amx.cpp (which of its tiles a process may run: cpu.h's amx_usable).
 // The largest tile: an AMX tile holds 16 rows.
 constexpr int AMX_ROWS = 16;
 // Tiles of 1 .. 16 rows. A thread runs them between amx_begin() (its tile configuration) and

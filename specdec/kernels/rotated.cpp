@@ -410,7 +410,7 @@ at::Tensor rotate_rows(const at::Tensor& x, int64_t isa) {
     auto y = at::empty({rows, K}, at::kFloat);
     const std::vector<float>& c = dct(K / RB);
     std::vector<float> z(K);
-    const Rotation rotate = rotation_for(resolve_isa(isa) != ISA_AVX2);
+    const Rotation rotate = rotation_for(specdec::resolve_isa(isa) != specdec::ISA_AVX2);
     for (int64_t r = 0; r < rows; ++r)
         rotate(xc.data_ptr<float>() + r * K, K, c.data(), z.data(), y.data_ptr<float>() + r * K);
     return y;
@@ -426,9 +426,9 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
                 MAX_INPUTS, "), got ", K);
     TORCH_CHECK(packed.size(1) == K * NC + 64, "r8 weights hold ", packed.size(1) / NC, " inputs a column, x ", K);
     TORCH_CHECK(out_features > (units - 1) * NC && out_features <= units * NC, "out_features does not match units");
-    isa = resolve_isa(isa);
+    isa = specdec::resolve_isa(isa);
     const at::Tensor xc = x.contiguous();
-    const bool amx = isa == ISA_AMX && rows >= specdec::AMX_ROWS;
+    const bool amx = isa == specdec::ISA_AMX && rows >= specdec::AMX_ROWS;
     thread_local std::vector<int8_t> q_buf;
     thread_local std::vector<float> d_buf;
     thread_local std::vector<int32_t> s_buf;
@@ -436,7 +436,7 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
     q_buf.resize(rows * K + (amx ? specdec::AMX_ROWS * K : 0));
     d_buf.resize(rows);
     s_buf.resize(rows);
-    rotate_quantize(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data(), isa != ISA_AVX2);
+    rotate_quantize(xc.data_ptr<float>(), rows, K, q_buf.data(), d_buf.data(), s_buf.data(), isa != specdec::ISA_AVX2);
     auto out = at::empty({rows, out_features}, at::kFloat);
     at::Tensor res_c;  // the residual stream, added in the tiles' stores
     const float* res = residual_rows(residual, rows, out_features, res_c);
@@ -444,7 +444,7 @@ at::Tensor r8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
     const int64_t unit_bytes = K * NC + 64;
-    const bool wide = isa != ISA_AVX2;  // resolve_isa: AVX-512 VNNI wherever it gave another path
+    const bool wide = isa != specdec::ISA_AVX2;  // resolve_isa: avx512_vnni or amx, whose vectors are AVX-512
     const int64_t amx_rows = amx ? rows / specdec::AMX_ROWS * specdec::AMX_ROWS : 0;
     const int64_t left = rows - amx_rows;
     const bool short_pass = wide && left > 0 && left <= SHORT_ROWS;

@@ -33,7 +33,7 @@ def test_half_product_is_its_reference(isa: str, shape: tuple[int, int]) -> None
     weight = _weight(*shape, seed=0)
     x = _activations(11, shape[1], seed=1)
     got = kernels.f16_matmul(x, weight, isa)
-    assert torch.equal(got, reference.half_matmul(x, weight))
+    assert torch.equal(got, reference.f16_matmul(x, weight))
     # ... which is the float product within float32 rounding.
     want = (x.double() @ weight.double().t()).float()
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-2)
@@ -42,7 +42,7 @@ def test_half_product_is_its_reference(isa: str, shape: tuple[int, int]) -> None
 def test_the_residual_is_added_last(isa: str) -> None:
     weight = _weight(96, 64, seed=2)
     x, residual = _activations(3, 64, seed=3), torch.randn(3, 96)
-    assert torch.equal(kernels.f16_matmul(x, weight, isa, residual), reference.half_matmul(x, weight) + residual)
+    assert torch.equal(kernels.f16_matmul(x, weight, isa, residual), reference.f16_matmul(x, weight) + residual)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -33,7 +33,7 @@ def test_a_wheel_installed_elsewhere_builds_and_runs_its_kernels(tmp_path: Path)
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, cwd=tmp_path)
-    assert {"ops.h", "simd.h", "quant.h"} <= {p.name for p in (site / "specdec" / "kernels").iterdir()}
+    assert {"cpu.h", "ops.h", "simd.h", "quant.h"} <= {p.name for p in (site / "specdec" / "kernels").iterdir()}
     env = os.environ | {"PYTHONPATH": str(site), "SPECDEC_CACHE_DIR": str(tmp_path / "cache")}
     run = subprocess.run([sys.executable, "-m", "specdec.cli.main", "generate", "Hi", "--max-tokens", "4", "--stats"],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
