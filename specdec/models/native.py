@@ -133,10 +133,6 @@ def part_specs(matrices: Sequence[PackedLinear | StackedLinear]) -> list[int]:
     return [value for m in matrices for part in m.parts for value in (_PART_KINDS[part.fmt], part.out_features)]
 
 
-# The names tests/kernels compares the fused operations against.
-_rms_norm, _rotate = rms_norm, rotate
-
-
 class NativeBackend:
     """A Llama-family model for decoding; see the module docstring.
 
