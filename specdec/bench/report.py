@@ -65,11 +65,13 @@ def print_report(report: dict[str, Any], console: Console) -> None:
 
     if len(report["systems"]) > 2:
         peers = Table(title="All systems, same prompts, same process (speedup and identity against each one's own plain decoding)")
-        for col in ("system", "tokens", "tok/s", "first token s", "speedup", "identical", "target tok/tok", "CPU ms/tok"):
+        for col in ("system", "tokens", "tok/s", "decode tok/s", "first token s", "speedup", "identical", "target tok/tok",
+                    "CPU ms/tok"):
             peers.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
         for name, s in report["systems"].items():
             peers.add_row(
-                name, str(s["tokens"]), _fmt(s["tokens_per_s"], ".1f"), _fmt(s.get("ttft_s"), ".3f"),
+                name, str(s["tokens"]), _fmt(s["tokens_per_s"], ".1f"), _fmt(s.get("decode_tokens_per_s"), ".1f"),
+                _fmt(s.get("ttft_s"), ".3f"),
                 (_fmt(s["speedup"]) + "x") if "speedup" in s else "(baseline)",
                 f"{s['identical']}/{s['prompts']}" if "identical" in s else "-",
                 _fmt(s.get("target_tokens_per_output_token")), _cpu_ms(s),

@@ -3,7 +3,9 @@ in one process, with optional peers (transformers' own generate) on the same pro
 
 speedup = speculative tokens/s / plain tokens/s, which is plain time / speculative time when
 the outputs are identical (greedy). Tokens/s counts generated tokens over wall time, prefill
-included.
+included; decode_tokens_per_s leaves the prompt out (the tokens after the first over the time
+after it, as llama.cpp's programs report their decoding), for comparing with peers that time
+themselves.
 
 What the speed costs, per system: target_tokens_per_output_token (tokens the target processed
 after prefill, drafts included, per committed token: 1.0 for plain decoding and for peers, which
@@ -37,6 +39,7 @@ class RunResult:
     stats: RequestStats | None = None
     cpu_s: float = 0.0  # process CPU time of the call (run_conversation measures it)
     plain: bool = True  # without stats: whether the system decoded plainly (one target token per token)
+    decode: tuple[int, float] | None = None  # (tokens, seconds) decoded after the prompt and the first token
 
 
 Runner = Callable[[Prompt], RunResult]  # a chat, or an infill
@@ -63,6 +66,8 @@ class Tally:
     target_tokens: int = 0  # tokens the target processed after prefill ...
     committed_tokens: int = 0  # ... and the tokens those steps committed
     cpu_s: float = 0.0
+    decode_tokens: int = 0  # decoding without the prompt: what each system reports of it
+    decode_seconds: float = 0.0
     unknown_target_tokens: bool = False  # a peer that speculates without saying how much it verified
 
     def add(self, results: list[RunResult], identical: bool | None) -> None:
@@ -72,6 +77,9 @@ class Tally:
             self.tokens += len(r.token_ids)
             self.seconds += r.seconds
             self.cpu_s += r.cpu_s
+            if r.decode is not None:
+                self.decode_tokens += r.decode[0]
+                self.decode_seconds += r.decode[1]
             if r.stats is not None:
                 self.speculation.merge(r.stats)
                 self.timed_turns += 1
@@ -96,6 +104,7 @@ class Tally:
             "target_tokens_per_output_token": (round(self.target_tokens / self.committed_tokens, 4)
                                                if self.committed_tokens and not self.unknown_target_tokens else None),
             "cpu_s_per_output_token": round(self.cpu_s / self.tokens, 6) if self.tokens else None,
+            "decode_tokens_per_s": round(self.decode_tokens / self.decode_seconds, 2) if self.decode_seconds else None,
         }
         if baseline is not None:
             out["identical"] = self.identical
@@ -120,7 +129,9 @@ class Tally:
 def specdec_runner(llm: LLM, params: SamplingParams, speculate: bool) -> Runner:
     def run(prompt: Prompt) -> RunResult:
         out = llm.generate([prompt], params, speculate=speculate)[0]
-        return RunResult(out.token_ids, out.text, out.stats.wall_time_s, out.stats)
+        stats = out.stats
+        decode = (len(out.token_ids) - 1, stats.wall_time_s - stats.prefill_time_s) if len(out.token_ids) > 1 else None
+        return RunResult(out.token_ids, out.text, stats.wall_time_s, stats, decode=decode)
 
     return run
 
@@ -230,45 +241,3 @@ def _single(results: list[RunResult]) -> Tally:
     tally = Tally()
     tally.add(results, None)
     return tally
-
-
-def llama_cpp_build() -> str:
-    """Which llama.cpp a llama.cpp peer runs: llama-cpp-python's version and the CPU features its
-    build uses (llama.cpp's own system line). Raises ImportError when it is not installed."""
-    import llama_cpp
-
-    features = llama_cpp.llama_print_system_info().decode(errors="replace")
-    on = [part.split("=")[0].split(":")[-1].strip() for part in features.split("|") if part.strip().endswith("= 1")]
-    return f"llama-cpp-python {llama_cpp.__version__} (its Python loop over llama.cpp's kernels; built for {' '.join(on)})"
-
-
-def llama_cpp_runner(gguf_path: str, encode: Callable[[Prompt], list[int]], params: SamplingParams,
-                     eos_token_ids: frozenset[int], prompt_lookup_tokens: int | None = None, threads: int | None = None,
-                     ends: Callable[[Prompt], tuple[int, ...]] = lambda prompt: ()) -> Runner:
-    """llama-cpp-python on the same GGUF file (llama.cpp's own kernels and weight format),
-    greedy, with its prompt-lookup drafting when `prompt_lookup_tokens` is set. Raises
-    ImportError when llama-cpp-python is not installed."""
-    import os
-
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup_tokens) if prompt_lookup_tokens else None
-    model = Llama(model_path=gguf_path, n_ctx=4096, n_threads=threads or os.cpu_count(), draft_model=draft,
-                  logits_all=draft is not None, verbose=False)
-    tokenizer_eos = frozenset(eos_token_ids) | {model.token_eos()}
-
-    def run(prompt: Prompt) -> RunResult:
-        ids = encode(prompt)
-        stops = tokenizer_eos | set(ends(prompt))
-        new: list[int] = []
-        start = time.perf_counter()
-        for token in model.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            if token in stops or len(new) >= params.max_tokens:
-                break
-            new.append(token)
-        seconds = time.perf_counter() - start
-        text = model.detokenize(new).decode("utf-8", errors="replace")
-        return RunResult(new, text, seconds, plain=draft is None)
-
-    return run

@@ -1,15 +1,17 @@
 """The systems `specdec bench` sets side by side: plain decoding and the configured speculation,
 other speculative configs on the same target, plain decoding on other backends, and the peers
 (transformers' generate, plain, with prompt lookup and assisted by the same draft model;
-llama.cpp, plain and with prompt lookup, when llama-cpp-python is installed)."""
+llama.cpp's C++ programs, plain, with n-gram drafting and with the same draft model, when `make
+peers` has built them)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 from specdec.api import LLM
+from specdec.bench import llama_cpp
 from specdec.bench.report import PLAIN, SPEC
-from specdec.bench.runner import System, llama_cpp_build, llama_cpp_runner, specdec_runner, transformers_runner
+from specdec.bench.runner import System, specdec_runner, transformers_runner
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.models.loader import load_model, model_file
@@ -64,18 +66,34 @@ def bench_systems(
             systems.append(System("transformers assisted", transformers_runner(stock, encode, params, ends, assistant_model=runner.loaded.model),
                                   "transformers generate"))
     if "llama.cpp" in peers:
-        gguf = gguf_file(model)
-        if gguf is None:
-            note("llama-cpp-python peer skipped: the model is not a GGUF file")
-        else:
-            eos = llm.target.eos_token_ids
-            try:
-                systems += [
-                    System("llama.cpp plain", llama_cpp_runner(gguf, encode, params, eos, ends=ends)),
-                    System("llama.cpp prompt lookup", llama_cpp_runner(gguf, encode, params, eos, PROMPT_LOOKUP_TOKENS, ends=ends),
-                           "llama.cpp plain"),
-                ]
-                note(f"llama.cpp peers: {llama_cpp_build()}")
-            except ImportError:
-                note("llama.cpp peers skipped: llama-cpp-python is not installed (make peers installs it)")
+        systems += _llama_cpp_systems(llm, params, model, note)
+    return systems
+
+
+def _llama_cpp_systems(llm: LLM, params: SamplingParams, model: str | None, note: Callable[[str], None]) -> list[System]:
+    """llama.cpp's programs on the target's GGUF file (and the draft model's, when the method
+    reads one), each prompt given as the text of specdec's template tokens."""
+    gguf = gguf_file(model)
+    if gguf is None:
+        note("llama.cpp peers skipped: the model is not a GGUF file")
+        return []
+    try:
+        note(f"llama.cpp peers: {llama_cpp.build_info()}")
+    except ConfigError as error:
+        note(f"llama.cpp peers skipped: {error}")
+        return []
+    runner = llm.engine.drafter.model_runner() if llm.engine.drafter is not None else None
+    draft = gguf_file(runner.loaded.source) if runner is not None and runner.layers is None else None  # a draft model
+    tokenizer = llm.target.tokenizer
+
+    def text_of(prompt) -> str:
+        return tokenizer.decode(llm.encode(prompt), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def tokenize(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    systems = []
+    for peer in llama_cpp.peers(draft):
+        run = llama_cpp.cpp_runner(peer, gguf, text_of, tokenize, params.max_tokens)
+        systems.append(System(peer.name, run, None if peer.plain else "llama.cpp plain"))
     return systems
