@@ -115,9 +115,11 @@ def generated_text(peer: Peer, stdout: str, prompt_text: str) -> str:
 
 
 def cpp_runner(peer: Peer, gguf: str, text_of: Callable[[Prompt], str], tokenize: Callable[[str], list[int]],
-               max_tokens: int, extra_args: Sequence[str] = ()) -> Runner:
+               detokenize: Callable[[list[int]], str], max_tokens: int, extra_args: Sequence[str] = ()) -> Runner:
     """Runs `peer` greedily on each prompt; `text_of` renders a prompt as specdec's template
-    tokens (special tokens as text) and `tokenize` reads the output back into token ids."""
+    tokens (special tokens as text), `tokenize` reads the output back into token ids. A
+    speculative program may commit a whole draft past the length limit: its output is cut to
+    `max_tokens` tokens (so a next turn sees what plain decoding would have said)."""
     binary = str(program(peer.program))
 
     def run(prompt: Prompt) -> RunResult:
@@ -132,7 +134,10 @@ def cpp_runner(peer: Peer, gguf: str, text_of: Callable[[Prompt], str], tokenize
             raise RuntimeError(f"{peer.name} failed (exit code {done.returncode}): {done.stderr[-2000:]}")
         prompt_s, decoded, decode_s = parse_timings(peer, done.stderr)
         out = generated_text(peer, done.stdout, text)
-        ids = tokenize(out)[:max_tokens]
+        ids = tokenize(out)
+        if len(ids) > max_tokens:
+            ids = ids[:max_tokens]
+            out = detokenize(ids)
         return RunResult(ids, out, prompt_s + decode_s, plain=peer.plain, decode=(decoded, decode_s))
 
     return run

@@ -92,8 +92,11 @@ def _llama_cpp_systems(llm: LLM, params: SamplingParams, model: str | None, note
     def tokenize(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
+    def detokenize(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     systems = []
     for peer in llama_cpp.peers(draft):
-        run = llama_cpp.cpp_runner(peer, gguf, text_of, tokenize, params.max_tokens)
+        run = llama_cpp.cpp_runner(peer, gguf, text_of, tokenize, detokenize, params.max_tokens)
         systems.append(System(peer.name, run, None if peer.plain else "llama.cpp plain"))
     return systems

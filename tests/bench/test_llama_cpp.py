@@ -47,9 +47,19 @@ def _tokenize(text: str) -> list[int]:
     return [len(word) for word in text.split()]
 
 
+def _detokenize(ids: list[int]) -> str:
+    return " " + " ".join("x" * n for n in ids)
+
+
+def test_a_draft_past_the_limit_is_cut_to_it(programs: Path) -> None:
+    peer = llama_cpp.peers(None)[1]  # the fake program says " world, again": two tokens
+    result = llama_cpp.cpp_runner(peer, "target.gguf", lambda prompt: "p", _tokenize, _detokenize, 1)([])
+    assert result.token_ids == [6] and result.text == " xxxxxx"  # what the next turn sees
+
+
 def test_the_draft_model_peer_gets_the_prompt_and_both_models(programs: Path) -> None:
     peer = next(p for p in llama_cpp.peers("draft.gguf") if "n-max 16" in p.name)
-    run = llama_cpp.cpp_runner(peer, "target.gguf", lambda prompt: "<|im_start|>user\nhello\n", _tokenize, 64)
+    run = llama_cpp.cpp_runner(peer, "target.gguf", lambda prompt: "<|im_start|>user\nhello\n", _tokenize, _detokenize, 64)
     result = run([{"role": "user", "content": "hello"}])
     assert result.text == " world, again"  # the echoed prompt (its own newline kept) is not output
     assert result.token_ids == [6, 5]
@@ -63,7 +73,7 @@ def test_the_draft_model_peer_gets_the_prompt_and_both_models(programs: Path) ->
 def test_plain_decoding_reads_llama_perf_lines(programs: Path) -> None:
     peer = llama_cpp.peers(None)[0]
     assert peer.plain and peer.program == "llama-completion"
-    result = llama_cpp.cpp_runner(peer, "target.gguf", lambda prompt: "p", _tokenize, 64)([])
+    result = llama_cpp.cpp_runner(peer, "target.gguf", lambda prompt: "p", _tokenize, _detokenize, 64)([])
     assert result.text == " world, again" and result.decode == (3, 0.075) and result.plain
 
 
