@@ -29,6 +29,7 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine import Engine
 from specdec.engine.batch import BatchEngine, Sequence
+from specdec.methods import MedusaTrainOptions
 from specdec.models.qlinear import QUANTIZED_FORMATS
 from specdec.models import LoadedModel, ModelRunner
 from specdec.models.quantize import quantize_int8
@@ -286,7 +287,8 @@ def make_engine(name: str, target: LoadedModel, draft: LoadedModel, mtp_checkpoi
     if name == "eagle-tree-confident":  # a tree of up to 4 nodes, only those whose path has probability >= 0.5
         return Engine(target, EagleDrafter(eagle_head(target), tree_width=2, tree_nodes=4, min_confidence=0.5), 3)
     if name in ("medusa", "medusa-tree"):  # tree: each head's top 2 at the 2 best nodes of each depth, 3 kept
-        heads = new_head(target, torch.arange(6), TrainConfig(arch="medusa", medusa_heads=2, draft_vocab_size=6))
+        heads = new_head(target, torch.arange(6), TrainConfig(arch="medusa", head_options=MedusaTrainOptions(medusa_heads=2),
+                                                              draft_vocab_size=6))
         with torch.no_grad():
             for param in heads.parameters():
                 param.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
