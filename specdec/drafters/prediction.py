@@ -29,6 +29,13 @@ from specdec.sampling.params import SamplingParams
 PREDICTION_K = 8
 
 
+def draft_room(*sizes: int) -> int:
+    """The most tokens a row drafts in a step (a batch engine's `max_draft`) for drafters of these
+    sizes (k, or a tree's nodes): the largest, or a predicted output's draft where that is longer
+    (a prediction drafts a request on any engine: `BatchEngine.admit`)."""
+    return max(PREDICTION_K, *sizes)
+
+
 class PredictionDrafter(Drafter):
     """Drafts from `prediction` (token ids), aligned with the output as it goes.
 

@@ -19,7 +19,7 @@ A drafter that reads the target's hidden states (an EAGLE head) names the layers
 and each row's drafter gets its committed positions' states (:meth:`observe_target`).
 
 With speculation off for every row the step is one batched forward pass over [rows, 1]: batched
-plain decoding. Sequences join (:meth:`BatchEngine.add`, which prefills the prompt alone, then
+plain decoding. Sequences join (:meth:`BatchEngine.admit`, which prefills the prompt alone, then
 copies its KV into a free row) and leave (:meth:`BatchEngine.remove`) between steps. Stop
 conditions (EOS, the token budget, stop strings) are applied per sequence, in token order.
 """
@@ -36,7 +36,7 @@ import torch
 from specdec import kernels
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter, Verified
-from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
+from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter, draft_room  # noqa: F401 (draft_room: for the engine and server)
 from specdec.engine.adaptive import SpeculationPolicy
 from specdec.engine.generation import Generation, StreamChunk
 from specdec.engine.text import TextAssembler
@@ -181,26 +181,28 @@ class BatchEngine:
     def admit(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None, k: int = 0,
               policy: SpeculationPolicy | None = None, *, grammar: Any = None,
               result: Generation | None = None) -> SequenceOutput:
-        """The one way a request joins (the library's :class:`~specdec.engine.engine.Engine` and the
-        server's scheduler both come here): its sequence, drafted by its predicted output when it
-        gives one and k > 0 (at PREDICTION_K), else by `drafter` (this sequence's own) up to k,
-        under `policy`; checked, prefilled and given a row (:meth:`add`). `grammar`: its structured
-        output compiled by the caller; `result`: a Generation to fill in. Returns its first token's
-        output (`.sequence` is the sequence); on an error it holds no row."""
-        if params.prediction and k > 0:
+        """The one way a request joins (the library's :class:`~specdec.engine.engine.Engine`, the
+        server's scheduler and the corpus writer all come here): its sequence, checked, prefilled
+        and given a row. It drafts with `drafter` (this sequence's own) up to k tokens a step under
+        `policy`; with a predicted output (`params.prediction`) the prediction drafts it instead, at
+        PREDICTION_K tokens a step, whatever the drafter and k (a caller that wants no drafting
+        leaves the prediction out). `grammar`: its structured output compiled by the caller;
+        `result`: a Generation to fill in. Returns its first token's output (`.sequence` is the
+        sequence, whose `k` is the one decided here); on an error it holds no row."""
+        if params.prediction:
             drafter, k, policy = PredictionDrafter(list(params.prediction)), PREDICTION_K, None
         seq = Sequence(list(prompt_ids), params, drafter, k=k, policy=policy, grammar=grammar)
         if result is not None:
             seq.result = result
         try:
-            return self.add(seq)
+            return self._add(seq)
         except BaseException:
             self.remove(seq)  # in case it got a row before failing
             raise
 
-    def add(self, seq: Sequence) -> SequenceOutput:
-        """Prefill a sequence alone and give it a row. Returns its first token's output; the
-        sequence may already be finished."""
+    def _add(self, seq: Sequence) -> SequenceOutput:
+        """Prefill a sequence alone and give it a row (:meth:`admit`'s work). Returns its first
+        token's output; the sequence may already be finished."""
         self.check_prompt(seq.prompt_ids)
         if self.running >= self.max_rows:
             raise RuntimeError(f"batch is full ({self.max_rows} sequences)")

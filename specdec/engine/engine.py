@@ -15,9 +15,8 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.methods import build_drafter
 from specdec.drafters.base import Drafter
-from specdec.drafters.prediction import PREDICTION_K
 from specdec.engine.adaptive import AdaptiveStates, SpeculationPolicy
-from specdec.engine.batch import BatchEngine, check_prompt
+from specdec.engine.batch import BatchEngine, check_prompt, draft_room
 from specdec.engine.generation import Generation, StreamChunk
 from specdec.models.loader import LoadedModel
 from specdec.models.prefix_cache import PrefixCache
@@ -82,8 +81,8 @@ class Engine:
         return self._batch
 
     def _batch_engine(self, rows: int, max_len: int) -> BatchEngine:
-        # A tree drafter may propose more tokens than its depth k.
-        size = max(self.k, self.drafter.proposal_size if self.drafter else 0, PREDICTION_K)
+        # A tree drafter may propose more tokens than its depth k; a predicted output drafts on any engine.
+        size = draft_room(self.k, self.drafter.proposal_size if self.drafter else 0)
         return BatchEngine(self.target, max_rows=rows, max_model_len=max_len, max_draft=size,
                            sampling_rule=self.sampling_rule, tree_rule=self.tree_rule, prefix_cache=self.prefix_cache)
 
@@ -101,11 +100,10 @@ class Engine:
         # A cache sized to the request: its budget exactly, so that the batch engine's budget
         # (the room left in a row) is the request's.
         engine = self._engine(len(prompt_ids) + budget)
-        # A predicted output drafts the request on any engine, speculating or not.
-        k = PREDICTION_K if params.prediction else self.k
         self._busy = True
         try:
-            out = engine.admit(prompt_ids, params, self.drafter, k, self.new_policy(), result=result)
+            # A predicted output drafts the request on any engine, speculating or not (admit).
+            out = engine.admit(prompt_ids, params, self.drafter, self.k, self.new_policy(), result=result)
             while True:
                 if out.chunk.token_ids or out.chunk.text:
                     yield out.chunk
@@ -152,8 +150,7 @@ class Engine:
                 while waiting and engine.running < engine.max_rows:
                     i = waiting.pop()
                     drafter = self.drafter.fork() if self.drafter is not None else None
-                    k = PREDICTION_K if each[i].prediction else self.k
-                    out = engine.admit(prompts[i], each[i], drafter, k, self.new_policy(), result=results[i])
+                    out = engine.admit(prompts[i], each[i], drafter, self.k, self.new_policy(), result=results[i])
                     if out.finished:
                         engine.remove(out.sequence)
                 for out in engine.step():

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -30,8 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.config import SamplingParams, StructuredOutput
 from specdec.drafters.base import CacheStats
-from specdec.drafters.prediction import PREDICTION_K
-from specdec.engine.batch import check_prompt
+from specdec.engine.batch import check_prompt, draft_room
 from specdec.engine.stats import RequestStats
 from specdec.engine.text import TokenBytes
 from specdec.errors import ConfigError, PromptError
@@ -52,8 +51,7 @@ from specdec.server.protocol import (
     error_body,
 )
 from specdec.server.scheduler import Event, QueueFullError, Scheduler, ServerRequest, StoppedError
-from specdec.server.tools import (CallScanner, ToolPlan, call_id_seeds, cut_calls, may_be_calls, parse_calls,
-                                  plan_tools)
+from specdec.server.tools import CallScanner, ToolPlan, call_id_seeds, may_be_calls, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +146,13 @@ def _route(state: ServerState, name: str, request: Request) -> RouteConfig:
     return route
 
 
-def _k(route: RouteConfig, override: bool | SpeculativeOverride | None, predicted: bool = False) -> int:
-    """The request's k: the route's own (with a prediction, the prediction's on any route), or
-    the request's within the route's cap (0 = off)."""
+def _k(route: RouteConfig, override: bool | SpeculativeOverride | None, predicted: bool = False) -> int | None:
+    """The request's own k (0 = off) within its route's cap, or None where it leaves k to the
+    route (and a predicted output's to the engine: :meth:`~specdec.engine.batch.BatchEngine.admit`).
+    With a prediction a request may set k on any route, up to the room a prediction's draft has
+    (:func:`~specdec.engine.batch.draft_room`)."""
     if override is None or override is True:
-        return PREDICTION_K if predicted else route.k
+        return None
     if override is False:
         return 0
     k = override.num_speculative_tokens
@@ -161,7 +161,7 @@ def _k(route: RouteConfig, override: bool | SpeculativeOverride | None, predicte
     if k > 0 and route.speculative is None and not predicted:
         raise APIError(400, f"route '{route.name}' does not speculate; only num_speculative_tokens 0 is allowed",
                        param="speculative.num_speculative_tokens", code="speculation_not_allowed")
-    cap = max(route.k_cap, PREDICTION_K) if predicted else route.k_cap
+    cap = draft_room(route.k_cap) if predicted else route.k_cap
     if k > cap:
         raise APIError(400, f"num_speculative_tokens {k} exceeds route '{route.name}' limit of {cap}",
                        param="speculative.num_speculative_tokens", code="speculation_limit")
@@ -243,8 +243,24 @@ def _check_budget(state: ServerState, prompts: list[list[int]], max_tokens: int 
                        param=param, code="context_length_exceeded")
 
 
-def _encode_completion(state: ServerState, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-    """Each prompt's token ids, and its text (what `echo` returns)."""
+@dataclass(frozen=True)
+class _Prompts:
+    """A request's prompts tokenized (on the encode thread): each prompt's ids, and what else its
+    endpoint made of them."""
+
+    ids: list[list[int]]
+    texts: list[str] | None = None  # completions with echo: each prompt's text
+    stop_token_ids: tuple[int, ...] = ()  # completions with a suffix: the ends of the middle
+    tools: ToolPlan | None = None  # chat: what its tools do
+
+
+def _encode(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> _Prompts:
+    """The request's prompts: a completion's, or a chat's messages with its tools rendered."""
+    return _encode_chat(state, body) if isinstance(body, ChatCompletionRequest) else _encode_completion(state, body)
+
+
+def _encode_completion(state: ServerState, body: CompletionRequest) -> _Prompts:
+    """Each prompt's token ids, its text when echoed, and a suffix's stop tokens."""
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
@@ -270,8 +286,9 @@ def _encode_completion(state: ServerState, body: CompletionRequest) -> tuple[lis
             ids = list(p)
         _check_length(state, ids, "prompt")
         encoded.append(ids)
-    texts = [p if isinstance(p, str) else state.encoder.tokenizer.decode(p) for p in prompts] if body.echo else []
-    return encoded, texts
+    texts = [p if isinstance(p, str) else state.encoder.tokenizer.decode(p) for p in prompts] if body.echo else None
+    stops = state.encoder.stop_token_ids(Infill("", body.suffix)) if body.suffix is not None else ()
+    return _Prompts(encoded, texts, stops)
 
 
 def _encode_prediction(state: ServerState, body: ChatCompletionRequest) -> tuple[int, ...]:
@@ -280,7 +297,7 @@ def _encode_prediction(state: ServerState, body: ChatCompletionRequest) -> tuple
     return tuple(state.encoder.tokenizer.encode(body.prediction.text(), add_special_tokens=False))
 
 
-def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan]:
+def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> _Prompts:
     """The prompt's token ids, with its tools rendered (`specdec.server.tools`), and the plan. A
     prompt too long for the context names `tools` where the messages alone would fit."""
     tools = plan_tools(body, state.encoder.tokenizer.chat_template)
@@ -296,7 +313,7 @@ def _encode_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[
             exc.param = "tools"
             exc.message += f" with its {len(body.tools)} tools rendered (the messages alone would fit)"
         raise
-    return ids, tools
+    return _Prompts([ids], tools=tools)
 
 
 def _fits_without_tools(state: ServerState, body: ChatCompletionRequest) -> bool:
@@ -311,276 +328,18 @@ def _fits_without_tools(state: ServerState, body: ChatCompletionRequest) -> bool
         return False
 
 
-@dataclass
-class _Job:
-    """The sequences of one HTTP request and the queue their events arrive on."""
-
-    requests: list[ServerRequest]
-    events: asyncio.Queue[Event]
-    scheduler: Scheduler
-    checked_at: float = 0.0  # when the client's connection was last checked
-
-    def cancel(self) -> None:
-        for request in self.requests:
-            self.scheduler.cancel(request)
+def _output_asked(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, str, int]:
+    """What a request asks of its output: the token limit it set (None: none) and the field that
+    set it, and the most tokens each choice generates (unset: a completion's 16, a chat's up to
+    the context; 0, a completion's with echo: its prompt scored)."""
+    if isinstance(body, ChatCompletionRequest):
+        asked = body.max_completion_tokens or body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        return asked, param, asked or state.max_model_len
+    return body.max_tokens, "max_tokens", 16 if body.max_tokens is None else body.max_tokens
 
 
-def _submit(state: ServerState, http: Request, route: RouteConfig, prompts: list[list[int]], params: list[SamplingParams],
-            k: int, arrival: float, grammar: Any = None) -> _Job:
-    if len(prompts) > state.config.max_waiting:
-        raise APIError(400, f"a request may start at most {state.config.max_waiting} sequences (prompts x n); this one "
-                            f"starts {len(prompts)}", param="n", code="too_many_sequences")
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[Event] = asyncio.Queue()
-
-    def sink(event: Event) -> None:  # runs on the scheduler thread
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            pass
-
-    requests = [ServerRequest(route, ids, p, k, sink, index=i, arrival=arrival, grammar=grammar)
-                for i, (ids, p) in enumerate(zip(prompts, params))]
-    try:
-        state.scheduler.submit_all(requests)  # all or none
-    except QueueFullError as exc:
-        raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
-    except StoppedError as exc:
-        raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
-    http.state.submitted = True  # from here on the scheduler counts its sequences in the metrics
-    return _Job(requests, events, state.scheduler)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-
-
-# --- the app --------------------------------------------------------------------------------------
-
-
-def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
-    """The FastAPI app over a ready ServerState; the scheduler thread starts with the app. Bound
-    to a loopback address (`bind_host`), it answers only requests that name it so."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if not state.scheduler.alive:
-            state.scheduler.start()
-        if state.grammars is not None:
-            state.grammars.start()  # its start-up is not a client's wait
-        yield
-        state.shutting_down = True
-        await asyncio.to_thread(state.scheduler.stop)
-        state.encode_pool.shutdown(wait=False, cancel_futures=True)
-        state.grammar_pool.shutdown(wait=False, cancel_futures=True)
-        if state.grammars is not None:
-            await asyncio.to_thread(state.grammars.close)
-
-    app = FastAPI(title="specdec", lifespan=lifespan)
-    app.state.specdec = state
-    app.add_middleware(RequestGuard, state=state, allowed=allowed_hosts(bind_host))
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "invalid"}
-        body = exc.body
-        if isinstance(body, dict) and isinstance(body.get("model"), str) and state.config.route(body["model"]):
-            request.state.route = body["model"]  # for the metrics: a refusal on this route
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = (first.get("ctx") or {}).get("param") or ".".join(loc) or None  # field_error names its own
-        content_type = request.headers.get("content-type", "")
-        if first.get("type") == "json_invalid":
-            # Its location is a character offset into the body, not a parameter.
-            message, code, param = JSON_INVALID, "json_invalid", None
-        elif first.get("type") == "model_attributes_type" and not loc and "json" not in content_type.lower():
-            # FastAPI reads a body that is not declared JSON as text: say what is wrong.
-            message = f"Content-Type must be application/json; got {content_type or 'none'!r}"
-            code, param = "invalid_content_type", None
-        else:
-            message, code = f"{param or 'body'}: {first.get('msg', 'invalid value')}", first.get("type")
-        return JSONResponse(error_body(message, param=param, code=code), status_code=400)
-
-    @app.exception_handler(_ClientGone)
-    async def _client_gone(request: Request, exc: _ClientGone) -> Response:
-        return Response(status_code=499)  # never arrives: nginx's "client closed request"
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
-            # FastAPI's own: a body that is not UTF-8, or JSON nested past its reader's depth.
-            return JSONResponse(error_body(JSON_INVALID, code="json_invalid"), status_code=400)
-        return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error handling %s", request.url.path)
-        return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
-
-    @app.get("/dashboard")
-    async def dashboard_page() -> Response:
-        return HTMLResponse((dashboard.STATIC / "dashboard.html").read_text(encoding="utf-8"))
-
-    @app.get("/dashboard/data")
-    async def dashboard_data() -> JSONResponse:
-        state.metrics.refresh_rates()
-        return JSONResponse(dashboard.snapshot(state.metrics.registry, [r.name for r in state.config.routes],
-                                               state.scheduler.running, state.scheduler.waiting, memory_plan())
-                            | {"model": state.model_name})
-
-    app.mount("/dashboard/static", StaticFiles(directory=dashboard.STATIC / "vendor"), name="dashboard-static")
-
-    def serving() -> bool:
-        return state.scheduler.alive and not state.shutting_down
-
-    @app.api_route(LIVENESS_PATH, methods=["GET", "HEAD"])  # probes may ask with HEAD (RFC 9110 9.3.2)
-    async def live() -> JSONResponse:
-        ok = serving()
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
-
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> JSONResponse:
-        ok = serving()
-        body = {
-            "status": "ok" if ok else "unavailable",
-            "model": state.model_name,
-            "routes": [r.to_dict() for r in state.config.routes],
-            "max_model_len": state.max_model_len,
-            "max_num_seqs": state.max_num_seqs,
-            "running": state.scheduler.running,
-            "waiting": state.scheduler.waiting,
-            "threads": state.scheduler.torch_threads,
-            "kernel_path": state.encoder.target.kernel_path,
-            # the GGUF types the target's matrices came in (Q4_K, Q6_K...); empty for other sources
-            "file_types": sorted(getattr(state.encoder.target.backend, "file_types", ())),
-            "replica": state.replica,
-            "memory": memory_plan() | {"suffix_cache_bytes": {route: cache.nbytes for route, cache in shared_caches()}},
-            "prefix_cache": prefix_cache(),
-        }
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    def memory_plan() -> dict[str, Any]:
-        """The start-up memory plan, the KV cache actually allocated and the prefix cache's budget
-        and what it holds now."""
-        prefix = state.scheduler.engine.prefix_cache
-        plan = state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes,
-                                         "prefix_cache_budget_bytes": prefix.budget_bytes if prefix is not None else 0,
-                                         "prefix_cache_held_bytes": prefix.nbytes if prefix is not None else 0}
-        # What the plan adds up to, and what the process holds: the difference is the runtime's
-        # own (Python, torch, the tokenizer, allocator slack; docs/server.md says how much).
-        plan["plan_bytes"] = sum(plan[key] for key in ("target_weight_bytes", "draft_weight_bytes", "kv_allocated_bytes",
-                                                       "prefix_cache_budget_bytes"))
-        plan["resident_bytes"] = resident_bytes()
-        return plan
-
-    def prefix_cache() -> dict[str, Any] | None:
-        """What the prefix cache holds and has done (None: off)."""
-        prefix = state.scheduler.engine.prefix_cache
-        if prefix is None:
-            return None
-        return {"budget_bytes": prefix.budget_bytes, "bytes": prefix.nbytes, "blocks": len(prefix),
-                "block_tokens": prefix.block, **asdict(prefix.stats)}
-
-    def shared_caches() -> list[tuple[str, CacheStats]]:
-        """Each route's cache shared by its requests' drafters (the suffix drafter's earlier outputs)."""
-        return [(route, cache) for route, d in state.scheduler.drafters.items() if d is not None and (cache := d.shared_cache()) is not None]
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        state.metrics.refresh_rates()
-        state.metrics.memory.labels("resident").set(resident_bytes())
-        for route, cache in shared_caches():
-            state.metrics.suffix_cache.labels(route).set(cache.nbytes)
-            state.metrics.suffix_cache_requests.labels(route).set(cache.requests)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": r.name, "object": "model", "created": created, "owned_by": "specdec", "root": state.model_name,
-             "max_model_len": state.max_model_len, "speculative": r.to_dict()} for r in state.config.routes
-        ]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        arrival = time.monotonic()
-        route = _route(state, body.model, request)
-        k = _k(route, body.speculative)
-        prompts, texts = await state.encode(_encode_completion, state, body)
-        _check_budget(state, prompts, body.max_tokens, "max_tokens")
-        structured, param = _structured(body)
-        grammar = await state.compile(structured, param)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        # max_tokens 0 (with echo) scores the prompt: one token is generated, and not returned.
-        shape = _Shape(chat=False, logprobs=body.logprobs is not None, score_only=max_tokens == 0,
-                       names=await state.encode(state.token_bytes) if body.logprobs is not None else None)
-        expanded = [ids for ids in prompts for _ in range(body.n)]
-        echoes = [(ids, text) for ids, text in zip(prompts, texts) for _ in range(body.n)] if body.echo else None
-        stops = state.encoder.stop_token_ids(Infill("", body.suffix)) if body.suffix is not None else ()
-        params = [_params(body, max(max_tokens, 1), i % body.n, route, state.encoder.target.vocab_size, structured,
-                          stop_token_ids=stops) for i in range(len(expanded))]
-
-        def choice(i: int, r: _Result) -> dict[str, Any]:
-            text, logprobs = r.text, None
-            if shape.logprobs:
-                logprobs = completion_logprobs(r.logprobs, r.token_ids, shape.names)
-            if echoes is not None:
-                ids, prompt_text = echoes[i]
-                text = prompt_text + text
-                if shape.logprobs:
-                    logprobs = completion_logprobs(r.prompt_logprobs + r.logprobs, ids + r.token_ids, shape.names)
-            return {"index": i, "text": text, "finish_reason": r.finish_reason, "logprobs": logprobs,
-                    "speculation": _stats_dict(r)}
-
-        plan = _Plan(expanded, params, k, shape, sum(len(ids) for ids in prompts), choice, echoes, body.n, grammar)
-        return await _answer(state, request, body, route, arrival, plan)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        arrival = time.monotonic()
-        route = _route(state, body.model, request)
-        ids, tools = await state.encode(_encode_chat, state, body)
-        asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        _check_budget(state, [ids], body.max_completion_tokens or body.max_tokens, asked)
-        prediction = await state.encode(_encode_prediction, state, body) if body.prediction is not None else ()
-        k = _k(route, body.speculative, predicted=bool(prediction))
-        prediction = prediction if k > 0 else ()  # speculation off: no drafting from it either
-        structured, param = (tools.structured, "tools") if tools.structured is not None else _structured(body)
-        grammar = await state.compile(structured, param)
-        max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len
-        shape = _Shape(chat=True, logprobs=bool(body.logprobs),
-                       names=await state.encode(state.token_bytes) if body.logprobs else None, predicted=bool(prediction),
-                       callable=tools.callable, calls_only=tools.structured is not None,
-                       call_ids=call_id_seeds(body) if tools.callable else [])
-        params = [_params(body, max_tokens, i, route, state.encoder.target.vocab_size, structured, prediction)
-                  for i in range(body.n)]
-
-        def choice(i: int, r: _Result) -> dict[str, Any]:
-            calls = parse_calls(r.text, tools.callable, shape.call_seed(i)) if r.finish_reason == "stop" else None
-            cut = r.finish_reason == "length" and shape.calls_only
-            if cut:  # a constrained output cut mid-array: its whole calls; its text is a JSON fragment
-                calls = cut_calls(r.text, tools.callable, shape.call_seed(i)) or None
-            message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls or cut
-                       else {"role": "assistant", "content": r.text})
-            finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
-            return {"index": i, "message": message, "finish_reason": finish,
-                    "logprobs": chat_logprobs(r.logprobs, shape.names) if shape.logprobs else None,
-                    "speculation": _stats_dict(r)}
-
-        return await _answer(state, request, body, route, arrival, _Plan([ids] * body.n, params, k, shape, len(ids), choice,
-                                                                   per_prompt=body.n, grammar=grammar))
-
-    return app
-
-
-class _ClientGone(Exception):
-    """A non-streaming request's client left before its answer: nothing to send, nothing to log
-    (the scheduler counts its sequences as aborted)."""
+# --- the one set-up of both endpoints ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -600,6 +359,135 @@ class _Shape:
     def call_seed(self, index: int) -> str:
         """Choice `index`'s seed of its calls' ids (`specdec.server.tools.call_id_seeds`)."""
         return self.call_ids[index] if index < len(self.call_ids) else ""
+
+    def ending(self, index: int, output: str, reason: str | None,
+               scanner: CallScanner | None = None) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """How choice `index` ends, streamed or not (the one place it is decided): its tool calls
+        (None: its output is text) and its finish_reason. An output that stopped as an array of
+        calls to its tools is those calls, finish_reason "tool_calls"; one constrained to calls
+        and cut by its token limit is the calls it closed (maybe none), never its JSON as text.
+        `scanner`: a stream's, which read the output as it came (else it is read here)."""
+        if not self.callable:
+            return None, reason
+        if scanner is None:
+            scanner = CallScanner(id_seed=self.call_seed(index))
+            scanner.feed(output)
+        if reason == "stop":
+            calls = scanner.complete(self.callable)
+            return calls, "tool_calls" if calls else reason
+        if reason == "length" and self.calls_only:
+            return scanner.closed(self.callable), reason
+        return None, reason
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the set-up (`_plan`) made of a request: the sequences to run and how to answer."""
+
+    route: RouteConfig
+    arrival: float  # when the request came (time.monotonic)
+    prompts: list[list[int]]  # each choice's
+    params: list[SamplingParams]  # each choice's
+    k: int | None  # the request's own k (0: off); None: its route's (a predicted output's: the engine's)
+    shape: _Shape
+    prompt_tokens: int
+    echoes: list[tuple[list[int], str]] | None = None  # completions with echo: each choice's prompt
+    per_prompt: int = 1  # choices of each prompt (n), in order: usage counts a prompt once
+    grammar: Any = None  # the structured output, compiled (the sequences' params carry its spec)
+
+
+async def _plan(state: ServerState, http: Request, body: CompletionRequest | ChatCompletionRequest) -> _Plan:
+    """The set-up both endpoints share, in this order (the first step that refuses the request
+    answers it, with its 4xx): what the request asks for, checked and made into sequences."""
+    arrival = time.monotonic()
+    chat = isinstance(body, ChatCompletionRequest)
+    # 1. The route it names.
+    route = _route(state, body.model, http)
+    # 2. Its prompts, tokenized off the event loop (chat: its messages, with its tools rendered).
+    prompts = await state.encode(_encode, state, body)
+    # 3. The output it asks for, which must fit the context after its longest prompt.
+    asked, param, max_tokens = _output_asked(state, body)
+    _check_budget(state, prompts.ids, asked, param)
+    # 4. k, and the predicted output that drafts it (chat): none where the request turned speculation off.
+    prediction = await state.encode(_encode_prediction, state, body) if chat and body.prediction is not None else ()
+    k = _k(route, body.speculative, predicted=bool(prediction))
+    prediction = () if k == 0 else prediction
+    # 5. Its structured output (chat: its calls, where its tools are required), compiled.
+    tools = prompts.tools
+    calls_only = tools is not None and tools.structured is not None
+    structured, param = (tools.structured, "tools") if calls_only else _structured(body)
+    grammar = await state.compile(structured, param)
+    # 6. The response's shape, and each choice's sequence and sampling parameters.
+    logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+    tool_names = tools.callable if tools is not None else frozenset()
+    shape = _Shape(chat=chat, logprobs=logprobs, score_only=max_tokens == 0,
+                   names=await state.encode(state.token_bytes) if logprobs else None, predicted=bool(prediction),
+                   callable=tool_names, calls_only=calls_only, call_ids=call_id_seeds(body) if tool_names else [])
+    choices = [ids for ids in prompts.ids for _ in range(body.n)]
+    echoes = None
+    if prompts.texts is not None:
+        echoes = [(ids, text) for ids, text in zip(prompts.ids, prompts.texts) for _ in range(body.n)]
+    # max_tokens 0 (with echo) scores the prompt: one token is generated, and not returned.
+    params = [_params(body, max(max_tokens, 1), i % body.n, route, state.encoder.target.vocab_size, structured,
+                      prediction, prompts.stop_token_ids) for i in range(len(choices))]
+    prompt_tokens = sum(len(ids) for ids in prompts.ids)  # each prompt once, whatever n
+    return _Plan(route, arrival, choices, params, k, shape, prompt_tokens, echoes, body.n, grammar)
+
+
+# --- the answer ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    """The sequences of one HTTP request and the queue their events arrive on."""
+
+    requests: list[ServerRequest]
+    events: asyncio.Queue[Event]
+    scheduler: Scheduler
+    checked_at: float = 0.0  # when the client's connection was last checked
+
+    def cancel(self) -> None:
+        for request in self.requests:
+            self.scheduler.cancel(request)
+
+
+def _submit(state: ServerState, http: Request, plan: _Plan) -> _Job:
+    """Queue a plan's sequences with the scheduler (all or none)."""
+    if len(plan.prompts) > state.config.max_waiting:
+        raise APIError(400, f"a request may start at most {state.config.max_waiting} sequences (prompts x n); this one "
+                            f"starts {len(plan.prompts)}", param="n", code="too_many_sequences")
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def sink(event: Event) -> None:  # runs on the scheduler thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    route, k = plan.route, plan.k
+    requests = [ServerRequest(route, ids, p, route.k if k is None else k, sink, index=i, arrival=plan.arrival,
+                              grammar=plan.grammar, own_k=k is not None)
+                for i, (ids, p) in enumerate(zip(plan.prompts, plan.params))]
+    try:
+        state.scheduler.submit_all(requests)  # all or none
+    except QueueFullError as exc:
+        raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+    except StoppedError as exc:
+        raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
+    http.state.submitted = True  # from here on the scheduler counts its sequences in the metrics
+    return _Job(requests, events, state.scheduler)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+
+
+class _ClientGone(Exception):
+    """A non-streaming request's client left before its answer: nothing to send, nothing to log
+    (the scheduler counts its sequences as aborted)."""
 
 
 @dataclass
@@ -623,34 +511,44 @@ class _Result:
             self.logprobs.extend(event.logprobs)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What a handler made of its request: the sequences to run and how to answer."""
 
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    k: int
-    shape: _Shape
-    prompt_tokens: int
-    choice: Callable[[int, _Result], dict[str, Any]]  # a finished choice's JSON (not streaming)
-    echoes: list[tuple[list[int], str]] | None = None  # completions with echo: each choice's prompt
-    per_prompt: int = 1  # choices of each prompt (n), in order: usage counts a prompt once
-    grammar: Any = None  # the structured output, compiled (the sequences' params carry its spec)
-
-
-async def _answer(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                  route: RouteConfig, arrival: float, plan: _Plan) -> Response:
-    """The path both endpoints share: queue the sequences, then stream their chunks or answer
-    with one JSON body."""
-    job = _submit(state, request, route, plan.prompts, plan.params, plan.k, arrival, plan.grammar)
+async def _answer(state: ServerState, http: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
+    """The path both endpoints share: the set-up (`_plan`), the sequences queued, then their
+    chunks streamed or one JSON body."""
+    plan = await _plan(state, http, body)
+    job = _submit(state, http, plan)
     prefix, obj = ("chatcmpl", "chat.completion") if plan.shape.chat else ("cmpl", "text_completion")
-    meta = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": route.name}
+    meta = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": plan.route.name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _stream(job, meta, plan, include_usage=include_usage)
-    results = await _collect(job, request, plan.shape)
-    choices = [plan.choice(i, r) for i, r in enumerate(results)]
+    results = await _collect(job, http, plan.shape)
+    choices = [_choice(plan, i, r) for i, r in enumerate(results)]
     return JSONResponse(meta | {"object": obj, "choices": choices, **_totals(plan, results)})
+
+
+def _choice(plan: _Plan, index: int, result: _Result) -> dict[str, Any]:
+    """A finished choice's JSON (not streaming): chat's message, its text or its tool calls
+    (`_Shape.ending`); a completion's text, after its prompt with echo."""
+    shape = plan.shape
+    if shape.chat:
+        calls, finish = shape.ending(index, result.text, result.finish_reason)
+        message = ({"role": "assistant", "content": None, "tool_calls": calls or None} if calls is not None
+                   else {"role": "assistant", "content": result.text})
+        return {"index": index, "message": message, "finish_reason": finish,
+                "logprobs": chat_logprobs(result.logprobs, shape.names) if shape.logprobs else None,
+                "speculation": _stats_dict(result)}
+    text, logprobs = result.text, None
+    if shape.logprobs:
+        logprobs = completion_logprobs(result.logprobs, result.token_ids, shape.names)
+    if plan.echoes is not None:
+        ids, prompt_text = plan.echoes[index]
+        text = prompt_text + text
+        if shape.logprobs:
+            logprobs = completion_logprobs(result.prompt_logprobs + result.logprobs, ids + result.token_ids,
+                                           shape.names)
+    return {"index": index, "text": text, "finish_reason": result.finish_reason, "logprobs": logprobs,
+            "speculation": _stats_dict(result)}
 
 
 def _stats_dict(result: _Result) -> dict[str, Any] | None:
@@ -714,6 +612,206 @@ async def _collect(job: _Job, request: Request, shape: _Shape) -> list[_Result]:
         if pending:
             job.cancel()
     return results
+
+
+
+
+# --- the app: its state's life, error handlers and routes ------------------------------------------
+
+
+def create_app(state: ServerState, bind_host: str | None = None) -> FastAPI:
+    """The FastAPI app over a ready ServerState; the scheduler thread starts with the app. Bound
+    to a loopback address (`bind_host`), it answers only requests that name it so."""
+    app = FastAPI(title="specdec", lifespan=_lifespan(state))
+    app.state.specdec = state
+    app.add_middleware(RequestGuard, state=state, allowed=allowed_hosts(bind_host))
+    _add_error_handlers(app, state)
+    _add_status_routes(app, state)
+    _add_generation_routes(app, state)
+    return app
+
+
+def _lifespan(state: ServerState) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the scheduler thread and the grammar compiler start with it; on
+    shutdown the scheduler stops and the worker threads and the compiler are let go."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not state.scheduler.alive:
+            state.scheduler.start()
+        if state.grammars is not None:
+            state.grammars.start()  # its start-up is not a client's wait
+        yield
+        state.shutting_down = True
+        await asyncio.to_thread(state.scheduler.stop)
+        state.encode_pool.shutdown(wait=False, cancel_futures=True)
+        state.grammar_pool.shutdown(wait=False, cancel_futures=True)
+        if state.grammars is not None:
+            await asyncio.to_thread(state.grammars.close)
+
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every error as OpenAI's error body: ours (APIError), FastAPI's validation and HTTP errors,
+    and anything unexpected (a 500)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _invalid(state, request, exc)
+
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(request: Request, exc: _ClientGone) -> Response:
+        return Response(status_code=499)  # never arrives: nginx's "client closed request"
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's own: a body that is not UTF-8, or JSON nested past its reader's depth.
+            return JSONResponse(error_body(JSON_INVALID, code="json_invalid"), status_code=400)
+        return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error handling %s", request.url.path)
+        return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
+
+
+def _invalid(state: ServerState, request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body FastAPI could not validate, as a 400 naming its first error's parameter."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "invalid"}
+    body = exc.body
+    if isinstance(body, dict) and isinstance(body.get("model"), str) and state.config.route(body["model"]):
+        request.state.route = body["model"]  # for the metrics: a refusal on this route
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = (first.get("ctx") or {}).get("param") or ".".join(loc) or None  # field_error names its own
+    content_type = request.headers.get("content-type", "")
+    if first.get("type") == "json_invalid":
+        # Its location is a character offset into the body, not a parameter.
+        message, code, param = JSON_INVALID, "json_invalid", None
+    elif first.get("type") == "model_attributes_type" and not loc and "json" not in content_type.lower():
+        # FastAPI reads a body that is not declared JSON as text: say what is wrong.
+        message = f"Content-Type must be application/json; got {content_type or 'none'!r}"
+        code, param = "invalid_content_type", None
+    else:
+        message, code = f"{param or 'body'}: {first.get('msg', 'invalid value')}", first.get("type")
+    return JSONResponse(error_body(message, param=param, code=code), status_code=400)
+
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """What the server reports about itself: the dashboard, liveness, `/health`, `/metrics` and
+    `/v1/models`."""
+
+    @app.get("/dashboard")
+    async def dashboard_page() -> Response:
+        return HTMLResponse((dashboard.STATIC / "dashboard.html").read_text(encoding="utf-8"))
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> JSONResponse:
+        state.metrics.refresh_rates()
+        return JSONResponse(dashboard.snapshot(state.metrics.registry, [r.name for r in state.config.routes],
+                                               state.scheduler.running, state.scheduler.waiting, _memory_plan(state))
+                            | {"model": state.model_name})
+
+    app.mount("/dashboard/static", StaticFiles(directory=dashboard.STATIC / "vendor"), name="dashboard-static")
+
+    @app.api_route(LIVENESS_PATH, methods=["GET", "HEAD"])  # probes may ask with HEAD (RFC 9110 9.3.2)
+    async def live() -> JSONResponse:
+        ok = _serving(state)
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> JSONResponse:
+        ok = _serving(state)
+        return JSONResponse(_health(state, ok), status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.refresh_rates()
+        state.metrics.memory.labels("resident").set(resident_bytes())
+        for route, cache in _shared_caches(state):
+            state.metrics.suffix_cache.labels(route).set(cache.nbytes)
+            state.metrics.suffix_cache_requests.labels(route).set(cache.requests)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": r.name, "object": "model", "created": created, "owned_by": "specdec", "root": state.model_name,
+             "max_model_len": state.max_model_len, "speculative": r.to_dict()} for r in state.config.routes
+        ]}
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """The OpenAI endpoints, completions and chat completions: one set-up (`_plan`) and one
+    answer (`_answer`) for both."""
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _answer(state, request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _answer(state, request, body)
+
+
+def _serving(state: ServerState) -> bool:
+    return state.scheduler.alive and not state.shutting_down
+
+
+def _health(state: ServerState, ok: bool) -> dict[str, Any]:
+    """`/health`'s body: status, model, routes, limits, load, kernels, memory and the prefix cache."""
+    return {
+        "status": "ok" if ok else "unavailable",
+        "model": state.model_name,
+        "routes": [r.to_dict() for r in state.config.routes],
+        "max_model_len": state.max_model_len,
+        "max_num_seqs": state.max_num_seqs,
+        "running": state.scheduler.running,
+        "waiting": state.scheduler.waiting,
+        "threads": state.scheduler.torch_threads,
+        "kernel_path": state.encoder.target.kernel_path,
+        # the GGUF types the target's matrices came in (Q4_K, Q6_K...); empty for other sources
+        "file_types": sorted(getattr(state.encoder.target.backend, "file_types", ())),
+        "replica": state.replica,
+        "memory": _memory_plan(state) | {"suffix_cache_bytes": {route: cache.nbytes for route, cache in _shared_caches(state)}},
+        "prefix_cache": _prefix_cache(state),
+    }
+
+
+def _memory_plan(state: ServerState) -> dict[str, Any]:
+    """The start-up memory plan, the KV cache actually allocated and the prefix cache's budget
+    and what it holds now."""
+    prefix = state.scheduler.engine.prefix_cache
+    plan = state.memory.to_dict() | {"kv_allocated_bytes": state.scheduler.engine.cache.nbytes,
+                                     "prefix_cache_budget_bytes": prefix.budget_bytes if prefix is not None else 0,
+                                     "prefix_cache_held_bytes": prefix.nbytes if prefix is not None else 0}
+    # What the plan adds up to, and what the process holds: the difference is the runtime's
+    # own (Python, torch, the tokenizer, allocator slack; docs/server.md says how much).
+    plan["plan_bytes"] = sum(plan[key] for key in ("target_weight_bytes", "draft_weight_bytes", "kv_allocated_bytes",
+                                                   "prefix_cache_budget_bytes"))
+    plan["resident_bytes"] = resident_bytes()
+    return plan
+
+
+def _prefix_cache(state: ServerState) -> dict[str, Any] | None:
+    """What the prefix cache holds and has done (None: off)."""
+    prefix = state.scheduler.engine.prefix_cache
+    if prefix is None:
+        return None
+    return {"budget_bytes": prefix.budget_bytes, "bytes": prefix.nbytes, "blocks": len(prefix),
+            "block_tokens": prefix.block, **asdict(prefix.stats)}
+
+
+def _shared_caches(state: ServerState) -> list[tuple[str, CacheStats]]:
+    """Each route's cache shared by its requests' drafters (the suffix drafter's earlier outputs)."""
+    return [(route, cache) for route, d in state.scheduler.drafters.items() if d is not None and (cache := d.shared_cache()) is not None]
 
 
 # --- streaming ------------------------------------------------------------------------------------
@@ -831,19 +929,16 @@ class _ToolCalls:
 
     def finish(self, output: str, reason: str | None) -> tuple[str | None, str | None]:
         """At the choice's end (`output`: its whole text): the chunk to send before its last one,
-        if any (its calls, or the text it held), and its finish_reason ("tool_calls" when it
-        stopped on calls)."""
+        if any (its calls, or the text it held), and its finish_reason, both as `_Shape.ending`
+        decides them."""
+        calls, finish = self.shape.ending(self.index, output, reason, self.scanner)
         if self.scanner is not None:
-            return None, ("tool_calls" if reason == "stop" and self.scanner.complete(self.shape.callable) else reason)
-        if self.held is None:
-            return None, reason
-        seed = self.shape.call_seed(self.index)
-        calls = parse_calls(output, self.shape.callable, seed) if reason == "stop" else None
+            return None, finish  # its calls went out as they came
         if calls:
             self.held = None
             deltas = [{"index": j} | call for j, call in enumerate(calls)]
-            return self.chunks.delta(self.index, None, tool_calls=deltas), "tool_calls"
-        return self.release(), reason
+            return self.chunks.delta(self.index, None, tool_calls=deltas), finish
+        return self.release(), finish
 
     def release(self) -> str | None:
         """The held chunks as one (None when there are none); from then on the choice streams as it

@@ -54,7 +54,7 @@ import tomllib
 
 from specdec.config import SpeculativeConfig
 from specdec.methods import DEFAULT_METHOD
-from specdec.drafters.prediction import PREDICTION_K
+from specdec.engine.batch import draft_room
 from specdec.errors import ConfigError
 from specdec.models.backend import BACKENDS, DTYPES
 
@@ -341,12 +341,12 @@ class ServerConfig:
     @property
     def max_draft(self) -> int:
         """The most tokens a row drafts in a step: a route's k cap, its tree's size, or a
-        prediction's k (a request's predicted output drafts on any route)."""
+        predicted output's draft (a request's prediction drafts on any route: `draft_room`)."""
         def size(route: RouteConfig) -> int:
             spec = route.speculative
             return spec.options.proposal_tokens(route.k_cap) if spec is not None else route.k_cap
 
-        return max(PREDICTION_K, *(size(r) for r in self.routes))
+        return draft_room(*(size(r) for r in self.routes))
 
 
 def default_config(**overrides: Any) -> ServerConfig:

@@ -62,7 +62,12 @@ class Event:
 @dataclass(eq=False)
 class ServerRequest:
     """One sequence to generate: a prompt on a route, with its k (0 = no speculation) and a
-    callback that delivers events to the handler (called from the scheduler thread)."""
+    callback that delivers events to the handler (called from the scheduler thread).
+
+    k: the route's, or the request's own (`own_k`); once admitted, where the request set none, the
+    k admission gave its sequence (a predicted output's: :meth:`BatchEngine.admit`). Each step's k
+    is at most it (`k_at`).
+    """
 
     route: RouteConfig
     prompt_ids: list[int]
@@ -70,6 +75,7 @@ class ServerRequest:
     k: int
     sink: Callable[[Event], None]
     index: int = 0
+    own_k: bool = False
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     sequence: Sequence | None = None
@@ -271,15 +277,18 @@ class Scheduler:
                 self._finish(request, "error", notify=False)
                 continue
             seq = request.sequence = out.sequence
+            if not request.own_k:
+                request.k = seq.k
             self._running[seq.id] = request
             self.metrics.route_running.labels(request.route.name).inc()
             self._deliver(request, out, prefill=True)
 
     def _policy(self, request: ServerRequest, drafter: Drafter | None) -> SpeculationPolicy | None:
         """Adaptive k for a sequence on an adaptive route (within the cap the load schedule sets
-        each step); None elsewhere: the sequence drafts the cap."""
+        each step); None elsewhere: the sequence drafts the cap. A predicted output drafts under
+        none (admission drops it), so its request leaves what the route learned alone."""
         spec = request.route.speculative
-        if drafter is None or spec is None or not spec.adaptive:
+        if drafter is None or spec is None or not spec.adaptive or request.params.prediction:
             return None
         return self._adaptive.policy(request.k, True, request.route.name)
 

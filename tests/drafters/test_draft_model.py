@@ -14,7 +14,7 @@ from specdec.config import SamplingParams
 from specdec.methods import build_drafter
 from specdec.drafters.draft_model import DraftModelDrafter, common_prefix_length
 from specdec.engine import Engine
-from specdec.engine.batch import BatchEngine, Sequence
+from specdec.engine.batch import BatchEngine
 from specdec.models import LoadedModel, ModelRunner
 from specdec.sampling import logits_to_probs
 
@@ -155,9 +155,8 @@ def test_the_engine_says_when_a_draft_resumes(tiny_model: LoadedModel, ks: list[
             super().resume()
 
     engine = BatchEngine(tiny_model, max_rows=1, max_model_len=64, max_draft=2)
-    seq = Sequence(list(range(1000, 1010)), SamplingParams(max_tokens=12, ignore_eos=True), Watched(tiny_model), k=2,
-                   policy=Scripted(ks))
-    engine.add(seq)
+    engine.admit(list(range(1000, 1010)), SamplingParams(max_tokens=12, ignore_eos=True), Watched(tiny_model), 2,
+                 Scripted(ks))
     for _ in range(len(ks)):
         engine.step()
     assert bool(calls) == resumed

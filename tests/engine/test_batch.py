@@ -17,7 +17,8 @@ from specdec.config import SamplingParams
 from specdec.drafters import Drafter, Proposal
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
-from specdec.engine.batch import BatchEngine, Sequence
+from specdec.engine.batch import BatchEngine
+from specdec.engine.generation import Generation
 from specdec.models import LoadedModel, load_model
 
 PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 200], [1, 700, 800, 900], [1, 42] * 6, [1, 300, 301, 302, 303, 304]]
@@ -42,21 +43,27 @@ class NoisyDrafter(Drafter):
         pass
 
 
-def _run(engine: BatchEngine, seqs: list[Sequence], join_every: int = 0) -> None:
-    """Add the sequences (one every `join_every` steps, or all at once) and step to the end."""
-    waiting = list(seqs)
+Request = tuple[list[int], SamplingParams, Drafter | None, int]  # prompt, params, drafter, k
+
+
+def _run(engine: BatchEngine, requests: list[Request], join_every: int = 0) -> list[Generation]:
+    """Admit the requests (one every `join_every` steps, or all at once) and step to the end;
+    their results, in order."""
+    results = [Generation(prompt_ids=list(prompt)) for prompt, *_ in requests]
+    waiting = list(zip(requests, results))
     steps = 0
     while waiting or engine.running:
         if waiting and (join_every == 0 or steps % join_every == 0):
             batch = waiting if join_every == 0 else waiting[:1]
-            for seq in batch:
-                if engine.add(seq).finished:
-                    engine.remove(seq)
-            waiting = [s for s in waiting if s not in batch]
+            for (prompt, params, drafter, k), result in batch:
+                if (out := engine.admit(prompt, params, drafter, k, result=result)).finished:
+                    engine.remove(out.sequence)
+            waiting = waiting[len(batch) :]
         for out in engine.step():
             if out.finished:
                 engine.remove(out.sequence)
         steps += 1
+    return results
 
 
 def _plain(model: LoadedModel, prompt: list[int]) -> list[int]:
@@ -76,11 +83,11 @@ def test_greedy_matches_single_engine_per_sequence(tiny_any: LoadedModel, join_e
     ks = [0, 4, 3, 6]
     expected = [Engine(tiny_any, _drafter(kind, tiny_any, p), k).generate(p, params).token_ids for p, kind, k in zip(PROMPTS, kinds, ks)]
     engine = BatchEngine(tiny_any, max_rows=4, max_model_len=128)
-    seqs = [Sequence(p, params, _drafter(kind, tiny_any, p), k=k) for p, kind, k in zip(PROMPTS, kinds, ks)]
-    _run(engine, seqs, join_every)
-    assert [s.result.token_ids for s in seqs] == expected
-    assert all(s.result.finish_reason == "length" for s in seqs)
-    noisy = seqs[2].result.stats
+    results = _run(engine, [(p, params, _drafter(kind, tiny_any, p), k) for p, kind, k in zip(PROMPTS, kinds, ks)],
+                   join_every)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason == "length" for r in results)
+    noisy = results[2].stats
     assert 0 < noisy.accepted_tokens < noisy.drafted_tokens  # rejections happened in the batch
     assert engine.running == 0 and engine.cache.rows == 0
 
@@ -89,8 +96,7 @@ def test_k_can_change_between_steps(tiny_any: LoadedModel) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = Engine(tiny_any).generate(PROMPTS[0], params).token_ids
     engine = BatchEngine(tiny_any, max_rows=2, max_model_len=128)
-    seq = Sequence(PROMPTS[0], params, NoisyDrafter(_plain(tiny_any, PROMPTS[0])), k=4)
-    engine.add(seq)
+    seq = engine.admit(PROMPTS[0], params, NoisyDrafter(_plain(tiny_any, PROMPTS[0])), 4).sequence
     step = 0
     while not seq.finished:
         seq.k = [4, 0, 2][step % 3]  # what a load-aware schedule does
@@ -102,14 +108,14 @@ def test_k_can_change_between_steps(tiny_any: LoadedModel) -> None:
 
 
 def test_seeded_sampling_matches_single_engine(tiny_any: LoadedModel) -> None:
-    expected, seqs = [], []
+    expected, requests = [], []
     for i, prompt in enumerate(PROMPTS):
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
         expected.append(Engine(tiny_any, NgramDrafter(1, 4), 3).generate(prompt, params).token_ids)
-        seqs.append(Sequence(prompt, params, NgramDrafter(1, 4), k=3))
-    _run(BatchEngine(tiny_any, max_rows=4, max_model_len=128), seqs)
-    assert [s.result.token_ids for s in seqs] == expected
-    assert len({tuple(s.result.token_ids) for s in seqs}) == len(seqs)
+        requests.append((prompt, params, NgramDrafter(1, 4), 3))
+    results = _run(BatchEngine(tiny_any, max_rows=4, max_model_len=128), requests)
+    assert [r.token_ids for r in results] == expected
+    assert len({tuple(r.token_ids) for r in results}) == len(results)
 
 
 def test_plain_decoding_is_one_batched_pass_per_step(tiny_model: LoadedModel) -> None:
@@ -117,9 +123,8 @@ def test_plain_decoding_is_one_batched_pass_per_step(tiny_model: LoadedModel) ->
     hook = tiny_model.model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
     try:
         engine = BatchEngine(tiny_model, max_rows=4, max_model_len=128)
-        seqs = [Sequence(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in PROMPTS]
-        for seq in seqs:
-            engine.add(seq)
+        for p in PROMPTS:
+            engine.admit(p, SamplingParams(max_tokens=8, ignore_eos=True))
         shapes.clear()  # prefills were one pass each
         engine.step()
     finally:
@@ -133,15 +138,14 @@ def test_stop_conditions_match_single_engine(tiny_any: LoadedModel) -> None:
     assert stop.strip()
     params = SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,), ignore_eos=True)
     expected = Engine(tiny_any, NgramDrafter(1, 4), 4).generate(PROMPTS[1], params)
-    seq = Sequence(PROMPTS[1], params, NgramDrafter(1, 4), k=4)
-    _run(BatchEngine(tiny_any, max_rows=2, max_model_len=128), [seq])
-    assert (seq.result.token_ids, seq.result.text, seq.result.finish_reason) == (expected.token_ids, expected.text, "stop")
+    (result,) = _run(BatchEngine(tiny_any, max_rows=2, max_model_len=128), [(PROMPTS[1], params, NgramDrafter(1, 4), 4)])
+    assert (result.token_ids, result.text, result.finish_reason) == (expected.token_ids, expected.text, "stop")
 
 
 def test_prompt_over_the_context_is_refused(tiny_any: LoadedModel) -> None:
     engine = BatchEngine(tiny_any, max_rows=1, max_model_len=16)
     with pytest.raises(ValueError, match="at most 15"):
-        engine.add(Sequence(list(range(1, 17)), SamplingParams()))
+        engine.admit(list(range(1, 17)), SamplingParams())
     assert engine.running == 0
 
 
@@ -157,10 +161,10 @@ def test_draft_model_forks_match_single_engine(tiny_any: LoadedModel, temperatur
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=5 + i, ignore_eos=True) for i in range(3)]
     expected = [Engine(tiny_any, build_drafter(config, tiny_any), 3).generate(p, sp).token_ids
                 for p, sp in zip(PROMPTS, params)]
-    seqs = [Sequence(p, sp, fork_drafter(prototype), k=3) for p, sp in zip(PROMPTS, params)]
-    _run(BatchEngine(tiny_any, max_rows=3, max_model_len=128), seqs, join_every=2)
-    assert [s.result.token_ids for s in seqs] == expected
-    assert all(s.result.stats.accepted_tokens > 0 for s in seqs)
+    results = _run(BatchEngine(tiny_any, max_rows=3, max_model_len=128),
+                   [(p, sp, fork_drafter(prototype), 3) for p, sp in zip(PROMPTS, params)], join_every=2)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.stats.accepted_tokens > 0 for r in results)
 
 
 class OracleDrafter(NoisyDrafter):
@@ -182,13 +186,13 @@ def test_eos_inside_an_accepted_draft_ends_the_output_there(tiny_any: LoadedMode
     position = output.index(eos)  # its first occurrence ends the output
     model = dataclasses.replace(tiny_any, generation_config=GenerationConfig(eos_token_id=eos))
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    seqs = [Sequence(PROMPTS[1], params, OracleDrafter(reference), k=4)]
+    requests: list[Request] = [(PROMPTS[1], params, OracleDrafter(reference), 4)]
     if batched:
-        seqs.append(Sequence(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), NgramDrafter(1, 4), k=4))
-    _run(BatchEngine(model, max_rows=2, max_model_len=128), seqs)
-    assert seqs[0].result.token_ids == output[:position]
-    assert seqs[0].result.finish_reason == "stop"
-    assert seqs[0].result.stats.accepted_tokens > 0
+        requests.append((PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), NgramDrafter(1, 4), 4))
+    first = _run(BatchEngine(model, max_rows=2, max_model_len=128), requests)[0]
+    assert first.token_ids == output[:position]
+    assert first.finish_reason == "stop"
+    assert first.stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
@@ -204,9 +208,7 @@ def test_batched_masks_hold_under_every_attention_implementation(tiny_model_dir,
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 20, 21, 20]]
     alone = [Engine(loaded).generate(p, params).token_ids for p in prompts]
     engine = BatchEngine(loaded, max_rows=3, max_model_len=64, max_draft=3)
-    seqs = [Sequence(p, params, NgramDrafter(1, 3), k=3) for p in prompts]
-    for seq in seqs:
-        engine.add(seq)
+    seqs = [engine.admit(p, params, NgramDrafter(1, 3), 3).sequence for p in prompts]
     while not all(s.finished for s in seqs):
         engine.step()
     assert [s.result.token_ids for s in seqs] == alone

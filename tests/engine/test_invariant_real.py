@@ -17,7 +17,8 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.bench.verify import builtin_prompts
-from specdec.engine.batch import BatchEngine, Sequence
+from specdec.engine.batch import BatchEngine
+from specdec.engine.generation import Generation
 from specdec.models import LoadedModel
 
 MAX_TOKENS = 8
@@ -70,14 +71,15 @@ def test_in_a_batch_of_8(default_model: LoadedModel, tiny_draft_dir, prompts, pl
                          temperature: float) -> None:
     llm = LLM(loaded=default_model, speculative_config=_config(drafter, tiny_draft_dir) | {"num_speculative_tokens": 4})
     engine = BatchEngine(default_model, max_rows=8, max_model_len=1024, max_draft=8)
-    seqs = [Sequence(ids, _params(temperature, i), llm.engine.drafter.fork(), k=4) for i, ids in enumerate(prompts)]
-    waiting = list(seqs)
+    results = [Generation(prompt_ids=list(ids)) for ids in prompts]
+    waiting = list(enumerate(prompts))
     while waiting or engine.running:
         while waiting and engine.running < 8:
-            seq = waiting.pop(0)
-            if engine.add(seq).finished:
-                engine.remove(seq)
+            i, ids = waiting.pop(0)
+            out = engine.admit(ids, _params(temperature, i), llm.engine.drafter.fork(), 4, result=results[i])
+            if out.finished:
+                engine.remove(out.sequence)
         for out in engine.step():
             if out.finished:
                 engine.remove(out.sequence)
-    assert [s.result.token_ids for s in seqs] == plain[temperature]
+    assert [r.token_ids for r in results] == plain[temperature]

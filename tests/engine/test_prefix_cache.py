@@ -10,7 +10,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.engine import Engine
-from specdec.engine.batch import BatchEngine, Sequence
+from specdec.engine.batch import BatchEngine
 from specdec.config import SpeculativeConfig
 from specdec.methods import build_drafter
 from specdec.models import LoadedModel, load_model
@@ -127,11 +127,10 @@ def test_stored_keys_are_bitwise_a_fresh_prefill(tiny_exact: LoadedModel, spec: 
     prefix = PrefixCache(1 << 30)
     engine = BatchEngine(tiny_exact, max_rows=3, max_model_len=200, max_draft=16, prefix_cache=prefix)
     config = SpeculativeConfig.from_dict(spec) if spec else None
-    seqs = [Sequence(_prompt(40 + 7 * i, i), SamplingParams(max_tokens=60, ignore_eos=True),
-                     build_drafter(config, tiny_exact) if config else None, k=config.num_speculative_tokens if config else 0)
+    seqs = [engine.admit(_prompt(40 + 7 * i, i), SamplingParams(max_tokens=60, ignore_eos=True),
+                         build_drafter(config, tiny_exact) if config else None,
+                         config.num_speculative_tokens if config else 0).sequence
             for i in range(3)]
-    for seq in seqs:
-        engine.add(seq)
     while not all(s.finished for s in seqs):
         engine.step()
     for seq in seqs:
@@ -183,11 +182,9 @@ def test_a_sequence_joining_a_batch_reuses_a_running_ones_prompt(tiny_exact: Loa
     prefix = PrefixCache(1 << 30)
     engine = BatchEngine(tiny_exact, max_rows=2, max_model_len=200, prefix_cache=prefix)
     system = _prompt(64, 4)
-    first = Sequence(system + _prompt(5, 5), SamplingParams(max_tokens=20))
-    second = Sequence(system + _prompt(7, 6), SamplingParams(max_tokens=20))
-    engine.add(first)
+    first = engine.admit(system + _prompt(5, 5), SamplingParams(max_tokens=20)).sequence
     engine.step()
-    engine.add(second)
+    second = engine.admit(system + _prompt(7, 6), SamplingParams(max_tokens=20)).sequence
     assert first.result.stats.cached_tokens == 0 and second.result.stats.cached_tokens == 64
     while not (first.finished and second.finished):
         engine.step()

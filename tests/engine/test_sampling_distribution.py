@@ -24,11 +24,10 @@ from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.mtp import MtpDrafter, load_mtp
-from specdec.drafters.prediction import PREDICTION_K, PredictionDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixCache, SuffixDrafter
 from specdec.engine import Engine
-from specdec.engine.batch import BatchEngine, Sequence
+from specdec.engine.batch import BatchEngine, Sequence, draft_room
 from specdec.methods import MedusaTrainOptions
 from specdec.models.qlinear import QUANTIZED_FORMATS
 from specdec.models import LoadedModel, ModelRunner
@@ -106,10 +105,10 @@ def exact_sequence_probs(loaded: LoadedModel, params: SamplingParams) -> torch.T
 def sample_outputs(engine: Engine, prompt: list[int], params: SamplingParams, n: int, first_seed: int = 0,
                    rows: int = ROWS) -> list[list[int]]:
     """The tokens of n seeded generations (seeds first_seed, first_seed + 1, ...), in seed order:
-    `engine`'s drafter, k, adaptive policy and rules (or a request's own prediction, as
-    Engine.generate drafts it), run `rows` requests at a time in one batch engine (a seeded
-    request samples the same tokens in any batch: tests/engine/test_batch.py)."""
-    size = max(engine.k, engine.drafter.proposal_size if engine.drafter else 0, PREDICTION_K)
+    `engine`'s drafter, k, adaptive policy and rules (a request's own prediction drafting it
+    instead, as admission decides for Engine.generate), run `rows` requests at a time in one
+    batch engine (a seeded request samples the same tokens in any batch: tests/engine/test_batch.py)."""
+    size = draft_room(engine.k, engine.drafter.proposal_size if engine.drafter else 0)
     batch = BatchEngine(engine.target, max_rows=rows, max_model_len=len(prompt) + params.max_tokens,
                         max_draft=max(size, 1), sampling_rule=engine.sampling_rule, tree_rule=engine.tree_rule)
     seeds = list(range(first_seed, first_seed + n))
@@ -122,14 +121,11 @@ def sample_outputs(engine: Engine, prompt: list[int], params: SamplingParams, n:
     while seeds or batch.sequences:
         while seeds and batch.running < rows:
             seeded = dataclasses.replace(params, seed=seeds.pop(0))
-            if params.prediction:
-                seq = Sequence(list(prompt), seeded, PredictionDrafter(list(params.prediction)), k=PREDICTION_K)
-            else:
-                drafter = engine.drafter.fork() if engine.drafter is not None else None
-                assert type(drafter) is type(engine.drafter), "a test's drafter class must fork into its own class"
-                seq = Sequence(list(prompt), seeded, drafter, k=engine.k, policy=engine.new_policy())
-            if batch.add(seq).finished:
-                finish(seq)
+            drafter = engine.drafter.fork() if engine.drafter is not None else None
+            assert type(drafter) is type(engine.drafter), "a test's drafter class must fork into its own class"
+            out = batch.admit(prompt, seeded, drafter, engine.k, engine.new_policy())
+            if out.finished:
+                finish(out.sequence)
         for out in batch.step() if batch.sequences else []:
             if out.finished:
                 finish(out.sequence)
@@ -457,14 +453,11 @@ def test_drafter_invariant_batch_rows_at_any_k(target: LoadedModel, draft: Loade
     params = [dataclasses.replace(INVARIANT, max_tokens=10, seed=s) for s in (7, 8, 9)]
     plain = [Engine(target).generate(PROMPT, p).token_ids for p in params]
     engine = BatchEngine(target, max_rows=3, max_model_len=32, max_draft=3)
-    seqs = [Sequence(list(PROMPT), params[0], DraftModelDrafter(draft), k=3),
-            Sequence(list(PROMPT), params[1], None, k=0),
-            Sequence(list(PROMPT), params[2], NgramDrafter(1, 3), k=2)]
-    engine.add(seqs[0])
+    seqs = [engine.admit(PROMPT, params[0], DraftModelDrafter(draft), 3).sequence]
     engine.step()
-    engine.add(seqs[1])
+    seqs.append(engine.admit(PROMPT, params[1]).sequence)
     engine.step()
-    engine.add(seqs[2])
+    seqs.append(engine.admit(PROMPT, params[2], NgramDrafter(1, 3), 2).sequence)
     while not all(s.finished for s in seqs):
         engine.step()
     assert [s.result.token_ids for s in seqs] == plain

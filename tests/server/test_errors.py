@@ -302,7 +302,7 @@ def test_refusals_and_failures_are_counted(tiny_server: ServerThread, monkeypatc
     def broken_add(seq: object) -> None:
         raise RuntimeError("injected prefill failure")
 
-    monkeypatch.setattr(engine, "add", broken_add)
+    monkeypatch.setattr(engine, "_add", broken_add)  # admission's private step: admit itself runs
     failed = _post(tiny_server, COMPLETIONS, {"model": "plain", "prompt": "hi", "max_tokens": 2})
     monkeypatch.undo()
     _assert_openai_error(failed, 503)
