@@ -8,8 +8,7 @@
 # with SIGILL (it never asks Linux for the tile state); explicit -mno-amx-* outrank -march=native.
 set -euo pipefail
 python=$1
-version=$("$python" -c "from specdec.bench import llama_cpp; print(llama_cpp.VERSION)")
-bin=$("$python" -c "from specdec.bench import llama_cpp; print(llama_cpp.tools_dir())")
+{ read -r version; read -r bin; } < <("$python" -c "from specdec.bench import llama_cpp; print(llama_cpp.VERSION); print(llama_cpp.tools_dir())")
 home=$(dirname "$bin")
 programs="llama-completion llama-speculative-simple llama-bench"
 if [ -x "$bin/llama-completion" ] && [ -x "$bin/llama-speculative-simple" ] && [ -x "$bin/llama-bench" ]; then
