@@ -2,7 +2,8 @@
 
 For each n, the median time of a pass over n new tokens after `--context` cached ones, with
 logits for every one of them (what a verification needs), through llama-cpp-python's batched
-`eval` (`make peers` installs it); the cache is rolled back after each pass. specdec's curve is
+`eval` (`pip install llama-cpp-python==0.3.36`, an 8-minute compile; `make peers` builds llama.cpp's
+C++ programs, not this); the cache is rolled back after each pass. specdec's curve is
 `specdec costs`'s measurement (`specdec.bench.cost.step_costs`), taken in the same run.
 
     python benchmarks/llama_cpp_costs.py --max-verified 16 --json benchmarks/results/costs_llama_cpp.json
