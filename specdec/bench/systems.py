@@ -14,7 +14,7 @@ from specdec.bench.report import PLAIN, SPEC
 from specdec.bench.runner import System, specdec_runner, transformers_runner
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.errors import ConfigError
-from specdec.models.loader import load_model, model_file
+from specdec.models.loader import LoadedModel, load_model, model_file
 
 PEERS = ("transformers", "llama.cpp")
 PROMPT_LOOKUP_TOKENS = 10  # the peers' prompt-lookup guesses per step
@@ -60,14 +60,20 @@ def bench_systems(
             System("transformers prompt lookup", transformers_runner(stock, encode, params, ends, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS),
                    "transformers generate"),
         ]
-        runner = llm.engine.drafter.model_runner() if llm.engine.drafter is not None else None
-        if runner is not None and runner.layers is None and runner.loaded.model is not None:
+        draft = _draft_model(llm)
+        if draft is not None and draft.model is not None:
             # A draft model of its own on transformers: transformers' assisted generation with it.
-            systems.append(System("transformers assisted", transformers_runner(stock, encode, params, ends, assistant_model=runner.loaded.model),
+            systems.append(System("transformers assisted", transformers_runner(stock, encode, params, ends, assistant_model=draft.model),
                                   "transformers generate"))
     if "llama.cpp" in peers:
         systems += _llama_cpp_systems(llm, params, model, note)
     return systems
+
+
+def _draft_model(llm: LLM) -> LoadedModel | None:
+    """The draft model the drafter drafts with, when it has one of its own (not the target's layers)."""
+    runner = llm.engine.drafter.model_runner() if llm.engine.drafter is not None else None
+    return runner.loaded if runner is not None and runner.layers is None else None
 
 
 def _llama_cpp_systems(llm: LLM, params: SamplingParams, model: str | None, note: Callable[[str], None]) -> list[System]:
@@ -82,8 +88,8 @@ def _llama_cpp_systems(llm: LLM, params: SamplingParams, model: str | None, note
     except ConfigError as error:
         note(f"llama.cpp peers skipped: {error}")
         return []
-    runner = llm.engine.drafter.model_runner() if llm.engine.drafter is not None else None
-    draft = gguf_file(runner.loaded.source) if runner is not None and runner.layers is None else None  # a draft model
+    draft = _draft_model(llm)
+    draft_gguf = gguf_file(draft.source) if draft is not None else None
     tokenizer = llm.target.tokenizer
 
     def text_of(prompt) -> str:
@@ -96,7 +102,7 @@ def _llama_cpp_systems(llm: LLM, params: SamplingParams, model: str | None, note
         return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     systems = []
-    for peer in llama_cpp.peers(draft):
+    for peer in llama_cpp.peers(draft_gguf):
         run = llama_cpp.cpp_runner(peer, gguf, text_of, tokenize, detokenize, params.max_tokens)
         systems.append(System(peer.name, run, None if peer.plain else "llama.cpp plain"))
     return systems
